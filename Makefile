@@ -1,0 +1,41 @@
+# Every target creates .venv and installs into it first, so each works on a
+# fresh machine. torch is pinned to the CPU wheel these machines carry.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+BACKENDS ?= tensorflow jax torch
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[tensorflow,jax,torch,test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: venv
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m keras_ft.demo
+
+lint: venv
+	$(VENV)/bin/ruff check keras_ft tests benchmarks
+	$(VENV)/bin/ruff format --check keras_ft tests benchmarks
+
+# One pytest process per backend: Keras fixes its backend at import time.
+test: venv lint
+	@failed=""; \
+	for backend in $(BACKENDS); do \
+		echo "=== KERAS_BACKEND=$$backend"; \
+		KERAS_BACKEND=$$backend $(PY) -m pytest $(PYTEST_ARGS) || failed="$$failed $$backend"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "FAILED backends:$$failed"; exit 1; fi; \
+	echo "all backends passed: $(BACKENDS)"
+
+bench: venv
+	$(PY) benchmarks/save_cost.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,43 @@
+"""keras-ft: fault-tolerant Keras 3 `model.fit()`."""
+
+from keras_ft.callback import BackupAndRestore
+from keras_ft.cluster import TaskSpec, current_task
+from keras_ft.policy import (
+    AnyOf,
+    EveryEpoch,
+    EveryNSeconds,
+    EveryNSteps,
+    KeepLast,
+    SaveSchedule,
+)
+from keras_ft.state import ResumePoint, TrainingState
+from keras_ft.store import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointStore,
+    CorruptCheckpointError,
+    NoGoodCheckpointError,
+)
+from keras_ft.worker_training_state import WorkerTrainingState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AnyOf",
+    "BackupAndRestore",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointStore",
+    "CorruptCheckpointError",
+    "EveryEpoch",
+    "EveryNSeconds",
+    "EveryNSteps",
+    "KeepLast",
+    "NoGoodCheckpointError",
+    "ResumePoint",
+    "SaveSchedule",
+    "TaskSpec",
+    "TrainingState",
+    "WorkerTrainingState",
+    "current_task",
+]

@@ -1,0 +1,167 @@
+"""When to save and which checkpoints to keep.
+
+Save schedules and retention policies are small value objects: each answers one
+question from counters and clocks handed to it, so they can be combined and
+tested without training anything.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from keras_ft.store import Checkpoint
+
+
+class SaveSchedule:
+    """Decides, at each batch end and epoch end, whether a save is due.
+
+    A schedule is told how many optimizer steps ran since the previous batch
+    end, the time, and when a save happened. It keeps no other state, so a
+    schedule can be reset with `start()` and reused across `fit()` calls.
+    """
+
+    def start(self, now: float) -> None:
+        """Called at train begin: forget everything of a previous run."""
+
+    def on_batch_end(self, steps: int, now: float) -> bool:
+        """Whether to save after a batch end that completed `steps` steps."""
+        return False
+
+    def on_epoch_end(self, now: float) -> bool:
+        """Whether to save at the end of an epoch."""
+        return False
+
+    def saved(self, now: float) -> None:
+        """Called after every save, whichever schedule asked for it."""
+
+
+class EveryEpoch(SaveSchedule):
+    """Saves at the end of every epoch."""
+
+    def on_epoch_end(self, now: float) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "EveryEpoch()"
+
+
+class EveryNSteps(SaveSchedule):
+    """Saves once `n` optimizer steps have run since the last save.
+
+    Args:
+        n: Positive number of steps (batches) between saves.
+    """
+
+    def __init__(self, n: int):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(
+                f"Invalid value for argument `n`. Expected a positive integer. "
+                f"Received: n={n!r}"
+            )
+        self.n = n
+        self._steps = 0
+
+    def start(self, now: float) -> None:
+        self._steps = 0
+
+    def on_batch_end(self, steps: int, now: float) -> bool:
+        self._steps += steps
+        return self._steps >= self.n
+
+    def saved(self, now: float) -> None:
+        self._steps = 0
+
+    def __repr__(self) -> str:
+        return f"EveryNSteps({self.n})"
+
+
+class EveryNSeconds(SaveSchedule):
+    """Saves at the first batch end `seconds` after the last save.
+
+    Like `tf.train.Supervisor(save_model_secs=...)`: the clock starts at train
+    begin, so the first save comes `seconds` into training.
+
+    Args:
+        seconds: Positive number of seconds between saves.
+    """
+
+    def __init__(self, seconds: float):
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, (int, float))
+            or not math.isfinite(seconds)
+            or seconds <= 0
+        ):
+            raise ValueError(
+                "Invalid value for argument `seconds`. Expected a positive "
+                f"number. Received: seconds={seconds!r}"
+            )
+        self.seconds = float(seconds)
+        self._last = 0.0
+
+    def start(self, now: float) -> None:
+        self._last = now
+
+    def on_batch_end(self, steps: int, now: float) -> bool:
+        return now - self._last >= self.seconds
+
+    def saved(self, now: float) -> None:
+        self._last = now
+
+    def __repr__(self) -> str:
+        return f"EveryNSeconds({self.seconds})"
+
+
+class AnyOf(SaveSchedule):
+    """Saves when any of several schedules asks for it.
+
+    After any save every schedule restarts its count, so that "every 100 steps
+    or every 10 minutes" never saves twice in a row for the same progress.
+    """
+
+    def __init__(self, *schedules: SaveSchedule):
+        self.schedules = schedules
+
+    def start(self, now: float) -> None:
+        for schedule in self.schedules:
+            schedule.start(now)
+
+    def on_batch_end(self, steps: int, now: float) -> bool:
+        # Every schedule must see every batch, so no short-circuiting `any`.
+        answers = [s.on_batch_end(steps, now) for s in self.schedules]
+        return any(answers)
+
+    def on_epoch_end(self, now: float) -> bool:
+        return any([s.on_epoch_end(now) for s in self.schedules])
+
+    def saved(self, now: float) -> None:
+        for schedule in self.schedules:
+            schedule.saved(now)
+
+    def __repr__(self) -> str:
+        return f"AnyOf{self.schedules!r}"
+
+
+class KeepLast:
+    """Keeps the `n` newest committed checkpoints.
+
+    Args:
+        n: How many to keep, at least 1.
+    """
+
+    def __init__(self, n: int):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(
+                "Invalid value for argument `keep`. Expected a positive integer "
+                f"(the number of checkpoints to keep). Received: keep={n!r}"
+            )
+        self.n = n
+
+    def select_for_deletion(
+        self, checkpoints: Sequence[Checkpoint]
+    ) -> list[Checkpoint]:
+        return list(checkpoints[: max(0, len(checkpoints) - self.n)])
+
+    def __repr__(self) -> str:
+        return f"KeepLast({self.n})"

@@ -1,0 +1,198 @@
+"""What a training state is: model and optimizer variables plus counters.
+
+`TrainingState` turns a compiled Keras model into the files and metadata of
+one checkpoint, and applies them back. It does not choose where they live:
+`CheckpointStore` hands it a directory to write into or read from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import keras
+import numpy as np
+
+WEIGHTS_FILE = "model.weights.h5"
+STATE_FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+    """Where training continues after a restore.
+
+    Attributes:
+        epoch: Zero-based index of the first epoch to run.
+        batch: Batches of that epoch already trained before the backup.
+        step: Optimizer steps (`optimizer.iterations`) already taken.
+        checkpoint: Path of the checkpoint restored.
+        saved_at: When that checkpoint was written (seconds since the epoch).
+    """
+
+    epoch: int
+    batch: int
+    step: int
+    checkpoint: str
+    saved_at: float
+
+
+class TrainingState:
+    """Collects and applies the state of a compiled Keras model.
+
+    Args:
+        model: The `keras.Model` being trained.
+    """
+
+    def __init__(self, model: keras.Model):
+        self.model = model
+
+    def metadata(self, epochs_completed: int, batches_completed: int) -> dict:
+        """The JSON metadata of a save taken now."""
+        return {
+            "state_format": STATE_FORMAT_VERSION,
+            "epochs_completed": int(epochs_completed),
+            "batches_completed": int(batches_completed),
+            "step": self.optimizer_step(),
+            "saved_at": time.time(),
+            "keras_version": keras.__version__,
+            "backend": keras.backend.backend(),
+            "build_config": _jsonable(self.model.get_build_config()),
+            "variables": self.variable_specs(),
+        }
+
+    def write(self, directory: str) -> None:
+        """Writes the model's and optimizer's variables into `directory`."""
+        self.model.save_weights(os.path.join(directory, WEIGHTS_FILE))
+
+    def apply(self, directory: str, metadata: dict) -> ResumePoint:
+        """Loads a checkpoint's variables into the model.
+
+        Builds the model and optimizer first if `fit()` has not yet done so,
+        and checks that every variable's shape matches before loading any.
+
+        Raises:
+            ValueError: if the checkpoint's variables do not fit the model.
+        """
+        _check_metadata(metadata, directory)
+        self._ensure_built(metadata)
+        self._check_variables(metadata["variables"], directory)
+        self.model.load_weights(os.path.join(directory, WEIGHTS_FILE))
+        return ResumePoint(
+            epoch=metadata["epochs_completed"],
+            batch=metadata["batches_completed"],
+            step=metadata["step"],
+            checkpoint=directory,
+            saved_at=metadata["saved_at"],
+        )
+
+    def optimizer_step(self) -> int:
+        optimizer = self.model.optimizer
+        if optimizer is None or not optimizer.built:
+            return 0
+        return int(keras.ops.convert_to_numpy(optimizer.iterations))
+
+    def variable_specs(self) -> list[list]:
+        """`[path, shape, dtype]` of every saved variable, in save order."""
+        return [
+            ["model", v.path, list(v.shape), str(v.dtype)] for v in self.model.weights
+        ] + [
+            ["optimizer", v.path, list(v.shape), str(v.dtype)]
+            for v in self._optimizer_variables()
+        ]
+
+    def _optimizer_variables(self) -> list:
+        optimizer = self.model.optimizer
+        if optimizer is None or not optimizer.built:
+            return []
+        return list(optimizer.variables)
+
+    def _ensure_built(self, metadata: dict) -> None:
+        model = self.model
+        if not model.built and metadata.get("build_config"):
+            # On TensorFlow without a distribution strategy, fit() builds the
+            # model inside the first training step; build it now from the
+            # input shape recorded at save time, so the backup is restored
+            # before any step runs.
+            model.build_from_config(metadata["build_config"])
+        if not model.built:
+            raise ValueError(
+                f"Model {model.name!r} is not built, and the backup does not say "
+                "how to build it. Build the model before calling `fit()`, e.g. "
+                "by calling it on a batch of data."
+            )
+        optimizer = model.optimizer
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(model.trainable_variables)
+
+    def _check_variables(self, saved: list, directory: str) -> None:
+        current = self.variable_specs()
+        for group in ("model", "optimizer"):
+            have = [s for s in current if s[0] == group]
+            want = [s for s in saved if s[0] == group]
+            for mine, theirs in zip(have, want, strict=False):
+                if list(mine[2]) != list(theirs[2]):
+                    raise ValueError(
+                        f"The backup in {directory} does not match the model: "
+                        f"{group} variable {mine[1]!r} has shape "
+                        f"{tuple(mine[2])}, but the backup's {theirs[1]!r} has "
+                        f"shape {tuple(theirs[2])}. Restore into the same "
+                        "architecture, or use another `backup_dir` to start a "
+                        "new training."
+                    )
+            if len(have) != len(want):
+                extra = (want if len(want) > len(have) else have)[
+                    min(len(have), len(want))
+                ]
+                raise ValueError(
+                    f"The backup in {directory} does not match the model: the "
+                    f"backup has {len(want)} {group} variables, the model has "
+                    f"{len(have)} (first unmatched: {extra[1]!r} with shape "
+                    f"{tuple(extra[2])}). Restore into the same architecture and "
+                    "optimizer, or use another `backup_dir` to start a new "
+                    "training."
+                )
+
+
+def _check_metadata(metadata: dict, directory: str) -> None:
+    def is_count(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    problems = [
+        key
+        for key in ("epochs_completed", "batches_completed", "step")
+        if not is_count(metadata.get(key))
+    ]
+    if not isinstance(metadata.get("saved_at"), (int, float)):
+        problems.append("saved_at")
+    variables = metadata.get("variables")
+    if not isinstance(variables, list) or not all(
+        isinstance(v, list)
+        and len(v) == 4
+        and v[0] in ("model", "optimizer")
+        and isinstance(v[1], str)
+        and isinstance(v[2], list)
+        and all(is_count(d) for d in v[2])
+        for v in variables
+    ):
+        problems.append("variables")
+    if metadata.get("state_format") != STATE_FORMAT_VERSION:
+        problems.append("state_format")
+    if problems:
+        raise ValueError(
+            f"The backup in {directory} has metadata keras-ft cannot use "
+            f"(bad {', '.join(problems)}); it was written by another release or "
+            "edited by hand. Use another `backup_dir` to start a new training."
+        )
+
+
+def _jsonable(value: Any) -> Any:
+    """Build configs hold tuples and NumPy ints; JSON wants lists and ints."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value

@@ -1,0 +1,165 @@
+"""`WorkerTrainingState`: back up and restore one worker's training state."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+
+import keras
+
+from keras_ft.cluster import TaskSpec, chief_dir, current_task, write_dir
+from keras_ft.policy import KeepLast
+from keras_ft.state import ResumePoint, TrainingState
+from keras_ft.store import Checkpoint, CheckpointStore
+
+
+class WorkerTrainingState:
+    """Backs up and restores a model's training state, crash-safely.
+
+    This is the class behind `keras_ft.BackupAndRestore`, usable on its own in
+    a custom training loop. Each `back_up()` commits a new checkpoint (model
+    variables, optimizer variables including `iterations`, and the epoch and
+    batch counters) into `<backup_dir>/chief/`, atomically: a crash at any
+    instant leaves the previous checkpoint loadable. `restore()` loads the
+    newest checkpoint that passes its checksums, falling back to older ones.
+
+    In a cluster only the chief commits; another worker writes its save into
+    `<backup_dir>/workertemp_<index>/` and removes it right after, so that
+    backends which need every worker to read distributed variables can do so.
+
+    Args:
+        model: A compiled `keras.Model`.
+        backup_dir: Directory for the backup. Files other than the ones
+            keras-ft creates are never touched.
+        keep: How many committed checkpoints to keep, at least 1. Defaults
+            to `2`, so that a damaged newest checkpoint has a fallback.
+        task: This process's role; detected from the framework if `None`.
+            Defaults to `None`.
+
+    Example:
+
+    ```python
+    state = keras_ft.WorkerTrainingState(model, "/tmp/backup")
+    resume = state.restore()
+    first_epoch = resume.epoch if resume else 0
+    for epoch in range(first_epoch, epochs):
+        train_one_epoch(model)
+        state.back_up(epoch)
+    state.delete_backup()
+    ```
+    """
+
+    def __init__(
+        self,
+        model: keras.Model,
+        backup_dir: str | os.PathLike,
+        *,
+        keep: int = 2,
+        task: TaskSpec | None = None,
+    ):
+        self.backup_dir = validate_backup_dir(backup_dir)
+        self.task = task if task is not None else current_task()
+        self._retention = KeepLast(keep)
+        self._state = TrainingState(model)
+        self._chief_store = CheckpointStore(chief_dir(self.backup_dir), self._retention)
+
+    @property
+    def model(self) -> keras.Model:
+        return self._state.model
+
+    def check_writable(self) -> None:
+        """Fails early, naming `backup_dir`, if saves could not be written.
+
+        Also removes staging directories left by a writer that was killed.
+
+        Raises:
+            ValueError: if the directory cannot be created or written.
+        """
+        directory = write_dir(self.backup_dir, self.task)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            with tempfile.TemporaryFile(dir=directory):
+                pass
+        except OSError as e:
+            raise ValueError(
+                f"Invalid value for argument `backup_dir`: cannot write to "
+                f"{directory!r} ({e.strerror or e}). Choose a directory this "
+                f"process can create and write. Received: "
+                f"backup_dir={self.backup_dir!r}"
+            ) from e
+        if self.task.is_chief:
+            self._chief_store.remove_leftovers()
+
+    def back_up(self, epoch: int, batch: int | None = None) -> Checkpoint | None:
+        """Saves the current state.
+
+        Args:
+            epoch: Zero-based index of the epoch being trained.
+            batch: Number of batches of `epoch` trained so far, or `None` if
+                `epoch` is complete. Defaults to `None`.
+
+        Returns:
+            The committed checkpoint on the chief, `None` on other workers.
+        """
+        if batch is None:
+            metadata = self._state.metadata(epoch + 1, 0)
+        else:
+            metadata = self._state.metadata(epoch, batch)
+        if self.task.is_chief:
+            return self._chief_store.save(self._state.write, metadata)
+        temp_dir = write_dir(self.backup_dir, self.task)
+        try:
+            CheckpointStore(temp_dir).save(self._state.write, metadata)
+        finally:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        return None
+
+    def restore(self) -> ResumePoint | None:
+        """Loads the newest good checkpoint into the model.
+
+        Returns:
+            Where training resumes, or `None` if there is no backup.
+
+        Raises:
+            keras_ft.NoGoodCheckpointError: if every checkpoint is damaged.
+            ValueError: if the backup does not match the model.
+        """
+        found = self._chief_store.latest_good()
+        if found is None:
+            return None
+        checkpoint, metadata = found
+        return self._state.apply(checkpoint.path, metadata)
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """The committed checkpoints, oldest first."""
+        return self._chief_store.checkpoints()
+
+    def delete_backup(self) -> None:
+        """Deletes what this backup wrote; other files in `backup_dir` stay."""
+        if self.task.is_chief:
+            self._chief_store.clear()
+        else:
+            shutil.rmtree(write_dir(self.backup_dir, self.task), ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.backup_dir)
+
+
+def validate_backup_dir(backup_dir: object) -> str:
+    """Returns `backup_dir` as a string, or raises a `ValueError` saying why not."""
+    if not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir):
+        raise ValueError(
+            "Invalid value for argument `backup_dir`. Expected a non-empty path "
+            f"to a directory. Received: backup_dir={backup_dir!r}"
+        )
+    path = os.fspath(backup_dir)
+    if not isinstance(path, str):
+        path = os.fsdecode(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(
+            "Invalid value for argument `backup_dir`: it is an existing file, not "
+            "a directory. Pass a directory path (it is created if missing). "
+            f"Received: backup_dir={path!r}"
+        )
+    return path

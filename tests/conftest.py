@@ -1,0 +1,127 @@
+"""Shared fixtures: small real models, synthetic data, real subprocesses."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+TRAIN_SCRIPT = os.path.join(TESTS_DIR, "train_script.py")
+SAMPLES, BATCH_SIZE = 64, 16
+STEPS_PER_EPOCH = SAMPLES // BATCH_SIZE
+
+
+def make_model(units: int = 8, built: bool = True) -> keras.Model:
+    """A small MLP with Adam; `built=False` leaves it without an Input."""
+    layers = [keras.layers.Dense(units, activation="relu"), keras.layers.Dense(1)]
+    if built:
+        layers.insert(0, keras.Input((4,)))
+    model = keras.Sequential(layers)
+    model.compile(keras.optimizers.Adam(1e-2), loss="mse")
+    return model
+
+
+def make_data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(SAMPLES, 4)).astype("float32")
+    y = (x.sum(axis=1, keepdims=True) + 0.1).astype("float32")
+    return x, y
+
+
+def iterations(model: keras.Model) -> int:
+    return int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+
+
+def weights_of(model: keras.Model) -> list[np.ndarray]:
+    return [keras.ops.convert_to_numpy(v) for v in model.weights]
+
+
+def tree_digest(path: str) -> dict[str, str]:
+    """SHA-256 of every file below `path`, to show a backup was not touched."""
+    digests = {}
+    for root, _, files in os.walk(path):
+        for name in files:
+            full = os.path.join(root, name)
+            with open(full, "rb") as f:
+                digests[os.path.relpath(full, path)] = hashlib.sha256(
+                    f.read()
+                ).hexdigest()
+    return digests
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["KERAS_BACKEND"] = keras.backend.backend()
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    env["PYTHONPATH"] = os.path.dirname(TESTS_DIR)
+    return env
+
+
+def start_training(*args: str) -> subprocess.Popen:
+    """Starts `train_script.py` in a new process; events arrive on stdout."""
+    return subprocess.Popen(
+        [sys.executable, TRAIN_SCRIPT, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
+
+
+def read_events(process: subprocess.Popen, until: str | None = None) -> list[dict]:
+    """Reads the script's JSON events, up to one of kind `until` or the end."""
+    events = []
+    for line in process.stdout:
+        if line.startswith("EVENT "):
+            event = json.loads(line[len("EVENT ") :])
+            events.append(event)
+            if event["kind"] == until:
+                break
+    return events
+
+
+def run_training(*args: str, timeout: float = 180) -> tuple[int, list[dict], str]:
+    process = start_training(*args)
+    events = read_events(process)
+    stderr = process.stderr.read()
+    return process.wait(timeout=timeout), events, stderr
+
+
+@pytest.fixture
+def data():
+    return make_data()
+
+
+@pytest.fixture
+def backup_dir(tmp_path):
+    return str(tmp_path / "backup")
+
+
+@pytest.fixture
+def unwritable_dir(tmp_path):
+    """A directory this process cannot write, even as root."""
+    path = tmp_path / "readonly"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield str(path)
+        path.chmod(0o755)
+        return
+    # Root ignores permission bits; a read-only mount stops it.
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
+        capture_output=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr!r}")
+    try:
+        yield str(path)
+    finally:
+        subprocess.run(["umount", str(path)], check=False)

@@ -1,0 +1,436 @@
+"""BackupAndRestore in real `fit()` runs, in this process and in killed ones."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import keras
+import numpy as np
+import pytest
+from conftest import (
+    STEPS_PER_EPOCH,
+    iterations,
+    make_model,
+    read_events,
+    run_training,
+    start_training,
+    tree_digest,
+    weights_of,
+)
+
+import keras_ft
+from keras_ft.store import CheckpointStore
+
+
+class InterruptAtEpochEnd(keras.callbacks.Callback):
+    def __init__(self, epoch: int):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch + 1 == self.epoch:
+            raise RuntimeError("Interrupting!")
+
+
+class StepsAtFirstBatch(keras.callbacks.Callback):
+    """Records the optimizer step seen before the first training step."""
+
+    def on_train_begin(self, logs=None):
+        self.first_epoch = None
+        self.step_at_first_batch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.first_epoch is None:
+            self.first_epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.step_at_first_batch is None:
+            self.step_at_first_batch = iterations(self.model)
+
+
+def chief_checkpoints(backup_dir):
+    return [
+        c.name for c in CheckpointStore(os.path.join(backup_dir, "chief")).checkpoints()
+    ]
+
+
+def interrupted_fit(backup_dir, data, at_epoch=5, epochs=10, **kwargs):
+    model = make_model()
+    with pytest.raises(RuntimeError, match="Interrupting"):
+        model.fit(
+            *data,
+            epochs=epochs,
+            batch_size=16,
+            verbose=0,
+            callbacks=[
+                keras_ft.BackupAndRestore(backup_dir, **kwargs),
+                InterruptAtEpochEnd(at_epoch),
+            ],
+        )
+    return model
+
+
+# The TensorFlow migration guide's scenario.
+
+
+def test_interrupted_fit_resumes_at_next_epoch_in_same_process(backup_dir, data):
+    interrupted = interrupted_fit(backup_dir, data)
+    assert iterations(interrupted) == 5 * STEPS_PER_EPOCH
+    model = make_model()
+    probe = StepsAtFirstBatch()
+    history = model.fit(
+        *data,
+        epochs=10,
+        batch_size=16,
+        verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(backup_dir), probe],
+    )
+    assert len(history.history["loss"]) == 5
+    assert probe.first_epoch == 5
+    assert probe.step_at_first_batch == 5 * STEPS_PER_EPOCH
+    assert iterations(model) == 10 * STEPS_PER_EPOCH
+    assert not os.path.exists(backup_dir)
+
+
+def test_interrupted_process_resumes_in_a_new_process(backup_dir):
+    code, events, stderr = run_training(backup_dir, "--raise-at-epoch-end", "5")
+    assert code != 0 and "Interrupting at the end of epoch 5" in stderr
+    assert [e["epoch"] for e in events if e["kind"] == "epoch_end"] == list(range(5))
+
+    code, events, stderr = run_training(backup_dir)
+    assert code == 0, stderr
+    by_kind = {e["kind"]: e for e in events}
+    assert by_kind["first_epoch"] == {
+        "kind": "first_epoch",
+        "epoch": 5,
+        "step": 5 * STEPS_PER_EPOCH,
+    }
+    assert [e["epoch"] for e in events if e["kind"] == "epoch_end"] == list(
+        range(5, 10)
+    )
+    assert by_kind["done"]["step"] == 10 * STEPS_PER_EPOCH
+    assert by_kind["done"]["epochs_run"] == 5
+    assert not os.path.exists(backup_dir)
+
+
+def test_sigkill_at_random_moments_resumes_every_time(backup_dir):
+    """Ten real SIGKILLs while saving every batch; every restart resumes.
+
+    Most kills land after the first batch (so mostly inside or between
+    saves); every fourth lands during restore and the first step's tracing.
+    """
+    rng = random.Random(20261121)
+    restored_steps = []
+    kills_after_first_commit = 0
+    for attempt in range(10):
+        process = start_training(
+            backup_dir,
+            "--epochs", "100000",
+            "--save-freq", "1",
+            "--keep-backup",
+        )  # fmt: skip
+        begin = read_events(process, until="begin")
+        assert begin, process.stderr.read()
+        restored_steps.append(begin[-1]["step"])
+        if attempt % 4 != 3:
+            assert read_events(process, until="first_batch_end")
+        time.sleep(rng.uniform(0.0, 0.5))
+        process.send_signal(signal.SIGKILL)
+        assert process.wait(timeout=60) == -signal.SIGKILL
+        kills_after_first_commit += bool(chief_checkpoints(backup_dir))
+    # Progress is never lost: each restart starts at or after the previous one.
+    assert restored_steps == sorted(restored_steps)
+    assert restored_steps[-1] > 0 and kills_after_first_commit >= 7
+    # The last backup loads and training runs on to the end.
+    metadata = CheckpointStore(os.path.join(backup_dir, "chief")).latest_good()[1]
+    epochs = metadata["epochs_completed"] + 2
+    code, events, stderr = run_training(backup_dir, "--epochs", str(epochs))
+    assert code == 0, stderr
+    first = next(e for e in events if e["kind"] == "first_epoch")
+    assert first["step"] == metadata["step"] >= restored_steps[-1]
+    assert first["epoch"] == metadata["epochs_completed"]
+
+
+# Damaged backups.
+
+
+def damage(path, how):
+    if how == "truncated":
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 3)
+    elif how == "flipped":
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) // 2)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x55]))
+    else:
+        os.remove(path)
+
+
+@pytest.mark.parametrize("how", ["truncated", "flipped", "deleted"])
+def test_damaged_newest_backup_falls_back_to_the_previous(backup_dir, data, how):
+    interrupted_fit(backup_dir, data, at_epoch=3)
+    newest = os.path.join(backup_dir, "chief", "ckpt-00000003")
+    damage(os.path.join(newest, "model.weights.h5"), how)
+    model = make_model()
+    probe = StepsAtFirstBatch()
+    with pytest.warns(UserWarning, match="ckpt-00000003 is damaged"):
+        model.fit(
+            *data,
+            epochs=4,
+            batch_size=16,
+            verbose=0,
+            callbacks=[keras_ft.BackupAndRestore(backup_dir), probe],
+        )
+    assert probe.first_epoch == 2
+    assert probe.step_at_first_batch == 2 * STEPS_PER_EPOCH
+    assert iterations(model) == 4 * STEPS_PER_EPOCH
+
+
+def test_no_good_backup_raises_before_training_and_deletes_nothing(backup_dir, data):
+    interrupted_fit(backup_dir, data, at_epoch=2)
+    for name in chief_checkpoints(backup_dir):
+        damage(os.path.join(backup_dir, "chief", name, "model.weights.h5"), "flipped")
+    before = tree_digest(backup_dir)
+    model = make_model()
+    with (
+        pytest.warns(UserWarning),
+        pytest.raises(keras_ft.NoGoodCheckpointError, match="nothing was deleted"),
+    ):
+        model.fit(
+            *data,
+            epochs=3,
+            verbose=0,
+            callbacks=[keras_ft.BackupAndRestore(backup_dir)],
+        )
+    assert tree_digest(backup_dir) == before
+
+
+# Bad input: a clear error, before any step, and the existing backup untouched.
+
+
+@pytest.fixture
+def existing_backup(backup_dir, data):
+    interrupted_fit(backup_dir, data, at_epoch=2)
+    return backup_dir, tree_digest(backup_dir)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"save_freq": 0}, "`save_freq`.*Received: save_freq=0"),
+        ({"save_freq": -3}, "`save_freq`.*Received: save_freq=-3"),
+        ({"save_freq": True}, "`save_freq`.*Received: save_freq=True"),
+        ({"save_freq": "batch"}, "`save_freq`.*Received: save_freq='batch'"),
+        ({"save_freq": 2.0}, "`save_freq`.*Received: save_freq=2.0"),
+        ({"keep": 0}, "`keep`.*Received: keep=0"),
+        ({"save_every_seconds": -1}, "`save_every_seconds`.*=-1"),
+    ],
+)
+def test_bad_arguments_are_rejected_by_name(existing_backup, kwargs, message):
+    backup_dir, before = existing_backup
+    with pytest.raises(ValueError, match=message):
+        keras_ft.BackupAndRestore(backup_dir, **kwargs)
+    assert tree_digest(backup_dir) == before
+
+
+@pytest.mark.parametrize("bad", ["", None])
+def test_empty_backup_dir_is_rejected(bad):
+    with pytest.raises(ValueError, match="`backup_dir`.*Received: backup_dir="):
+        keras_ft.BackupAndRestore(bad)
+
+
+def test_backup_dir_that_is_a_file_is_rejected(tmp_path):
+    path = tmp_path / "a_file"
+    path.write_text("precious")
+    with pytest.raises(ValueError, match="`backup_dir`: it is an existing file"):
+        keras_ft.BackupAndRestore(str(path))
+    assert path.read_text() == "precious"
+
+
+def test_unwritable_backup_dir_fails_before_any_step(unwritable_dir, data):
+    model = make_model()
+    callback = keras_ft.BackupAndRestore(os.path.join(unwritable_dir, "backup"))
+    with pytest.raises(ValueError, match="`backup_dir`: cannot write"):
+        model.fit(*data, epochs=1, verbose=0, callbacks=[callback])
+    assert iterations(model) == 0
+
+
+def test_backup_of_another_architecture_is_refused_untouched(existing_backup, data):
+    backup_dir, before = existing_backup
+    other = make_model(units=12)
+    callback = keras_ft.BackupAndRestore(backup_dir)
+    with pytest.raises(ValueError, match=r"kernel.*\(4, 12\).*\(4, 8\)"):
+        other.fit(*data, epochs=3, verbose=0, callbacks=[callback])
+    assert iterations(other) == 0
+    assert tree_digest(backup_dir) == before
+
+
+# Lifecycle.
+
+
+def test_unbuilt_model_is_restored_before_the_first_step(backup_dir, data):
+    interrupted_fit(backup_dir, data, at_epoch=2)
+    model = make_model(built=False)
+    probe = StepsAtFirstBatch()
+    model.fit(
+        *data,
+        epochs=3,
+        batch_size=16,
+        verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(backup_dir), probe],
+    )
+    assert probe.first_epoch == 2
+    assert probe.step_at_first_batch == 2 * STEPS_PER_EPOCH
+    assert iterations(model) == 3 * STEPS_PER_EPOCH
+
+
+def test_callback_and_model_can_be_fitted_again_after_completion(backup_dir, data):
+    model = make_model()
+    callback = keras_ft.BackupAndRestore(backup_dir)
+    probe = StepsAtFirstBatch()
+    model.fit(*data, epochs=2, batch_size=16, verbose=0, callbacks=[callback, probe])
+    assert not os.path.exists(backup_dir)
+    model.fit(*data, epochs=2, batch_size=16, verbose=0, callbacks=[callback, probe])
+    assert probe.first_epoch == 0  # No stale resume epoch.
+    assert iterations(model) == 4 * STEPS_PER_EPOCH
+    # The same model fitted without the callback is not affected either.
+    history = model.fit(*data, epochs=1, batch_size=16, verbose=0, callbacks=[probe])
+    assert probe.first_epoch == 0 and len(history.history["loss"]) == 1
+
+
+def test_callback_instance_is_reusable_after_an_interruption(backup_dir, data):
+    callback = keras_ft.BackupAndRestore(backup_dir)
+    model = make_model()
+    with pytest.raises(RuntimeError):
+        model.fit(
+            *data, epochs=4, verbose=0, callbacks=[callback, InterruptAtEpochEnd(2)]
+        )
+    history = model.fit(*data, epochs=4, verbose=0, callbacks=[callback])
+    assert len(history.history["loss"]) == 2
+
+
+def test_terminate_on_nan_keeps_the_backup_and_never_saves_nan(backup_dir, data):
+    x, y = data
+    interrupted_fit(backup_dir, data, at_epoch=2)
+    y_bad = y.copy()
+    y_bad[20:] = np.nan  # Unshuffled, batch 0 is finite and batch 1 is NaN.
+    model = make_model()
+    with pytest.warns(UserWarning, match="not backing up a diverged model"):
+        model.fit(
+            x,
+            y_bad,
+            epochs=5,
+            batch_size=16,
+            shuffle=False,
+            verbose=0,
+            callbacks=[
+                keras_ft.BackupAndRestore(backup_dir, save_freq=1),
+                keras.callbacks.TerminateOnNaN(),
+            ],
+        )
+    assert model.stop_training
+    # Kept (Keras' own deletes it here), holding only finite weights: the
+    # save after batch 0 of epoch 3, and nothing after the loss went NaN.
+    assert chief_checkpoints(backup_dir) == ["ckpt-00000002", "ckpt-00000003"]
+    restored = make_model()
+    resume = keras_ft.WorkerTrainingState(restored, backup_dir).restore()
+    assert (resume.epoch, resume.batch) == (2, 1)
+    assert all(np.all(np.isfinite(w)) for w in weights_of(restored))
+
+
+def test_early_stopping_keeps_the_backup(backup_dir, data):
+    model = make_model()
+    model.fit(
+        *data,
+        epochs=50,
+        verbose=0,
+        callbacks=[
+            keras_ft.BackupAndRestore(backup_dir),
+            keras.callbacks.EarlyStopping(monitor="loss", patience=0, min_delta=1e9),
+        ],
+    )
+    assert chief_checkpoints(backup_dir)
+
+
+def test_delete_checkpoint_false_keeps_the_backup(backup_dir, data):
+    model = make_model()
+    callback = keras_ft.BackupAndRestore(backup_dir, delete_checkpoint=False)
+    model.fit(*data, epochs=3, verbose=0, callbacks=[callback])
+    assert chief_checkpoints(backup_dir) == ["ckpt-00000002", "ckpt-00000003"]
+
+
+def test_completion_deletes_only_its_own_files(backup_dir, data):
+    os.makedirs(backup_dir)
+    with open(os.path.join(backup_dir, "notes.txt"), "w") as f:
+        f.write("mine")
+    model = make_model()
+    model.fit(
+        *data, epochs=2, verbose=0, callbacks=[keras_ft.BackupAndRestore(backup_dir)]
+    )
+    assert os.listdir(backup_dir) == ["notes.txt"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, kept",
+    [({"keep": 3}, 3), ({"keep": 1}, 1), ({"keep": 1, "double_checkpoint": True}, 2)],
+)
+def test_keep_sets_how_many_backups_remain(backup_dir, data, kwargs, kept):
+    model = make_model()
+    callback = keras_ft.BackupAndRestore(backup_dir, delete_checkpoint=False, **kwargs)
+    model.fit(*data, epochs=5, verbose=0, callbacks=[callback])
+    assert len(chief_checkpoints(backup_dir)) == kept
+
+
+def test_save_freq_in_batches(backup_dir, data):
+    model = make_model()
+    callback = keras_ft.BackupAndRestore(
+        backup_dir, save_freq=3, delete_checkpoint=False, keep=100
+    )
+    model.fit(*data, epochs=3, batch_size=16, verbose=0, callbacks=[callback])
+    # 12 steps, a save every 3: after steps 3, 6, 9 and 12.
+    assert len(chief_checkpoints(backup_dir)) == 4
+    resume = keras_ft.WorkerTrainingState(make_model(), backup_dir).restore()
+    assert (resume.epoch, resume.batch, resume.step) == (2, 4, 12)
+
+
+def test_save_every_seconds_saves_on_a_clock(backup_dir, data):
+    class Slow(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            time.sleep(0.05)
+
+    model = make_model()
+    callback = keras_ft.BackupAndRestore(
+        backup_dir, save_every_seconds=0.12, delete_checkpoint=False, keep=100
+    )
+    model.fit(*data, epochs=2, batch_size=16, verbose=0, callbacks=[callback, Slow()])
+    count = len(chief_checkpoints(backup_dir))
+    # 8 batches of >= 50 ms: at least 2 clock saves, plus 2 epoch-end saves.
+    assert 4 <= count <= 2 + 8
+
+
+def test_restore_prints_one_line_when_verbose(backup_dir, data, capsys):
+    interrupted_fit(backup_dir, data, at_epoch=2)
+    capsys.readouterr()
+    model = make_model()
+    model.fit(
+        *data, epochs=3, verbose=0, callbacks=[keras_ft.BackupAndRestore(backup_dir)]
+    )
+    lines = [
+        line
+        for line in capsys.readouterr().out.splitlines()
+        if "BackupAndRestore" in line
+    ]
+    assert len(lines) == 1
+    assert "ckpt-00000002" in lines[0] and "resuming at epoch 3/3" in lines[0]
+    assert "optimizer step 8" in lines[0] and "saved 20" in lines[0]
+
+    interrupted_fit(backup_dir, data, at_epoch=2)
+    capsys.readouterr()
+    callback = keras_ft.BackupAndRestore(backup_dir, verbose=0)
+    make_model().fit(*data, epochs=3, verbose=0, callbacks=[callback])
+    assert "BackupAndRestore" not in capsys.readouterr().out

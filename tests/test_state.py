@@ -1,0 +1,88 @@
+"""TrainingState: what is saved, and applying it back to a model."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+from conftest import iterations, make_model, weights_of
+
+from keras_ft.state import TrainingState
+
+
+def trained_state(tmp_path, data, units=8):
+    model = make_model(units)
+    model.fit(*data, epochs=2, batch_size=16, verbose=0)
+    state = TrainingState(model)
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    state.write(str(directory))
+    return model, str(directory), state.metadata(2, 0)
+
+
+def test_metadata_records_counters_step_and_every_variable(tmp_path, data):
+    model, _, metadata = trained_state(tmp_path, data)
+    assert metadata["epochs_completed"] == 2
+    assert metadata["batches_completed"] == 0
+    assert metadata["step"] == iterations(model) == 8
+    groups = [v[0] for v in metadata["variables"]]
+    assert groups.count("model") == len(model.weights)
+    assert groups.count("optimizer") == len(model.optimizer.variables)
+    assert metadata["backend"] == keras.backend.backend()
+
+
+def test_apply_restores_weights_and_optimizer_iterations(tmp_path, data):
+    model, directory, metadata = trained_state(tmp_path, data)
+    fresh = make_model()
+    resume = TrainingState(fresh).apply(directory, metadata)
+    assert (resume.epoch, resume.batch, resume.step) == (2, 0, 8)
+    assert iterations(fresh) == 8
+    for a, b in zip(weights_of(model), weights_of(fresh), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(model.optimizer.variables, fresh.optimizer.variables, strict=True):
+        np.testing.assert_array_equal(
+            keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b)
+        )
+
+
+def test_apply_builds_an_unbuilt_model_from_the_recorded_input_shape(tmp_path, data):
+    model, directory, metadata = trained_state(tmp_path, data)
+    fresh = make_model(built=False)
+    assert not fresh.built
+    TrainingState(fresh).apply(directory, metadata)
+    assert fresh.built and fresh.optimizer.built
+    np.testing.assert_array_equal(weights_of(model)[0], weights_of(fresh)[0])
+
+
+def test_shape_mismatch_names_the_variable_and_both_shapes(tmp_path, data):
+    _, directory, metadata = trained_state(tmp_path, data, units=8)
+    other = make_model(units=16)
+    with pytest.raises(ValueError) as info:
+        TrainingState(other).apply(directory, metadata)
+    message = str(info.value)
+    assert "kernel" in message and "(4, 16)" in message and "(4, 8)" in message
+    assert "does not match the model" in message
+
+
+def test_optimizer_mismatch_is_reported(tmp_path, data):
+    _, directory, metadata = trained_state(tmp_path, data)
+    other = make_model()
+    other.compile(keras.optimizers.SGD(), loss="mse")
+    with pytest.raises(ValueError, match="optimizer variables"):
+        TrainingState(other).apply(directory, metadata)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("epochs_completed", -1),
+        ("step", "8"),
+        ("variables", [["model", "x", ["a"], "float32"]]),
+        ("state_format", 99),
+    ],
+)
+def test_malformed_metadata_is_refused(tmp_path, data, key, value):
+    _, directory, metadata = trained_state(tmp_path, data)
+    metadata[key] = value
+    with pytest.raises(ValueError, match=f"bad {key}"):
+        TrainingState(make_model()).apply(directory, metadata)

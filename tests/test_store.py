@@ -1,0 +1,245 @@
+"""CheckpointStore: atomic commit, verification, fallback, retention."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from conftest import tree_digest
+
+from keras_ft import store as store_module
+from keras_ft.policy import KeepLast
+from keras_ft.store import (
+    CheckpointStore,
+    CorruptCheckpointError,
+    NoGoodCheckpointError,
+)
+
+
+def write_payload(content: bytes):
+    def write(directory):
+        with open(os.path.join(directory, "payload.bin"), "wb") as f:
+            f.write(content)
+
+    return write
+
+
+def payload(checkpoint) -> bytes:
+    with open(checkpoint.file("payload.bin"), "rb") as f:
+        return f.read()
+
+
+def test_save_commits_a_verifiable_checkpoint(tmp_path):
+    store = CheckpointStore(str(tmp_path / "chief"))
+    checkpoint = store.save(write_payload(b"abc"), {"epoch": 3})
+    assert checkpoint.name == "ckpt-00000001"
+    assert store.verify(checkpoint) == {"epoch": 3}
+    assert sorted(os.listdir(checkpoint.path)) == [
+        "manifest.json",
+        "metadata.json",
+        "payload.bin",
+    ]
+    assert os.listdir(store.directory) == ["ckpt-00000001"]
+
+
+def test_sequence_numbers_increase_and_latest_is_newest(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    for i in range(3):
+        store.save(write_payload(bytes([i])), {"i": i})
+    checkpoint, metadata = store.latest_good()
+    assert checkpoint.sequence == 3 and metadata == {"i": 2}
+    assert [c.sequence for c in store.checkpoints()] == [1, 2, 3]
+
+
+def test_empty_store_has_no_latest(tmp_path):
+    assert CheckpointStore(str(tmp_path / "missing")).latest_good() is None
+
+
+def flip_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def damage_manifest(path):
+    manifest_path = os.path.join(os.path.dirname(path), "manifest.json")
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    manifest["files"]["payload.bin"]["size"] += 1
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
+
+
+def write_garbage_manifest(path):
+    with open(os.path.join(os.path.dirname(path), "manifest.json"), "w") as f:
+        f.write("{not json")
+
+
+DAMAGES = {
+    "flipped byte": (flip_byte, "SHA-256"),
+    "truncated": (truncate, "truncated"),
+    "deleted": (os.remove, "missing"),
+    "manifest edited": (damage_manifest, "digest"),
+    "manifest garbage": (write_garbage_manifest, "not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_damaged_newest_falls_back_to_previous_with_warning(tmp_path, damage):
+    store = CheckpointStore(str(tmp_path))
+    store.save(write_payload(os.urandom(1000)), {"i": 1})
+    newest = store.save(write_payload(os.urandom(1000)), {"i": 2})
+    corrupt, reason = DAMAGES[damage]
+    corrupt(newest.file("payload.bin"))
+    with pytest.raises(CorruptCheckpointError, match=reason):
+        store.verify(newest)
+    with pytest.warns(UserWarning, match=reason):
+        checkpoint, metadata = store.latest_good()
+    assert checkpoint.sequence == 1 and metadata == {"i": 1}
+    # The damaged one stays for inspection.
+    assert os.path.isdir(newest.path)
+
+
+def test_no_good_checkpoint_is_a_clear_error_and_deletes_nothing(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    for i in range(2):
+        checkpoint = store.save(write_payload(b"x" * 100), {"i": i})
+        truncate(checkpoint.file("payload.bin"))
+    before = tree_digest(str(tmp_path))
+    with (
+        pytest.warns(UserWarning),
+        pytest.raises(
+            NoGoodCheckpointError,
+            match="None of the 2 checkpoints.*nothing was deleted",
+        ),
+    ):
+        store.latest_good()
+    assert tree_digest(str(tmp_path)) == before
+
+
+def test_manifest_cannot_point_outside_the_checkpoint(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    checkpoint = store.save(write_payload(b"x"), {})
+    (tmp_path / "secret").write_text("s")
+    manifest_path = checkpoint.file("manifest.json")
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    manifest["files"]["../secret"] = {"size": 1, "sha256": "0" * 64}
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    manifest["digest"] = store_module._json_digest(body)
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(CorruptCheckpointError, match="outside the checkpoint"):
+        store.verify(checkpoint)
+
+
+def test_retention_keeps_the_newest_n(tmp_path):
+    store = CheckpointStore(str(tmp_path), KeepLast(2))
+    for i in range(5):
+        store.save(write_payload(bytes([i])), {"i": i})
+    assert [c.sequence for c in store.checkpoints()] == [4, 5]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-00000004", "ckpt-00000005"]
+
+
+def test_failed_write_leaves_previous_checkpoint_and_no_staging(tmp_path):
+    store = CheckpointStore(str(tmp_path), KeepLast(1))
+    store.save(write_payload(b"good"), {"i": 1})
+
+    def failing_write(directory):
+        write_payload(b"partial")(directory)
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        store.save(failing_write, {"i": 2})
+    assert os.listdir(tmp_path) == ["ckpt-00000001"]
+    checkpoint, metadata = store.latest_good()
+    assert payload(checkpoint) == b"good" and metadata == {"i": 1}
+
+
+def test_clear_removes_only_what_the_store_made(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    store = CheckpointStore(str(tmp_path))
+    store.save(write_payload(b"x"), {})
+    os.mkdir(tmp_path / ".staging-00000009-1-abcd")
+    store.clear()
+    assert os.listdir(tmp_path) == ["notes.txt"]
+
+
+def test_clear_removes_the_directory_when_empty(tmp_path):
+    store = CheckpointStore(str(tmp_path / "chief"))
+    store.save(write_payload(b"x"), {})
+    store.clear()
+    assert not os.path.exists(tmp_path / "chief")
+
+
+# The child loads store.py on its own (it imports no Keras), so it starts in
+# milliseconds and the test can afford many kills.
+_WRITER = textwrap.dedent(
+    """
+    import importlib.util, os, sys
+    spec = importlib.util.spec_from_file_location("store", sys.argv[1])
+    store_module = importlib.util.module_from_spec(spec)
+    sys.modules["store"] = store_module
+    spec.loader.exec_module(store_module)
+
+    class KeepTwo:
+        def select_for_deletion(self, checkpoints):
+            return list(checkpoints[:-2])
+
+    store = store_module.CheckpointStore(sys.argv[2], KeepTwo())
+    store.remove_leftovers()
+    print("ready", flush=True)
+    i = 0
+    while True:
+        i += 1
+        data = os.urandom(4 * 1024 * 1024)
+        def write(d):
+            for name in ("a.bin", "b.bin"):
+                with open(os.path.join(d, name), "wb") as f:
+                    f.write(data)
+        store.save(write, {"i": i})
+    """
+)
+
+
+def test_sigkill_at_random_moments_always_leaves_a_verifiable_checkpoint(tmp_path):
+    directory = str(tmp_path / "chief")
+    rng = random.Random(1234)
+    for _ in range(25):
+        child = subprocess.Popen(
+            [sys.executable, "-c", _WRITER, store_module.__file__, directory],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.0, 0.3))
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=30) == -signal.SIGKILL
+        store = CheckpointStore(directory)
+        found = store.latest_good()
+        if found is None:
+            assert not store.checkpoints()
+            continue
+        checkpoint, metadata = found
+        for c in store.checkpoints():
+            store.verify(c)  # Every committed checkpoint is whole.
+        with (
+            open(checkpoint.file("a.bin"), "rb") as a,
+            open(checkpoint.file("b.bin"), "rb") as b,
+        ):
+            assert a.read() == b.read()
+    assert store.checkpoints(), "no kill landed after a commit in 25 tries"
