@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import sys
 import time
 import warnings
 from typing import Any
@@ -12,7 +13,10 @@ from typing import Any
 import keras
 from keras.src.utils import io_utils
 
+from keras_ft import callback_state, rng
+from keras_ft.fast_forward import FastForward
 from keras_ft.policy import AnyOf, EveryEpoch, EveryNSeconds, EveryNSteps, KeepLast
+from keras_ft.state import ResumePoint
 from keras_ft.worker_training_state import WorkerTrainingState, validate_backup_dir
 
 
@@ -97,62 +101,102 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.verbose = verbose
         self._schedule = AnyOf(*schedules)
         self._state: WorkerTrainingState | None = None
+        self._others: list[keras.callbacks.Callback] = []
+        self._resume: ResumePoint | None = None
+        self._fast_forward: FastForward | None = None
+        self._pending_epoch_end: tuple[int, dict | None] | None = None
+        self._epoch_begin_rng: dict = {}
         self._epoch = 0
         self._batches_in_epoch = 0
+        self._skip_until = 0
         self._epochs_completed = 0
-        self._epoch_cut_short = False
         self._warned_non_finite = False
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         model = self.model
+        if self._fast_forward is not None:  # Left by a fit() that raised.
+            self._fast_forward.remove()
+            self._fast_forward = None
+        self._others = self._join_callback_list()
         self._state = WorkerTrainingState(model, self.backup_dir, keep=self.keep)
         self._state.check_writable()
         resume = self._state.restore()
+        self._resume = resume
         self._epochs_completed = resume.epoch if resume else 0
+        self._pending_epoch_end = None
         # Read by fit() right after on_train_begin, and cleared again at the
         # first epoch begin so that a later fit() starts where it is told to.
         model._initial_epoch = resume.epoch if resume else None
         if resume and self.verbose:
             saved = datetime.datetime.fromtimestamp(resume.saved_at)
-            epochs = self.params.get("epochs", "?")
+            where = f"epoch {resume.epoch + 1}/{self.params.get('epochs', '?')}"
+            if resume.batch:
+                where += f", batch {resume.batch + 1}"
             io_utils.print_msg(
                 f"BackupAndRestore: restored {resume.checkpoint} (saved "
-                f"{saved:%Y-%m-%d %H:%M:%S}); resuming at epoch "
-                f"{resume.epoch + 1}/{epochs}, optimizer step {resume.step}."
+                f"{saved:%Y-%m-%d %H:%M:%S}); resuming at {where}, optimizer "
+                f"step {resume.step}."
             )
         self._schedule.start(time.monotonic())
         self._warned_non_finite = False
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        self.model._initial_epoch = None
+        model = self.model
+        model._initial_epoch = None
         self._epoch = epoch
         self._batches_in_epoch = 0
-        self._epoch_cut_short = False
+        self._skip_until = 0
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            # Every other callback's on_train_begin has reset it by now.
+            callback_state.apply(self._others, resume.extra.get("callbacks", {}))
+            _continue_tensorboard_steps(self._others, resume)
+            if resume.batch and epoch == resume.epoch:
+                self._continue_epoch(resume)
+        # Before the data pipeline draws this epoch's shuffle, so that a resumed
+        # run can replay it.
+        self._epoch_begin_rng = rng.capture()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         # With steps_per_execution > 1, `batch` is the last of several steps.
         steps = batch + 1 - self._batches_in_epoch
         self._batches_in_epoch = batch + 1
+        if self._batches_in_epoch <= self._skip_until:
+            return  # A batch trained before the restart, skipped now.
         if self._schedule.on_batch_end(steps, time.monotonic()):
             self._save(logs, self._epoch, self._batches_in_epoch)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         steps = self.params.get("steps")
-        self._epoch_cut_short = (
+        cut_short = (
             not _finite_loss(logs) or bool(steps) and self._batches_in_epoch < steps
         )
-        if self._epoch_cut_short:
+        if cut_short:
             if _finite_loss(logs) and self._batches_in_epoch:
                 # Stopped mid-epoch by another callback: back up where it is.
                 self._save(logs, epoch, self._batches_in_epoch)
             return
         self._epochs_completed = epoch + 1
-        if self._schedule.on_epoch_end(time.monotonic()):
+        if not self._schedule.on_epoch_end(time.monotonic()):
+            return
+        if any(_is_stateful(c) for c in self._later_callbacks()):
+            # Their epoch-end updates are part of this epoch's state: back up
+            # once they have run (see _AfterAllCallbacks).
+            self._pending_epoch_end = (epoch, logs)
+        else:
             self._save(logs, epoch, None)
+
+    def _on_epoch_end_after_all(self, epoch: int, logs: dict | None) -> None:
+        pending, self._pending_epoch_end = self._pending_epoch_end, None
+        if pending is not None and pending[0] == epoch:
+            self._save(pending[1], epoch, None)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         model = self.model
         model._initial_epoch = None
+        if self._fast_forward is not None:
+            self._fast_forward.remove()
+            self._fast_forward = None
         completed = self._epochs_completed >= self.params.get("epochs", 0)
         if self.delete_checkpoint and completed and self._state is not None:
             self._state.delete_backup()
@@ -172,8 +216,160 @@ class BackupAndRestore(keras.callbacks.Callback):
         # On JAX, reading `self.model` syncs the trainer's state back into
         # the model's variables, which fit() leaves stale mid-epoch.
         self.model  # noqa: B018
-        self._state.back_up(epoch, batch)
+        # At an epoch end, the next epoch begins with the generators as now.
+        epoch_begin_rng = rng.capture() if batch is None else self._epoch_begin_rng
+        extra = {
+            "epoch_begin_rng": epoch_begin_rng,
+            "logs": _float_logs(logs),
+            "callbacks": callback_state.capture(
+                _with_epoch_recorded(self._others, epoch, logs, batch)
+            ),
+        }
+        self._state.back_up(epoch, batch, extra)
         self._schedule.saved(time.monotonic())
+
+    def _continue_epoch(self, resume: ResumePoint) -> None:
+        """Sets up the rest of an interrupted epoch to run as it would have."""
+        extra = resume.extra
+        if "epoch_begin_rng" in extra:
+            # The data pipeline shuffles with these when iteration starts, and
+            # replays every later draw as the skipped batches go through it.
+            rng.apply(extra["epoch_begin_rng"])
+        # So that the epoch's mean loss and metrics come out as they would
+        # have; fit() reset them just before on_epoch_begin.
+        metrics = extra.get("metrics", [])
+        metrics_set = self._state.apply_metrics(metrics)
+        self._skip_until = resume.batch
+        model = self.model
+
+        def first_batch(batch: Any) -> None:
+            if metrics_set:
+                return
+            # TensorFlow builds compiled metrics inside the first step; build
+            # them now, from the batch in hand, to give them their values.
+            model._symbolic_build(data_batch=batch)
+            if not self._state.apply_metrics(metrics):
+                warnings.warn(
+                    f"BackupAndRestore: the backup holds {len(metrics)} metric "
+                    f"variables, the model {len(model.metrics_variables)}; the "
+                    "metrics of the resumed epoch start afresh.",
+                    stacklevel=2,
+                )
+
+        def skipped_all() -> None:
+            # Not rng.apply(extra["rng"]): the skipped batches went through
+            # the same pipeline and callbacks as before, which replayed every
+            # draw since the epoch began, possibly on a prefetching thread
+            # that a reset now would race with.
+            self._fast_forward = None
+
+        self._fast_forward = FastForward(
+            model,
+            resume.batch,
+            extra.get("logs", {}),
+            on_done=skipped_all,
+            on_first_batch=first_batch,
+        )
+
+    def _join_callback_list(self) -> list[keras.callbacks.Callback]:
+        """Finds the other callbacks of this fit(), and adds our tail hook."""
+        callback_list = _calling_callback_list(self)
+        if callback_list is None:
+            return []
+        others = [
+            c
+            for c in callback_list.callbacks
+            if c is not self and not isinstance(c, _AfterAllCallbacks)
+        ]
+        # A new list, not an append: CallbackList is iterating the old one.
+        callback_list.callbacks = [
+            c
+            for c in callback_list.callbacks
+            if not (isinstance(c, _AfterAllCallbacks) and c.owner is self)
+        ] + [_AfterAllCallbacks(self)]
+        self._callback_order = [c for c in callback_list.callbacks]
+        return others
+
+    def _later_callbacks(self) -> list[keras.callbacks.Callback]:
+        order = getattr(self, "_callback_order", [])
+        if self not in order:
+            return []
+        return [c for c in order[order.index(self) + 1 :] if c in self._others]
+
+
+class _AfterAllCallbacks(keras.callbacks.Callback):
+    """Runs last in the CallbackList: the point where an epoch is really over."""
+
+    def __init__(self, owner: BackupAndRestore):
+        super().__init__()
+        self.owner = owner
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self.owner._on_epoch_end_after_all(epoch, logs)
+
+
+def _calling_callback_list(
+    callback: keras.callbacks.Callback,
+) -> keras.callbacks.CallbackList | None:
+    # fit() gives callbacks no handle on each other; the CallbackList that is
+    # calling on_train_begin is a few frames up.
+    frame = sys._getframe(1)
+    for _ in range(6):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.callbacks.CallbackList) and any(
+            c is callback for c in owner.callbacks
+        ):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _is_stateful(callback: keras.callbacks.Callback) -> bool:
+    # History is not: _with_epoch_recorded fills in the epoch it has not seen.
+    return not isinstance(callback, keras.callbacks.History) and bool(
+        callback_state.capture([callback])
+    )
+
+
+def _with_epoch_recorded(
+    callbacks: list, epoch: int, logs: dict | None, batch: int | None
+) -> list:
+    """The callbacks, with a History that has not yet seen `epoch` brought up."""
+    if batch is not None:
+        return callbacks
+    result = []
+    for callback in callbacks:
+        if isinstance(callback, keras.callbacks.History) and epoch not in getattr(
+            callback, "epoch", [epoch]
+        ):
+            updated = keras.callbacks.History()
+            updated.epoch = [*callback.epoch, epoch]
+            updated.history = {k: list(v) for k, v in callback.history.items()}
+            for key, value in (logs or {}).items():
+                updated.history.setdefault(key, []).append(value)
+            callback = updated
+        result.append(callback)
+    return result
+
+
+def _continue_tensorboard_steps(callbacks: list, resume: ResumePoint) -> None:
+    # TensorBoard counts batch ends from 0 in on_train_begin; make its step
+    # axis continue. Skipped batches will count the difference back up.
+    for callback in callbacks:
+        if isinstance(callback, keras.callbacks.TensorBoard):
+            callback._global_train_batch = resume.step - resume.batch
+
+
+def _float_logs(logs: dict | None) -> dict[str, float]:
+    result = {}
+    for key, value in (logs or {}).items():
+        try:
+            result[key] = float(value)
+        except (TypeError, ValueError):
+            continue
+    return result
 
 
 def _schedule_from_save_freq(save_freq: Any) -> EveryEpoch | EveryNSteps:

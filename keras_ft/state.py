@@ -1,8 +1,13 @@
-"""What a training state is: model and optimizer variables plus counters.
+"""What a training state is: variables, counters and random state.
 
-`TrainingState` turns a compiled Keras model into the files and metadata of
-one checkpoint, and applies them back. It does not choose where they live:
-`CheckpointStore` hands it a directory to write into or read from.
+`TrainingState` turns a compiled Keras model into a `Snapshot` (the files and
+metadata of one checkpoint) and applies one back. A state holds the model's
+and optimizer's variables (Keras' own `.weights.h5`), the epoch, batch and
+step counters, the states of the model's seed generators (Dropout, noise and
+augmentation layers), its metric variables (so a resumed epoch reports the
+same mean loss), the global random generators (`rng.py`), and whatever extra
+JSON/array tree the caller adds (other callbacks' states). It does not choose
+where a checkpoint lives: `CheckpointStore` hands it a directory.
 """
 
 from __future__ import annotations
@@ -10,10 +15,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import warnings
 from typing import Any
 
 import keras
 import numpy as np
+
+from keras_ft import arrays, rng
 
 WEIGHTS_FILE = "model.weights.h5"
 STATE_FORMAT_VERSION = 1
@@ -29,6 +37,10 @@ class ResumePoint:
         step: Optimizer steps (`optimizer.iterations`) already taken.
         checkpoint: Path of the checkpoint restored.
         saved_at: When that checkpoint was written (seconds since the epoch).
+        extra: The rest of the saved state: random generator states at save
+            time (`"rng"`) and at the start of the epoch (`"epoch_begin_rng"`),
+            metric values (`"metrics"`), the last batch's logs (`"logs"`), and
+            other callbacks' states (`"callbacks"`).
     """
 
     epoch: int
@@ -36,6 +48,21 @@ class ResumePoint:
     step: int
     checkpoint: str
     saved_at: float
+    extra: dict = dataclasses.field(default_factory=dict, repr=False)
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """One checkpoint's worth of state, ready to be written."""
+
+    model: keras.Model
+    metadata: dict
+    arrays: dict[str, np.ndarray]
+
+    def write(self, directory: str) -> None:
+        """Writes the checkpoint's data files into `directory`."""
+        self.model.save_weights(os.path.join(directory, WEIGHTS_FILE))
+        arrays.write(os.path.join(directory, arrays.ARRAYS_FILE), self.arrays)
 
 
 class TrainingState:
@@ -48,8 +75,30 @@ class TrainingState:
     def __init__(self, model: keras.Model):
         self.model = model
 
+    def snapshot(
+        self,
+        epochs_completed: int,
+        batches_completed: int,
+        extra: dict[str, Any] | None = None,
+    ) -> Snapshot:
+        """The state now, with `extra` (JSON values and NumPy arrays) added."""
+        tree = {
+            "seed_generators": [
+                keras.ops.convert_to_numpy(g.state.value)
+                for g in _seed_generators(self.model)
+            ],
+            "metrics": [
+                keras.ops.convert_to_numpy(v) for v in self.model.metrics_variables
+            ],
+            "rng": rng.capture(),
+            **(extra or {}),
+        }
+        metadata = self.metadata(epochs_completed, batches_completed)
+        metadata["state"], state_arrays = arrays.split(tree)
+        return Snapshot(self.model, metadata, state_arrays)
+
     def metadata(self, epochs_completed: int, batches_completed: int) -> dict:
-        """The JSON metadata of a save taken now."""
+        """The JSON metadata of a save taken now, without the state tree."""
         return {
             "state_format": STATE_FORMAT_VERSION,
             "epochs_completed": int(epochs_completed),
@@ -61,10 +110,6 @@ class TrainingState:
             "build_config": _jsonable(self.model.get_build_config()),
             "variables": self.variable_specs(),
         }
-
-    def write(self, directory: str) -> None:
-        """Writes the model's and optimizer's variables into `directory`."""
-        self.model.save_weights(os.path.join(directory, WEIGHTS_FILE))
 
     def apply(self, directory: str, metadata: dict) -> ResumePoint:
         """Loads a checkpoint's variables into the model.
@@ -79,13 +124,49 @@ class TrainingState:
         self._ensure_built(metadata)
         self._check_variables(metadata["variables"], directory)
         self.model.load_weights(os.path.join(directory, WEIGHTS_FILE))
+        extra = arrays.join(
+            metadata.get("state", {}),
+            arrays.read(os.path.join(directory, arrays.ARRAYS_FILE)),
+        )
+        self._apply_seed_generators(extra.get("seed_generators", []))
+        self.apply_metrics(extra.get("metrics", []))
+        rng.apply(extra.get("rng", {}))
         return ResumePoint(
             epoch=metadata["epochs_completed"],
             batch=metadata["batches_completed"],
             step=metadata["step"],
             checkpoint=directory,
             saved_at=metadata["saved_at"],
+            extra=extra,
         )
+
+    def apply_metrics(self, values: list) -> bool:
+        """Sets the model's metric variables, e.g. after `fit()` reset them.
+
+        Returns:
+            Whether they were set: `False` if the model has another number of
+            metric variables (on TensorFlow, compiled metrics are built in
+            the first training step).
+        """
+        variables = self.model.metrics_variables
+        if len(values) != len(variables):
+            return False
+        for variable, value in zip(variables, values, strict=True):
+            variable.assign(value)
+        return True
+
+    def _apply_seed_generators(self, values: list) -> None:
+        generators = _seed_generators(self.model)
+        if len(values) != len(generators):
+            warnings.warn(
+                f"BackupAndRestore: the backup holds {len(values)} random seed "
+                f"generator states, the model has {len(generators)}; random "
+                "layers will not continue the saved random stream.",
+                stacklevel=2,
+            )
+            return
+        for generator, value in zip(generators, values, strict=True):
+            generator.state.assign(value)
 
     def optimizer_step(self) -> int:
         optimizer = self.model.optimizer
@@ -153,6 +234,17 @@ class TrainingState:
                     "optimizer, or use another `backup_dir` to start a new "
                     "training."
                 )
+
+
+def _seed_generators(model: keras.Model) -> list:
+    """The seed generators the model's layers own, in a stable order."""
+    found, seen = [], set()
+    for layer in model._flatten_layers(include_self=True):
+        for generator in getattr(layer, "_seed_generators", ()):
+            if id(generator) not in seen:
+                seen.add(id(generator))
+                found.append(generator)
+    return found
 
 
 def _check_metadata(metadata: dict, directory: str) -> None:

@@ -276,6 +276,10 @@ class CheckpointStore:
         with contextlib.suppress(OSError):
             os.rmdir(self.directory)
 
+    def delete(self, checkpoint: Checkpoint) -> None:
+        """Deletes one committed checkpoint."""
+        self._delete(checkpoint.path)
+
     def _delete(self, path: str) -> None:
         # Rename first, so a kill during rmtree never leaves a half-deleted
         # directory under a committed name.

@@ -92,26 +92,31 @@ class WorkerTrainingState:
         if self.task.is_chief:
             self._chief_store.remove_leftovers()
 
-    def back_up(self, epoch: int, batch: int | None = None) -> Checkpoint | None:
+    def back_up(
+        self, epoch: int, batch: int | None = None, extra: dict | None = None
+    ) -> Checkpoint | None:
         """Saves the current state.
 
         Args:
             epoch: Zero-based index of the epoch being trained.
             batch: Number of batches of `epoch` trained so far, or `None` if
                 `epoch` is complete. Defaults to `None`.
+            extra: More state to save, a tree of JSON values and NumPy
+                arrays; `restore()` returns it in `ResumePoint.extra`.
+                Defaults to `None`.
 
         Returns:
             The committed checkpoint on the chief, `None` on other workers.
         """
         if batch is None:
-            metadata = self._state.metadata(epoch + 1, 0)
+            snapshot = self._state.snapshot(epoch + 1, 0, extra)
         else:
-            metadata = self._state.metadata(epoch, batch)
+            snapshot = self._state.snapshot(epoch, batch, extra)
         if self.task.is_chief:
-            return self._chief_store.save(self._state.write, metadata)
+            return self._chief_store.save(snapshot.write, snapshot.metadata)
         temp_dir = write_dir(self.backup_dir, self.task)
         try:
-            CheckpointStore(temp_dir).save(self._state.write, metadata)
+            CheckpointStore(temp_dir).save(snapshot.write, snapshot.metadata)
         finally:
             shutil.rmtree(temp_dir, ignore_errors=True)
         return None
@@ -131,6 +136,18 @@ class WorkerTrainingState:
             return None
         checkpoint, metadata = found
         return self._state.apply(checkpoint.path, metadata)
+
+    def apply_metrics(self, values: list) -> bool:
+        """Sets the model's metric variables to values from `ResumePoint.extra`.
+
+        Returns:
+            Whether the model's metric variables matched and were set.
+        """
+        return self._state.apply_metrics(values)
+
+    def discard(self, checkpoint: Checkpoint) -> None:
+        """Deletes a committed checkpoint that a newer one supersedes."""
+        self._chief_store.delete(checkpoint)
 
     def checkpoints(self) -> list[Checkpoint]:
         """The committed checkpoints, oldest first."""

@@ -88,7 +88,9 @@ def test_interrupted_fit_resumes_at_next_epoch_in_same_process(backup_dir, data)
         verbose=0,
         callbacks=[keras_ft.BackupAndRestore(backup_dir), probe],
     )
-    assert len(history.history["loss"]) == 5
+    # History covers every epoch, before and after the interruption.
+    assert len(history.history["loss"]) == 10
+    assert history.epoch == list(range(10))
     assert probe.first_epoch == 5
     assert probe.step_at_first_batch == 5 * STEPS_PER_EPOCH
     assert iterations(model) == 10 * STEPS_PER_EPOCH
@@ -112,7 +114,7 @@ def test_interrupted_process_resumes_in_a_new_process(backup_dir):
         range(5, 10)
     )
     assert by_kind["done"]["step"] == 10 * STEPS_PER_EPOCH
-    assert by_kind["done"]["epochs_run"] == 5
+    assert by_kind["done"]["history_epochs"] == list(range(10))
     assert not os.path.exists(backup_dir)
 
 
@@ -310,8 +312,9 @@ def test_callback_instance_is_reusable_after_an_interruption(backup_dir, data):
         model.fit(
             *data, epochs=4, verbose=0, callbacks=[callback, InterruptAtEpochEnd(2)]
         )
-    history = model.fit(*data, epochs=4, verbose=0, callbacks=[callback])
-    assert len(history.history["loss"]) == 2
+    probe = StepsAtFirstBatch()
+    model.fit(*data, epochs=4, verbose=0, callbacks=[callback, probe])
+    assert probe.first_epoch == 2
 
 
 def test_terminate_on_nan_keeps_the_backup_and_never_saves_nan(backup_dir, data):
@@ -434,3 +437,68 @@ def test_restore_prints_one_line_when_verbose(backup_dir, data, capsys):
     callback = keras_ft.BackupAndRestore(backup_dir, verbose=0)
     make_model().fit(*data, epochs=3, verbose=0, callbacks=[callback])
     assert "BackupAndRestore" not in capsys.readouterr().out
+
+
+# Exact resume, in this process (the SIGKILL proofs are in test_exact_resume.py).
+
+
+class CountingCallback(keras.callbacks.Callback):
+    """A user callback taking part through get_state/set_state."""
+
+    def __init__(self):
+        super().__init__()
+        self.epochs_seen = 0
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs_seen += 1
+
+    def get_state(self):
+        return {"epochs_seen": self.epochs_seen}
+
+    def set_state(self, state):
+        self.epochs_seen = state["epochs_seen"]
+
+
+def test_user_callback_state_survives_a_restart(backup_dir, data):
+    counter = CountingCallback()
+    model = make_model()
+    with pytest.raises(RuntimeError):
+        model.fit(
+            *data,
+            epochs=5,
+            verbose=0,
+            callbacks=[keras_ft.BackupAndRestore(backup_dir), counter,
+                       InterruptAtEpochEnd(3)],
+        )  # fmt: skip
+    assert counter.epochs_seen == 3
+    resumed = CountingCallback()
+    make_model().fit(
+        *data,
+        epochs=5,
+        verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(backup_dir), resumed],
+    )
+    assert resumed.epochs_seen == 5
+
+
+def test_tensorboard_step_axis_continues(backup_dir, data, tmp_path):
+    def steps_seen_by_tensorboard(callbacks, epochs=3):
+        board = keras.callbacks.TensorBoard(str(tmp_path / "logs"), update_freq=1)
+        seen = []
+
+        class Spy(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None):
+                seen.append(board._global_train_batch)
+
+        model = make_model()
+        model.fit(
+            *data, epochs=epochs, batch_size=16, verbose=0,
+            callbacks=[*callbacks, board, Spy()],
+        )  # fmt: skip
+        return seen
+
+    uninterrupted = steps_seen_by_tensorboard([])
+    interrupted_fit(backup_dir, data, at_epoch=2)
+    resumed = steps_seen_by_tensorboard([keras_ft.BackupAndRestore(backup_dir)])
+    assert resumed == uninterrupted[2 * STEPS_PER_EPOCH :]
+    assert resumed[0] > STEPS_PER_EPOCH  # Not starting again at 0.

@@ -13,11 +13,11 @@ from keras_ft.state import TrainingState
 def trained_state(tmp_path, data, units=8):
     model = make_model(units)
     model.fit(*data, epochs=2, batch_size=16, verbose=0)
-    state = TrainingState(model)
+    snapshot = TrainingState(model).snapshot(2, 0)
     directory = tmp_path / "ckpt"
     directory.mkdir()
-    state.write(str(directory))
-    return model, str(directory), state.metadata(2, 0)
+    snapshot.write(str(directory))
+    return model, str(directory), snapshot.metadata
 
 
 def test_metadata_records_counters_step_and_every_variable(tmp_path, data):

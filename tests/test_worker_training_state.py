@@ -71,13 +71,20 @@ def test_non_chief_writes_a_temporary_directory_and_removes_it(backup_dir, data)
         worker_model, backup_dir, task=TaskSpec("worker", 1, 2, False)
     )
     written = []
-    original_write = worker._state.write
+    original_snapshot = worker._state.snapshot
 
-    def spy(directory):
-        written.append(directory)
-        original_write(directory)
+    def spy(*args):
+        snapshot = original_snapshot(*args)
+        original_write = snapshot.write
 
-    worker._state.write = spy
+        def write(directory):
+            written.append(directory)
+            original_write(directory)
+
+        snapshot.write = write
+        return snapshot
+
+    worker._state.snapshot = spy
     assert worker.back_up(0) is None
     assert written and os.path.join(backup_dir, "workertemp_1") in written[0]
     assert not os.path.exists(os.path.join(backup_dir, "workertemp_1"))

@@ -84,7 +84,7 @@ def main() -> None:
             Reporter(args.raise_at_epoch_end, args.seconds_per_batch),
         ],
     )
-    emit("done", step=steps(model), epochs_run=len(history.history["loss"]))
+    emit("done", step=steps(model), history_epochs=history.epoch)
 
 
 if __name__ == "__main__":

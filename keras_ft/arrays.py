@@ -1,0 +1,68 @@
+"""JSON metadata with NumPy arrays beside it, in one HDF5 file.
+
+State that is not a Keras variable (random generator states, other callbacks'
+best weights) is a tree of JSON values and NumPy arrays. `split` replaces each
+array by a reference, so the tree goes into JSON and the arrays into HDF5;
+`join` puts them back. Reading never unpickles: HDF5 datasets and JSON only.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import h5py
+import numpy as np
+
+ARRAYS_FILE = "arrays.h5"
+_REF = "__keras_ft_array__"
+_NAME = re.compile(r"^a\d+$")
+
+
+def split(tree: Any) -> tuple[Any, dict[str, np.ndarray]]:
+    """Returns `tree` with arrays replaced by references, and the arrays."""
+    arrays: dict[str, np.ndarray] = {}
+
+    def visit(node: Any) -> Any:
+        if isinstance(node, np.ndarray):
+            name = f"a{len(arrays)}"
+            arrays[name] = node
+            return {_REF: name}
+        if isinstance(node, np.generic):
+            return node.item()
+        if isinstance(node, dict):
+            return {str(k): visit(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return [visit(v) for v in node]
+        return node
+
+    return visit(tree), arrays
+
+
+def join(tree: Any, arrays: dict[str, np.ndarray]) -> Any:
+    """Inverse of `split`."""
+    if isinstance(tree, dict):
+        if set(tree) == {_REF}:
+            name = tree[_REF]
+            if name not in arrays:
+                raise ValueError(f"array {name!r} is missing from {ARRAYS_FILE}")
+            return arrays[name]
+        return {k: join(v, arrays) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [join(v, arrays) for v in tree]
+    return tree
+
+
+def write(path: str, arrays: dict[str, np.ndarray]) -> None:
+    with h5py.File(path, "w") as f:
+        for name, array in arrays.items():
+            f.create_dataset(name, data=array)
+
+
+def read(path: str) -> dict[str, np.ndarray]:
+    with h5py.File(path, "r") as f:
+        return {
+            name: f[name][()]
+            for name in f
+            if _NAME.match(name) and isinstance(f[name], h5py.Dataset)
+        }

@@ -1,0 +1,74 @@
+"""Global random state: capture it, and put it back.
+
+Covers the generators that `keras.utils.set_random_seed()` seeds and that
+`fit()` draws from outside the model: Python's `random` (PyDataset shuffling),
+NumPy's global generator (array shuffling on JAX), PyTorch's default generator
+(array shuffling on PyTorch, through `RandomSampler`), and Keras' global
+`SeedGenerator`. Seed generators owned by layers are model state, saved with
+the model (see `state.py`). TensorFlow's data pipeline seeds itself from the
+global seed each epoch, so it needs nothing here.
+
+A captured state is a dictionary of JSON values and NumPy arrays.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from typing import Any
+
+import keras
+import numpy as np
+
+
+def capture() -> dict[str, Any]:
+    """The current state of every global generator in use."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [version, list(internal), gauss],
+        "numpy": {
+            "name": name,
+            "keys": np.array(keys),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+    }
+    seed_generator = _keras_global_seed_generator()
+    if seed_generator is not None:
+        state["keras"] = keras.ops.convert_to_numpy(seed_generator.state.value)
+    if keras.backend.backend() == "torch" and "torch" in sys.modules:
+        import torch
+
+        state["torch"] = torch.get_rng_state().numpy().copy()
+    return state
+
+
+def apply(state: dict[str, Any]) -> None:
+    """Sets every global generator named in `state` to its captured state."""
+    if "python" in state:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+    if "numpy" in state:
+        n = state["numpy"]
+        np.random.set_state(
+            (n["name"], np.asarray(n["keys"], dtype=np.uint32), n["pos"],
+             n["has_gauss"], n["cached_gaussian"])
+        )  # fmt: skip
+    if "keras" in state:
+        from keras.src.random.seed_generator import global_seed_generator
+
+        global_seed_generator().state.assign(np.asarray(state["keras"]))
+    if "torch" in state and keras.backend.backend() == "torch":
+        import torch
+
+        torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], np.uint8)))
+
+
+def _keras_global_seed_generator() -> Any:
+    # Only if something already created it: creating it would draw a seed
+    # from Python's generator and change the stream we are saving.
+    from keras.src.backend.common import global_state
+
+    return global_state.get_global_attribute("global_seed_generator")

@@ -1,0 +1,43 @@
+"""JSON trees with NumPy arrays beside them in HDF5."""
+
+from __future__ import annotations
+
+import h5py
+import numpy as np
+import pytest
+
+from keras_ft import arrays
+
+
+def test_split_write_read_join_round_trip(tmp_path):
+    tree = {
+        "a": np.arange(6, dtype=np.uint32).reshape(2, 3),
+        "b": [1, 2.5, None, {"c": np.float32(1.5), "d": np.array([True, False])}],
+        "e": (np.int64(7), "text"),
+    }
+    json_tree, found = arrays.split(tree)
+    assert len(found) == 2
+    path = str(tmp_path / "x.h5")
+    arrays.write(path, found)
+    back = arrays.join(json_tree, arrays.read(path))
+    np.testing.assert_array_equal(back["a"], tree["a"])
+    assert back["a"].dtype == np.uint32
+    assert back["b"][:3] == [1, 2.5, None]
+    assert back["b"][3]["c"] == 1.5
+    np.testing.assert_array_equal(back["b"][3]["d"], [True, False])
+    assert back["e"] == [7, "text"]
+
+
+def test_join_reports_a_missing_array():
+    json_tree, _ = arrays.split({"a": np.zeros(2)})
+    with pytest.raises(ValueError, match="missing"):
+        arrays.join(json_tree, {})
+
+
+def test_read_ignores_datasets_it_did_not_write(tmp_path):
+    path = str(tmp_path / "x.h5")
+    with h5py.File(path, "w") as f:
+        f.create_dataset("a0", data=np.ones(2))
+        f.create_dataset("../evil", data=np.ones(2))
+        f.create_group("a1")
+    assert list(arrays.read(path)) == ["a0"]
