@@ -2,6 +2,7 @@
 
 from keras_ft.callback import BackupAndRestore
 from keras_ft.cluster import TaskSpec, current_task
+from keras_ft.lock import DirectoryInUseError
 from keras_ft.policy import (
     AnyOf,
     EveryEpoch,
@@ -15,6 +16,7 @@ from keras_ft.store import (
     Checkpoint,
     CheckpointError,
     CheckpointStore,
+    CheckpointWriteError,
     CorruptCheckpointError,
     NoGoodCheckpointError,
 )
@@ -28,7 +30,9 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointStore",
+    "CheckpointWriteError",
     "CorruptCheckpointError",
+    "DirectoryInUseError",
     "EveryEpoch",
     "EveryNSeconds",
     "EveryNSteps",

@@ -60,9 +60,20 @@ def write(path: str, arrays: dict[str, np.ndarray]) -> None:
 
 
 def read(path: str) -> dict[str, np.ndarray]:
+    """The arrays `write` wrote; other names are ignored.
+
+    Raises:
+        ValueError: for a dataset that is not plain numbers or booleans.
+    """
+    arrays = {}
     with h5py.File(path, "r") as f:
-        return {
-            name: f[name][()]
-            for name in f
-            if _NAME.match(name) and isinstance(f[name], h5py.Dataset)
-        }
+        for name in f:
+            dataset = f[name]
+            if not _NAME.match(name) or not isinstance(dataset, h5py.Dataset):
+                continue
+            if dataset.dtype.kind not in "biuf":
+                raise ValueError(
+                    f"{path}: dataset {name!r} holds {dataset.dtype}, not numbers"
+                )
+            arrays[name] = dataset[()]
+    return arrays

@@ -16,7 +16,9 @@ from keras.src.utils import io_utils
 from keras_ft import callback_state, rng
 from keras_ft.fast_forward import FastForward
 from keras_ft.policy import AnyOf, EveryEpoch, EveryNSeconds, EveryNSteps, KeepLast
+from keras_ft.preemption import PreemptionWatcher, parse_signals
 from keras_ft.state import ResumePoint
+from keras_ft.store import CheckpointWriteError
 from keras_ft.worker_training_state import WorkerTrainingState, validate_backup_dir
 
 
@@ -67,6 +69,23 @@ class BackupAndRestore(keras.callbacks.Callback):
             `save_model_secs`). Defaults to `None`.
         verbose: `1` to print one line when a backup is restored, `0` for
             silence. Defaults to `1`.
+        on_save_error: `"raise"` to stop training with a clear error when a
+            backup cannot be written (disk full, I/O error, permission lost),
+            or `"warn"` to warn and keep training, trying again at the next
+            save. Either way the previous backup stays intact. Defaults to
+            `"raise"`.
+        preemption_signals: Signals that mean "this machine is going away":
+            on one, training finishes the current batch, backs up at that
+            exact step and stops. Names or numbers; `None` to leave signals
+            alone. Handlers installed before are still called, and are put
+            back at train end. Defaults to `("SIGTERM", "SIGINT")`.
+        grace_period: Seconds allowed between the signal and the end of the
+            final backup; if no batch ends in time, the process exits as the
+            signal would have made it. Defaults to `25.0`.
+        exit_on_preemption: After the final backup, end the process with exit
+            status 128 + the signal's number (`SystemExit`, no traceback), so
+            a job scheduler sees it was preempted. With `False`, `fit()`
+            returns and `preempted_by` names the signal. Defaults to `True`.
     """
 
     def __init__(
@@ -79,6 +98,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         keep: int = 2,
         save_every_seconds: float | None = None,
         verbose: int = 1,
+        on_save_error: str = "raise",
+        preemption_signals: tuple | None = ("SIGTERM", "SIGINT"),
+        grace_period: float = 25.0,
+        exit_on_preemption: bool = True,
     ):
         super().__init__()
         self.backup_dir = validate_backup_dir(backup_dir)
@@ -93,6 +116,26 @@ class BackupAndRestore(keras.callbacks.Callback):
                     f"save_every_seconds={save_every_seconds!r}"
                 ) from None
         KeepLast(keep)  # Validates `keep` now rather than at train begin.
+        if on_save_error not in ("raise", "warn"):
+            raise ValueError(
+                "Invalid value for argument `on_save_error`. Expected 'raise' or "
+                f"'warn'. Received: on_save_error={on_save_error!r}"
+            )
+        if (
+            isinstance(grace_period, bool)
+            or not isinstance(grace_period, (int, float))
+            or not grace_period > 0
+        ):
+            raise ValueError(
+                "Invalid value for argument `grace_period`. Expected a positive "
+                f"number of seconds. Received: grace_period={grace_period!r}"
+            )
+        self.on_save_error = on_save_error
+        self.exit_on_preemption = bool(exit_on_preemption)
+        self.preempted_by: str | None = None
+        self._watcher = PreemptionWatcher(
+            parse_signals(preemption_signals), float(grace_period)
+        )
         self.save_freq = save_freq
         self.save_every_seconds = save_every_seconds
         self.double_checkpoint = bool(double_checkpoint)
@@ -120,8 +163,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._others = self._join_callback_list()
         self._state = WorkerTrainingState(model, self.backup_dir, keep=self.keep)
         self._state.check_writable()
-        resume = self._state.restore()
+        self._state.lock()
+        try:
+            resume = self._state.restore()
+        except BaseException:
+            self._state.unlock()
+            raise
         self._resume = resume
+        self.preempted_by = None
+        self._watcher.install()
         self._epochs_completed = resume.epoch if resume else 0
         self._pending_epoch_end = None
         # Read by fit() right after on_train_begin, and cleared again at the
@@ -161,12 +211,17 @@ class BackupAndRestore(keras.callbacks.Callback):
         # With steps_per_execution > 1, `batch` is the last of several steps.
         steps = batch + 1 - self._batches_in_epoch
         self._batches_in_epoch = batch + 1
+        if self._watcher.received is not None and not self._watcher.handled:
+            self._stop_for_preemption(logs)
+            return
         if self._batches_in_epoch <= self._skip_until:
             return  # A batch trained before the restart, skipped now.
         if self._schedule.on_batch_end(steps, time.monotonic()):
             self._save(logs, self._epoch, self._batches_in_epoch)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self.preempted_by:
+            return  # Backed up at the exact step already.
         steps = self.params.get("steps")
         cut_short = (
             not _finite_loss(logs) or bool(steps) and self._batches_in_epoch < steps
@@ -197,12 +252,49 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._fast_forward is not None:
             self._fast_forward.remove()
             self._fast_forward = None
+        self._watcher.uninstall()
         completed = self._epochs_completed >= self.params.get("epochs", 0)
-        if self.delete_checkpoint and completed and self._state is not None:
-            self._state.delete_backup()
+        if self._state is not None:
+            if self.delete_checkpoint and completed and not self.preempted_by:
+                self._state.delete_backup()
+            else:
+                self._state.unlock()
         self._state = None
+        if self.preempted_by and self.exit_on_preemption:
+            raise SystemExit(128 + int(self._watcher.received))
 
-    def _save(self, logs: dict | None, epoch: int, batch: int | None) -> None:
+    def _stop_for_preemption(self, logs: dict | None) -> None:
+        watcher = self._watcher
+        name = watcher.received.name
+        checkpoint = None
+        if self._batches_in_epoch > self._skip_until:
+            checkpoint = self._save(logs, self._epoch, self._batches_in_epoch)
+        # Else a batch being skipped after a restart: the backup we restored
+        # from already holds this point.
+        watcher.done()
+        self.preempted_by = name
+        model = self.model
+        model.stop_training = True
+        seconds = watcher.seconds_since_signal
+        where = f"epoch {self._epoch + 1}, batch {self._batches_in_epoch}"
+        saved = (
+            f"backed up {where} to {checkpoint.path}"
+            if checkpoint
+            else (f"the backup already holds {where}")
+        )
+        io_utils.print_msg(
+            f"BackupAndRestore: received {name}; {saved} {seconds:.1f} s after "
+            "the signal. Stopping training; run the same script again to "
+            "resume at this step."
+        )
+        if seconds > watcher.grace_period:
+            warnings.warn(
+                f"BackupAndRestore: the final backup took {seconds:.1f} s, more "
+                f"than the grace period of {watcher.grace_period:g} s.",
+                stacklevel=2,
+            )
+
+    def _save(self, logs: dict | None, epoch: int, batch: int | None):
         if not _finite_loss(logs):
             if not self._warned_non_finite:
                 warnings.warn(
@@ -225,8 +317,19 @@ class BackupAndRestore(keras.callbacks.Callback):
                 _with_epoch_recorded(self._others, epoch, logs, batch)
             ),
         }
-        self._state.back_up(epoch, batch, extra)
+        try:
+            checkpoint = self._state.back_up(epoch, batch, extra)
+        except CheckpointWriteError as e:
+            self._schedule.saved(time.monotonic())
+            if self.on_save_error == "warn":
+                warnings.warn(f"BackupAndRestore: {e.strerror}", stacklevel=2)
+                return None
+            # fit() ends here without calling on_train_end.
+            self._watcher.uninstall()
+            self._state.unlock()
+            raise
         self._schedule.saved(time.monotonic())
+        return checkpoint
 
     def _continue_epoch(self, resume: ResumePoint) -> None:
         """Sets up the rest of an interrupted epoch to run as it would have."""

@@ -57,6 +57,10 @@ class NoGoodCheckpointError(CheckpointError):
     """Checkpoints exist, but every one of them failed verification."""
 
 
+class CheckpointWriteError(CheckpointError, OSError):
+    """A checkpoint could not be written; the previous ones are intact."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
     """A committed checkpoint directory.

@@ -10,9 +10,10 @@ import tempfile
 import keras
 
 from keras_ft.cluster import TaskSpec, chief_dir, current_task, write_dir
+from keras_ft.lock import DirectoryLock
 from keras_ft.policy import KeepLast
 from keras_ft.state import ResumePoint, TrainingState
-from keras_ft.store import Checkpoint, CheckpointStore
+from keras_ft.store import Checkpoint, CheckpointStore, CheckpointWriteError
 
 
 class WorkerTrainingState:
@@ -64,6 +65,7 @@ class WorkerTrainingState:
         self._retention = KeepLast(keep)
         self._state = TrainingState(model)
         self._chief_store = CheckpointStore(chief_dir(self.backup_dir), self._retention)
+        self._lock = DirectoryLock(chief_dir(self.backup_dir))
 
     @property
     def model(self) -> keras.Model:
@@ -92,6 +94,21 @@ class WorkerTrainingState:
         if self.task.is_chief:
             self._chief_store.remove_leftovers()
 
+    def lock(self) -> None:
+        """Claims the backup for this process: one writer per directory.
+
+        Only the chief locks; other workers never write the chief's directory.
+        The lock goes with `unlock()`, `delete_backup()` or the process.
+
+        Raises:
+            keras_ft.DirectoryInUseError: if another live process holds it.
+        """
+        if self.task.is_chief:
+            self._lock.acquire()
+
+    def unlock(self) -> None:
+        self._lock.release()
+
     def back_up(
         self, epoch: int, batch: int | None = None, extra: dict | None = None
     ) -> Checkpoint | None:
@@ -112,14 +129,30 @@ class WorkerTrainingState:
             snapshot = self._state.snapshot(epoch + 1, 0, extra)
         else:
             snapshot = self._state.snapshot(epoch, batch, extra)
-        if self.task.is_chief:
-            return self._chief_store.save(snapshot.write, snapshot.metadata)
-        temp_dir = write_dir(self.backup_dir, self.task)
+        if not self.task.is_chief:
+            temp_dir = write_dir(self.backup_dir, self.task)
+            try:
+                CheckpointStore(temp_dir).save(snapshot.write, snapshot.metadata)
+            finally:
+                shutil.rmtree(temp_dir, ignore_errors=True)
+            return None
         try:
-            CheckpointStore(temp_dir).save(snapshot.write, snapshot.metadata)
-        finally:
-            shutil.rmtree(temp_dir, ignore_errors=True)
-        return None
+            return self._chief_store.save(snapshot.write, snapshot.metadata)
+        except OSError as e:
+            committed = self._chief_store.checkpoints()
+            previous = (
+                f"the previous checkpoint {committed[-1].name} is intact"
+                if committed
+                else "no checkpoint had been committed yet"
+            )
+            raise CheckpointWriteError(
+                e.errno,
+                f"Could not write a checkpoint to {self._chief_store.directory} "
+                f"({e.strerror or e}); {previous}, and the partial one was "
+                "removed. Free some space or fix the directory's permissions; "
+                "`BackupAndRestore(on_save_error='warn')` keeps training and "
+                "tries again at the next save.",
+            ) from e
 
     def restore(self) -> ResumePoint | None:
         """Loads the newest good checkpoint into the model.
@@ -156,6 +189,10 @@ class WorkerTrainingState:
     def delete_backup(self) -> None:
         """Deletes what this backup wrote; other files in `backup_dir` stay."""
         if self.task.is_chief:
+            self._chief_store.remove_leftovers()
+            for checkpoint in self._chief_store.checkpoints():
+                self._chief_store.delete(checkpoint)
+            self._lock.release(remove=True)
             self._chief_store.clear()
         else:
             shutil.rmtree(write_dir(self.backup_dir, self.task), ignore_errors=True)

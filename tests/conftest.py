@@ -44,10 +44,15 @@ def weights_of(model: keras.Model) -> list[np.ndarray]:
 
 
 def tree_digest(path: str) -> dict[str, str]:
-    """SHA-256 of every file below `path`, to show a backup was not touched."""
+    """SHA-256 of every file below `path`, to show a backup was not touched.
+
+    The lock file is left out: it notes who trains now, not what was saved.
+    """
     digests = {}
     for root, _, files in os.walk(path):
         for name in files:
+            if name == ".lock":
+                continue
             full = os.path.join(root, name)
             with open(full, "rb") as f:
                 digests[os.path.relpath(full, path)] = hashlib.sha256(
@@ -125,3 +130,38 @@ def unwritable_dir(tmp_path):
         yield str(path)
     finally:
         subprocess.run(["umount", str(path)], check=False)
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A real 2 MB filesystem (tmpfs) that tests can fill or make read-only."""
+    path = tmp_path / "small_fs"
+    path.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(path)],
+        capture_output=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr!r}")
+    try:
+        yield str(path)
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill_filesystem(directory: str) -> str:
+    """Writes a file until the filesystem is full; returns its path."""
+    path = os.path.join(directory, "filler")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 65536)
+    except OSError as e:
+        assert e.errno == 28, e
+    try:
+        while True:
+            os.write(fd, b"\0")
+    except OSError:
+        pass
+    os.close(fd)
+    return path

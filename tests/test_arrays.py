@@ -41,3 +41,12 @@ def test_read_ignores_datasets_it_did_not_write(tmp_path):
         f.create_dataset("../evil", data=np.ones(2))
         f.create_group("a1")
     assert list(arrays.read(path)) == ["a0"]
+
+
+def test_read_refuses_datasets_that_are_not_numbers(tmp_path):
+    path = str(tmp_path / "x.h5")
+    with h5py.File(path, "w") as f:
+        f.create_dataset("a0", data=np.array([b"text"], dtype=object),
+                         dtype=h5py.string_dtype())  # fmt: skip
+    with pytest.raises(ValueError, match="not numbers"):
+        arrays.read(path)

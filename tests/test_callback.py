@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
 import time
 
 import keras
@@ -502,3 +503,186 @@ def test_tensorboard_step_axis_continues(backup_dir, data, tmp_path):
     resumed = steps_seen_by_tensorboard([keras_ft.BackupAndRestore(backup_dir)])
     assert resumed == uninterrupted[2 * STEPS_PER_EPOCH :]
     assert resumed[0] > STEPS_PER_EPOCH  # Not starting again at 0.
+
+
+# Reliability: preemption, a second writer, disk full and lost permissions.
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_preemption_signal_backs_up_the_exact_step_and_exits(backup_dir, signum):
+    process = start_training(
+        backup_dir, "--epochs", "1000", "--seconds-per-batch", "0.05"
+    )  # Saves only at epoch ends, so any mid-epoch backup is the signal's.
+    assert read_events(process, until="first_batch_end")
+    time.sleep(0.12)
+    process.send_signal(signum)
+    events = read_events(process)
+    stdout_rest, stderr = process.communicate(timeout=60)
+    assert process.returncode == 128 + signum  # SystemExit, as a shell would report.
+    assert "Traceback" not in stderr
+    metadata = CheckpointStore(os.path.join(backup_dir, "chief")).latest_good()[1]
+    assert metadata["batches_completed"] > 0  # Mid-epoch: saved by the signal.
+
+    code, events, stderr = run_training(backup_dir, "--epochs", "3")
+    assert code == 0, stderr
+    first = next(e for e in events if e["kind"] == "first_epoch")
+    assert first["step"] == metadata["step"]
+    assert first["epoch"] == metadata["epochs_completed"]
+    done = next(e for e in events if e["kind"] == "done")
+    assert done["step"] == 3 * STEPS_PER_EPOCH
+
+
+def test_preemption_message_is_printed(backup_dir):
+    process = start_training(
+        backup_dir, "--epochs", "1000", "--seconds-per-batch", "0.05"
+    )
+    assert read_events(process, until="first_batch_end")
+    process.send_signal(signal.SIGTERM)
+    stdout, _ = process.communicate(timeout=60)
+    assert "BackupAndRestore: received SIGTERM; backed up epoch 1, batch" in stdout
+    assert "run the same script again to resume" in stdout
+
+
+def test_no_batch_end_within_the_grace_period_exits_anyway(backup_dir):
+    process = start_training(
+        backup_dir, "--epochs", "1000", "--seconds-per-batch", "3",
+        "--grace-period", "0.5",
+    )  # fmt: skip
+    assert read_events(process, until="first_batch_end")
+    started = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    stdout, _ = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM
+    assert "no batch ended within the grace period" in stdout
+    assert time.monotonic() - started < 2.9  # Did not wait for the batch.
+
+
+def test_preemption_chains_to_the_users_handler_and_restores_it(backup_dir, data):
+    calls = []
+
+    def user_handler(signum, frame):
+        calls.append(signum)
+
+    class SendSigterm(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    old = signal.signal(signal.SIGTERM, user_handler)
+    try:
+        callback = keras_ft.BackupAndRestore(backup_dir, exit_on_preemption=False)
+        model = make_model()
+        model.fit(
+            *data,
+            epochs=5,
+            batch_size=16,
+            verbose=0,
+            callbacks=[callback, SendSigterm()],
+        )
+        assert calls == [signal.SIGTERM]
+        assert callback.preempted_by == "SIGTERM"
+        assert iterations(model) == 3  # Stopped after the batch that was running.
+        assert signal.getsignal(signal.SIGTERM) is user_handler
+        resume = keras_ft.WorkerTrainingState(make_model(), backup_dir).restore()
+        assert (resume.epoch, resume.batch, resume.step) == (0, 3, 3)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def test_second_trainer_on_the_same_directory_is_refused(backup_dir, data):
+    process = start_training(
+        backup_dir, "--epochs", "1000", "--seconds-per-batch", "0.05"
+    )
+    try:
+        assert read_events(process, until="first_batch_end")
+        model = make_model()
+        with pytest.raises(keras_ft.DirectoryInUseError, match=f"pid {process.pid}"):
+            model.fit(
+                *data,
+                epochs=1,
+                verbose=0,
+                callbacks=[keras_ft.BackupAndRestore(backup_dir)],
+            )
+        assert iterations(model) == 0
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    # The dead process's lock holds nothing: the same directory now resumes.
+    model = make_model()
+    probe = StepsAtFirstBatch()
+    model.fit(
+        *data,
+        epochs=2,
+        verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(backup_dir), probe],
+    )
+    assert probe.first_epoch is not None
+
+
+def test_disk_full_raises_and_keeps_the_previous_backup(small_filesystem, data):
+    from conftest import fill_filesystem
+
+    backup_dir = os.path.join(small_filesystem, "backup")
+    model = make_model()
+    callback = keras_ft.BackupAndRestore(backup_dir, delete_checkpoint=False)
+    model.fit(*data, epochs=2, verbose=0, callbacks=[callback])
+    before = tree_digest(os.path.join(backup_dir, "chief"))
+    fill_filesystem(small_filesystem)
+    with pytest.raises(keras_ft.CheckpointWriteError) as info:
+        model.fit(*data, epochs=4, verbose=0, callbacks=[callback])
+    assert info.value.errno == 28
+    assert "ckpt-00000002 is intact" in str(info.value)
+    assert "on_save_error='warn'" in str(info.value)
+    assert tree_digest(os.path.join(backup_dir, "chief")) == before
+    assert not [
+        n
+        for n in os.listdir(os.path.join(backup_dir, "chief"))
+        if n.startswith(".staging")
+    ]
+    resume = keras_ft.WorkerTrainingState(make_model(), backup_dir).restore()
+    assert resume.epoch == 2
+
+
+def test_disk_full_with_warn_keeps_training_and_retries(small_filesystem, data):
+    from conftest import fill_filesystem
+
+    backup_dir = os.path.join(small_filesystem, "backup")
+    model = make_model()
+    first = keras_ft.BackupAndRestore(backup_dir, delete_checkpoint=False)
+    model.fit(*data, epochs=1, batch_size=16, verbose=0, callbacks=[first])
+    filler = fill_filesystem(small_filesystem)
+
+    class FreeSpaceAfterEpoch3(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 2:
+                os.remove(filler)
+
+    callback = keras_ft.BackupAndRestore(
+        backup_dir, delete_checkpoint=False, on_save_error="warn"
+    )
+    with pytest.warns(UserWarning, match="No space left on device"):
+        model.fit(
+            *data, epochs=5, batch_size=16, verbose=0,
+            callbacks=[callback, FreeSpaceAfterEpoch3()],
+        )  # fmt: skip
+    assert iterations(model) == 5 * STEPS_PER_EPOCH
+    resume = keras_ft.WorkerTrainingState(make_model(), backup_dir).restore()
+    assert resume.epoch == 5  # The saves after space came back went through.
+
+
+def test_directory_turned_read_only_mid_training_raises_cleanly(small_filesystem, data):
+    backup_dir = os.path.join(small_filesystem, "backup")
+
+    class RemountReadOnly(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                subprocess.run(
+                    ["mount", "-o", "remount,ro", small_filesystem], check=True
+                )
+
+    model = make_model()
+    callbacks = [keras_ft.BackupAndRestore(backup_dir), RemountReadOnly()]
+    with pytest.raises(keras_ft.CheckpointWriteError, match="ckpt-00000001 is intact"):
+        model.fit(*data, epochs=3, verbose=0, callbacks=callbacks)
+    resume = keras_ft.WorkerTrainingState(make_model(), backup_dir).restore()
+    assert resume.epoch == 1

@@ -106,3 +106,47 @@ def test_check_writable_removes_a_killed_writers_staging_directory(backup_dir):
     os.makedirs(staging)
     WorkerTrainingState(make_model(), backup_dir).check_writable()
     assert not os.path.exists(staging)
+
+
+def test_fuzzed_newest_checkpoint_always_falls_back_to_the_previous(backup_dir, data):
+    """Random byte flips, truncations, deletions and manifest damage in any file
+    of the newest checkpoint: every case is caught, with a warning naming the
+    problem, and the previous checkpoint is restored."""
+    import random
+    import shutil
+    import warnings
+
+    state = WorkerTrainingState(make_model(), backup_dir)
+    train_epochs(state.model, data, 0, 2, state)
+    pristine = backup_dir + ".pristine"
+    shutil.copytree(backup_dir, pristine)
+    rng = random.Random(99)
+    newest = os.path.join(backup_dir, "chief", "ckpt-00000002")
+    for _ in range(40):
+        shutil.rmtree(backup_dir)
+        shutil.copytree(pristine, backup_dir)
+        name = rng.choice(sorted(os.listdir(newest)))
+        path = os.path.join(newest, name)
+        size = os.path.getsize(path)
+        how = rng.choice(["flip", "truncate", "delete", "append"])
+        if how == "flip":
+            with open(path, "r+b") as f:
+                offset = rng.randrange(size)
+                f.seek(offset)
+                byte = f.read(1)[0]
+                f.seek(offset)
+                f.write(bytes([byte ^ (1 << rng.randrange(8))]))
+        elif how == "truncate":
+            with open(path, "r+b") as f:
+                f.truncate(rng.randrange(size))
+        elif how == "delete":
+            os.remove(path)
+        else:
+            with open(path, "ab") as f:
+                f.write(b"\0")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            resume = WorkerTrainingState(make_model(), backup_dir).restore()
+        assert resume.epoch == 1, (name, how)
+        messages = " ".join(str(w.message) for w in caught)
+        assert "ckpt-00000002 is damaged" in messages, (name, how)

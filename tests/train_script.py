@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--raise-at-epoch-end", type=int)
     parser.add_argument("--seconds-per-batch", type=float, default=0.0)
     parser.add_argument("--keep-backup", action="store_true")
+    parser.add_argument("--grace-period", type=float, default=25.0)
     args = parser.parse_args()
     save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
     x, y = make_data()
@@ -80,6 +81,7 @@ def main() -> None:
                 args.backup_dir,
                 save_freq=save_freq,
                 delete_checkpoint=not args.keep_backup,
+                grace_period=args.grace_period,
             ),
             Reporter(args.raise_at_epoch_end, args.seconds_per_batch),
         ],

@@ -1,0 +1,191 @@
+"""Kill-fuzz: SIGKILL real trainings at random moments, then try to resume.
+
+Each trial starts a training process that backs up after every batch (into a
+fresh directory), kills it with SIGKILL at a random moment after training has
+begun, and then loads the backup into a new model exactly as a restart does
+at train begin. Counted per callback:
+
+- resumed: the backup loaded, at or after the last step the process reported
+  as backed up (`lost` counts the batches between, which a kill during a save
+  costs);
+- fresh: nothing had been backed up yet, and nothing loaded (correct);
+- failed: loading raised, or nothing loaded although a backup had been made
+  (training would silently start over).
+
+Usage:
+    python benchmarks/kill_fuzz.py --trials 200 --backend jax
+    python benchmarks/kill_fuzz.py --trials 40 --backend tensorflow --callback keras
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+
+def build_model():
+    import keras
+
+    model = keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(1e-3), loss="mse")
+    return model
+
+
+def make_callback(name: str, backup_dir: str):
+    import keras
+
+    import keras_ft
+
+    if name == "keras-ft":
+        return keras_ft.BackupAndRestore(backup_dir, save_freq=1, verbose=0)
+    return keras.callbacks.BackupAndRestore(backup_dir, save_freq=1)
+
+
+def worker(backup_dir: str, callback: str) -> None:
+    """The training process: backs up every batch, reports every step."""
+    import keras
+    import numpy as np
+
+    class Report(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            print("BEGIN", flush=True)
+
+        def on_train_batch_end(self, batch, logs=None):
+            # Runs after the backup callback's own batch end: this step is
+            # backed up once this line is out.
+            step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+            print(f"STEP {step}", flush=True)
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 64)).astype("float32")
+    y = rng.normal(size=(512, 1)).astype("float32")
+    build_model().fit(
+        x,
+        y,
+        batch_size=32,
+        epochs=10_000,
+        verbose=0,
+        callbacks=[make_callback(callback, backup_dir), Report()],
+    )
+
+
+def restore_step(callback: str, backup_dir: str) -> int | None:
+    """Loads the backup into a new model; the step it holds, None if none."""
+    import keras
+
+    import keras_ft
+
+    model = build_model()
+    if callback == "keras-ft":
+        resume = keras_ft.WorkerTrainingState(model, backup_dir).restore()
+        return None if resume is None else resume.step
+    keras_callback = keras.callbacks.BackupAndRestore(backup_dir)
+    keras_callback.set_model(model)
+    keras_callback.on_train_begin()
+    step = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+    return step if step or model._initial_epoch else None
+
+
+def trial(callback: str, rng: random.Random, root: str) -> tuple[str, int, str]:
+    backup_dir = tempfile.mkdtemp(dir=root)
+    process = subprocess.Popen(
+        [sys.executable, __file__, "--worker", backup_dir, "--callback", callback],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    for line in process.stdout:
+        if line.startswith("BEGIN"):
+            break
+    time.sleep(rng.uniform(0.0, 1.5))
+    process.send_signal(signal.SIGKILL)
+    rest = process.stdout.read()
+    process.wait()
+    steps = [
+        int(line.split()[1]) for line in rest.splitlines() if line.startswith("STEP")
+    ]
+    backed_up = max(steps, default=0)
+    try:
+        restored = restore_step(callback, backup_dir)
+    except Exception as e:  # Any load failure is what we count.
+        detail = traceback.format_exception_only(type(e), e)[-1].strip()
+        return "failed", 0, detail
+    finally:
+        shutil.rmtree(backup_dir, ignore_errors=True)
+    if restored is None:
+        if backed_up:
+            return "failed", backed_up, f"started over after step {backed_up}"
+        return "fresh", 0, ""
+    return "resumed", max(0, backed_up - restored), ""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--backend", default=os.environ.get("KERAS_BACKEND", "jax"))
+    parser.add_argument(
+        "--callback", choices=["keras-ft", "keras", "both"], default="both"
+    )
+    parser.add_argument("--keras-trials", type=int, help="Defaults to --trials.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.environ["KERAS_BACKEND"] = args.backend
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    if args.worker:
+        worker(args.worker, args.callback)
+        return
+
+    import warnings
+
+    warnings.simplefilter("ignore")  # Fallback warnings are expected here.
+    callbacks = ["keras-ft", "keras"] if args.callback == "both" else [args.callback]
+    rng = random.Random(args.seed)
+    root = tempfile.mkdtemp(prefix="kill-fuzz-")
+    rows = []
+    try:
+        for callback in callbacks:
+            trials = args.trials
+            if callback == "keras" and args.keras_trials:
+                trials = args.keras_trials
+            counts = {"resumed": 0, "fresh": 0, "failed": 0}
+            lost, details = 0, {}
+            for i in range(trials):
+                outcome, batches_lost, detail = trial(callback, rng, root)
+                counts[outcome] += 1
+                lost += batches_lost if outcome == "resumed" else 0
+                if detail:
+                    key = detail.split(":")[0][:60]
+                    details[key] = details.get(key, 0) + 1
+                print(f"{callback} trial {i + 1}/{trials}: {outcome}", flush=True)
+            rows.append((callback, trials, counts, lost, details))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"\nkill-fuzz, backend={args.backend}, SIGKILL at a random moment, "
+          "backup every batch")  # fmt: skip
+    print(f"{'callback':10s} {'trials':>6s} {'resumed':>8s} {'fresh':>6s} "
+          f"{'failed':>7s} {'batches lost':>13s}")  # fmt: skip
+    for callback, trials, counts, lost, details in rows:
+        print(f"{callback:10s} {trials:6d} {counts['resumed']:8d} {counts['fresh']:6d} "
+              f"{counts['failed']:7d} {lost:13d}")  # fmt: skip
+        for detail, n in sorted(details.items(), key=lambda kv: -kv[1]):
+            print(f"{'':10s} failure: {n} x {detail}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""One writer per backup directory.
+
+An exclusive `flock()` on `<directory>/.lock`, taken at train begin and
+released at train end. The kernel drops the lock when its process dies,
+however it dies, so a killed trainer never blocks its own restart; the file's
+contents (pid, host, start time) only serve the error message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import os
+import socket
+
+LOCK_FILE = ".lock"
+
+# Locks this process holds, by path: a fit() that raised never reached train
+# end, and the next fit() in the same process (a notebook cell run again)
+# takes its lock over instead of reporting itself as another writer.
+_held: dict[str, DirectoryLock] = {}
+
+
+class DirectoryInUseError(RuntimeError):
+    """Another live process is writing the same backup directory."""
+
+
+class DirectoryLock:
+    """An exclusive lock on `directory`, held until `release()` or death.
+
+    Args:
+        directory: The directory to lock; created if missing.
+    """
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.path = os.path.join(directory, LOCK_FILE)
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Takes the lock, or raises `DirectoryInUseError` naming its holder."""
+        key = os.path.realpath(self.path)
+        if key in _held:
+            _held[key].release()
+        os.makedirs(self.directory, exist_ok=True)
+        # Held through a read-only descriptor: a file open for writing would
+        # stop the filesystem from being remounted read-only under us.
+        if not os.path.exists(self.path):
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644))
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 512).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DirectoryInUseError(
+                f"The backup directory {self.directory!r} is being written by "
+                f"another training process ({holder}). Two trainings sharing a "
+                "`backup_dir` would overwrite each other's backups: give this "
+                "one its own `backup_dir`, or stop the other process first."
+            ) from None
+        started = datetime.datetime.now().isoformat(timespec="seconds")
+        with open(self.path, "w") as note:
+            note.write(f"pid {os.getpid()} on {socket.gethostname()}, since {started}")
+        self._fd = fd
+        _held[key] = self
+
+    def release(self, remove: bool = False) -> None:
+        """Releases the lock; with `remove=True` also deletes the lock file.
+
+        With `remove=True` and the lock not held here, the file is deleted only
+        if no one else holds it (a dead process's leftover).
+        """
+        if self._fd is None:
+            if remove and os.path.exists(self.path):
+                try:
+                    self.acquire()
+                except DirectoryInUseError:
+                    return
+                self.release(remove=True)
+            return
+        _held.pop(os.path.realpath(self.path), None)
+        if remove:
+            # Unlink while still holding it, so no one locks a doomed file.
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
+        os.close(self._fd)
+        self._fd = None

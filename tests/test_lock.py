@@ -1,0 +1,76 @@
+"""One writer per directory, and a dead writer never blocks its restart."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from keras_ft import lock as lock_module
+from keras_ft.lock import DirectoryInUseError, DirectoryLock
+
+# Loads lock.py alone, so the child starts in milliseconds.
+_HOLDER = textwrap.dedent(
+    """
+    import importlib.util, sys, time
+    spec = importlib.util.spec_from_file_location("lock", sys.argv[1])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["lock"] = module
+    spec.loader.exec_module(module)
+    module.DirectoryLock(sys.argv[2]).acquire()
+    print("locked", flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def hold_in_another_process(directory):
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, lock_module.__file__, directory],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout.readline().strip() == "locked"
+    return child
+
+
+def test_second_process_is_refused_with_the_holders_pid(tmp_path):
+    child = hold_in_another_process(str(tmp_path))
+    try:
+        with pytest.raises(DirectoryInUseError, match=f"pid {child.pid} on"):
+            DirectoryLock(str(tmp_path)).acquire()
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_killed_holder_releases_the_lock(tmp_path):
+    child = hold_in_another_process(str(tmp_path))
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    lock = DirectoryLock(str(tmp_path))
+    lock.acquire()  # The leftover file holds nothing.
+    lock.release(remove=True)
+    assert not os.path.exists(lock.path)
+
+
+def test_same_process_takes_over_its_own_stale_lock(tmp_path):
+    first = DirectoryLock(str(tmp_path))
+    first.acquire()  # As if fit() raised and never released it.
+    second = DirectoryLock(str(tmp_path))
+    second.acquire()
+    second.release()
+
+
+def test_release_remove_leaves_a_live_holders_file(tmp_path):
+    child = hold_in_another_process(str(tmp_path))
+    try:
+        DirectoryLock(str(tmp_path)).release(remove=True)
+        assert os.path.exists(os.path.join(tmp_path, ".lock"))
+    finally:
+        child.kill()
+        child.wait()
