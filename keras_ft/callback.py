@@ -360,11 +360,12 @@ class BackupAndRestore(keras.callbacks.Callback):
                 )
 
         def skipped_all() -> None:
-            # Not rng.apply(extra["rng"]): the skipped batches went through
-            # the same pipeline and callbacks as before, which replayed every
-            # draw since the epoch began, possibly on a prefetching thread
-            # that a reset now would race with.
+            # The skipped batches went through the same pipeline and callbacks
+            # as before and replayed their draws since the epoch began, maybe
+            # on a prefetching thread that a reset now would race with. The
+            # training steps did not run: their generators jump to the save.
             self._fast_forward = None
+            rng.apply(extra.get("rng", {}), only=rng.MODEL_SIDE)
 
         self._fast_forward = FastForward(
             model,

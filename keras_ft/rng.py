@@ -9,6 +9,12 @@ the model (see `state.py`). TensorFlow's data pipeline seeds itself from the
 global seed each epoch, so it needs nothing here.
 
 A captured state is a dictionary of JSON values and NumPy arrays.
+
+The generators fall in two groups. The data pipeline draws from Python's and
+NumPy's (shuffles, augmentation in a PyDataset), possibly on a prefetching
+thread. Training steps draw from PyTorch's (an unseeded Dropout on the torch
+backend takes `torch.nn.functional.dropout`) and Keras' global generator.
+`MODEL_SIDE` names the second group.
 """
 
 from __future__ import annotations
@@ -45,8 +51,19 @@ def capture() -> dict[str, Any]:
     return state
 
 
-def apply(state: dict[str, Any]) -> None:
-    """Sets every global generator named in `state` to its captured state."""
+MODEL_SIDE = ("torch", "keras")
+
+
+def apply(state: dict[str, Any], only: tuple[str, ...] | None = None) -> None:
+    """Sets the global generators named in `state` to their captured state.
+
+    Args:
+        state: From `capture()`.
+        only: If given, the generators to set (keys of `state`, e.g.
+            `MODEL_SIDE`); the others are left as they are.
+    """
+    if only is not None:
+        state = {k: v for k, v in state.items() if k in only}
     if "python" in state:
         version, internal, gauss = state["python"]
         random.setstate((version, tuple(internal), gauss))

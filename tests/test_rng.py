@@ -48,3 +48,16 @@ def test_capture_does_not_create_the_keras_global_generator():
     state = rng.capture()
     assert "keras" not in state
     assert global_state.get_global_attribute("global_seed_generator") is None
+
+
+def test_apply_only_sets_the_named_generators():
+    keras.utils.set_random_seed(3)
+    draws()
+    saved = rng.capture()
+    expected_numpy = np.random.permutation(10)
+    np.random.permutation(10)
+    after_numpy = np.random.get_state()[1].copy()
+    rng.apply(saved, only=("python",))
+    np.testing.assert_array_equal(np.random.get_state()[1], after_numpy)
+    rng.apply(saved, only=("numpy",))
+    np.testing.assert_array_equal(np.random.permutation(10), expected_numpy)
