@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 BACKENDS ?= tensorflow jax torch
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint bench fuzz clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,11 @@ test: venv lint
 
 bench: venv
 	$(PY) benchmarks/save_cost.py
+
+# SIGKILL at random moments, keras-ft vs Keras' own callback: `make fuzz BACKEND=jax`.
+BACKEND ?= tensorflow
+fuzz: venv
+	$(PY) benchmarks/kill_fuzz.py --trials 200 --keras-trials 40 --backend $(BACKEND)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -145,6 +145,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._schedule = AnyOf(*schedules)
         self._state: WorkerTrainingState | None = None
         self._others: list[keras.callbacks.Callback] = []
+        self._callback_order: list[keras.callbacks.Callback] = []
         self._resume: ResumePoint | None = None
         self._fast_forward: FastForward | None = None
         self._pending_epoch_end: tuple[int, dict | None] | None = None
@@ -395,7 +396,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         return others
 
     def _later_callbacks(self) -> list[keras.callbacks.Callback]:
-        order = getattr(self, "_callback_order", [])
+        order = self._callback_order
         if self not in order:
             return []
         return [c for c in order[order.index(self) + 1 :] if c in self._others]

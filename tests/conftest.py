@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -120,16 +121,8 @@ def unwritable_dir(tmp_path):
         path.chmod(0o755)
         return
     # Root ignores permission bits; a read-only mount stops it.
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
-        capture_output=True,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr!r}")
-    try:
+    with mounted_tmpfs(path, "ro,size=1m"):
         yield str(path)
-    finally:
-        subprocess.run(["umount", str(path)], check=False)
 
 
 @pytest.fixture
@@ -137,14 +130,21 @@ def small_filesystem(tmp_path):
     """A real 2 MB filesystem (tmpfs) that tests can fill or make read-only."""
     path = tmp_path / "small_fs"
     path.mkdir()
+    with mounted_tmpfs(path, "size=2m"):
+        yield str(path)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(path, options: str):
+    """Mounts a tmpfs at `path` for the block; skips the test if not allowed."""
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(path)],
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
         capture_output=True,
     )
     if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr!r}")
+        pytest.skip(f"cannot mount a tmpfs ({options}) here: {mounted.stderr!r}")
     try:
-        yield str(path)
+        yield
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
 
