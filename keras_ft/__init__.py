@@ -20,7 +20,7 @@ from keras_ft.store import (
     CorruptCheckpointError,
     NoGoodCheckpointError,
 )
-from keras_ft.worker_training_state import WorkerTrainingState
+from keras_ft.worker_training_state import WorkerTrainingState, wait_for_backups
 
 __version__ = "0.1.0"
 
@@ -44,4 +44,5 @@ __all__ = [
     "TrainingState",
     "WorkerTrainingState",
     "current_task",
+    "wait_for_backups",
 ]

@@ -82,6 +82,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         grace_period: Seconds allowed between the signal and the end of the
             final backup; if no batch ends in time, the process exits as the
             signal would have made it. Defaults to `25.0`.
+        async_save: If `True`, a save copies the state to host memory and
+            training goes on while a background thread writes and commits it
+            (one write at a time; a save due while one is being written waits
+            for it). A backup counts only once committed. Write errors are
+            raised at the next batch end or at train end. Defaults to `True`.
         exit_on_preemption: After the final backup, end the process with exit
             status 128 + the signal's number (`SystemExit`, no traceback), so
             a job scheduler sees it was preempted. With `False`, `fit()`
@@ -102,6 +107,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         preemption_signals: tuple | None = ("SIGTERM", "SIGINT"),
         grace_period: float = 25.0,
         exit_on_preemption: bool = True,
+        async_save: bool = True,
     ):
         super().__init__()
         self.backup_dir = validate_backup_dir(backup_dir)
@@ -131,6 +137,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"number of seconds. Received: grace_period={grace_period!r}"
             )
         self.on_save_error = on_save_error
+        self.async_save = bool(async_save)
         self.exit_on_preemption = bool(exit_on_preemption)
         self.preempted_by: str | None = None
         self._watcher = PreemptionWatcher(
@@ -162,7 +169,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._fast_forward.remove()
             self._fast_forward = None
         self._others = self._join_callback_list()
-        self._state = WorkerTrainingState(model, self.backup_dir, keep=self.keep)
+        self._state = WorkerTrainingState(
+            model, self.backup_dir, keep=self.keep, async_save=self.async_save
+        )
         self._state.check_writable()
         self._state.lock()
         try:
@@ -212,6 +221,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         # With steps_per_execution > 1, `batch` is the last of several steps.
         steps = batch + 1 - self._batches_in_epoch
         self._batches_in_epoch = batch + 1
+        self._raise_write_errors(self._state.raise_if_failed)
         if self._watcher.received is not None and not self._watcher.handled:
             self._stop_for_preemption(logs)
             return
@@ -256,6 +266,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._watcher.uninstall()
         completed = self._epochs_completed >= self.params.get("epochs", 0)
         if self._state is not None:
+            self._raise_write_errors(self._state.wait)
             if self.delete_checkpoint and completed and not self.preempted_by:
                 self._state.delete_backup()
             else:
@@ -269,7 +280,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         name = watcher.received.name
         checkpoint = None
         if self._batches_in_epoch > self._skip_until:
-            checkpoint = self._save(logs, self._epoch, self._batches_in_epoch)
+            self._save(logs, self._epoch, self._batches_in_epoch)
+            # The process may be gone soon: this one is committed now.
+            checkpoint = self._raise_write_errors(self._state.wait)
         # Else a batch being skipped after a restart: the backup we restored
         # from already holds this point.
         watcher.done()
@@ -295,7 +308,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 stacklevel=2,
             )
 
-    def _save(self, logs: dict | None, epoch: int, batch: int | None):
+    def _save(self, logs: dict | None, epoch: int, batch: int | None) -> None:
         if not _finite_loss(logs):
             if not self._warned_non_finite:
                 warnings.warn(
@@ -318,19 +331,21 @@ class BackupAndRestore(keras.callbacks.Callback):
                 _with_epoch_recorded(self._others, epoch, logs, batch)
             ),
         }
+        self._raise_write_errors(lambda: self._state.back_up(epoch, batch, extra))
+        self._schedule.saved(time.monotonic())
+
+    def _raise_write_errors(self, step: Any) -> Any:
+        """Runs `step`; a failed write raises, or warns with `on_save_error`."""
         try:
-            checkpoint = self._state.back_up(epoch, batch, extra)
+            return step()
         except CheckpointWriteError as e:
-            self._schedule.saved(time.monotonic())
             if self.on_save_error == "warn":
-                warnings.warn(f"BackupAndRestore: {e.strerror}", stacklevel=2)
+                warnings.warn(f"BackupAndRestore: {e.strerror}", stacklevel=3)
                 return None
             # fit() ends here without calling on_train_end.
             self._watcher.uninstall()
             self._state.unlock()
             raise
-        self._schedule.saved(time.monotonic())
-        return checkpoint
 
     def _continue_epoch(self, resume: ResumePoint) -> None:
         """Sets up the rest of an interrupted epoch to run as it would have."""

@@ -145,8 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         process.send_signal(signal.SIGKILL)
         process.wait()
         print(
-            f"   killed the training process with SIGKILL after epoch "
-            f"{kill_after} had been backed up."
+            f"   killed the training process with SIGKILL in epoch "
+            f"{kill_after + 1}, after epoch {kill_after} ended."
         )
 
         print("3. Starting the same training again ...")

@@ -21,7 +21,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_ft import arrays, rng
+from keras_ft import arrays, rng, weights
 
 WEIGHTS_FILE = "model.weights.h5"
 STATE_FORMAT_VERSION = 1
@@ -53,15 +53,23 @@ class ResumePoint:
 
 @dataclasses.dataclass
 class Snapshot:
-    """One checkpoint's worth of state, ready to be written."""
+    """One checkpoint's worth of state in host memory, ready to be written.
 
-    model: keras.Model
+    Taking it is the only part of a save that must run in the training
+    thread; `write()` can run in another.
+    """
+
+    weights: weights.CapturedWeights
     metadata: dict
     arrays: dict[str, np.ndarray]
 
+    @property
+    def nbytes(self) -> int:
+        return self.weights.nbytes + sum(a.nbytes for a in self.arrays.values())
+
     def write(self, directory: str) -> None:
         """Writes the checkpoint's data files into `directory`."""
-        self.model.save_weights(os.path.join(directory, WEIGHTS_FILE))
+        weights.write(os.path.join(directory, WEIGHTS_FILE), self.weights)
         arrays.write(os.path.join(directory, arrays.ARRAYS_FILE), self.arrays)
 
 
@@ -95,7 +103,7 @@ class TrainingState:
         }
         metadata = self.metadata(epochs_completed, batches_completed)
         metadata["state"], state_arrays = arrays.split(tree)
-        return Snapshot(self.model, metadata, state_arrays)
+        return Snapshot(weights.capture(self.model), metadata, state_arrays)
 
     def metadata(self, epochs_completed: int, batches_completed: int) -> dict:
         """The JSON metadata of a save taken now, without the state tree."""

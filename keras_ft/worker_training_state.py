@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import warnings
 
 import keras
 
@@ -14,6 +15,25 @@ from keras_ft.lock import DirectoryLock
 from keras_ft.policy import KeepLast
 from keras_ft.state import ResumePoint, TrainingState
 from keras_ft.store import Checkpoint, CheckpointStore, CheckpointWriteError
+from keras_ft.writer import BackgroundWriter
+
+# One writer per chief directory in this process, shared by every
+# WorkerTrainingState on it: a fit() that raised may leave a write in flight,
+# and the next fit() on the same directory must wait for it.
+_writers: dict[str, BackgroundWriter] = {}
+
+
+def wait_for_backups() -> None:
+    """Waits until every backup being written in the background is committed.
+
+    `fit()` waits by itself at train end; call this after `fit()` raised, to
+    look at the backup directory, or before copying it elsewhere.
+
+    Raises:
+        keras_ft.CheckpointWriteError: if one of those writes failed.
+    """
+    for writer in list(_writers.values()):
+        writer.wait()
 
 
 class WorkerTrainingState:
@@ -36,6 +56,9 @@ class WorkerTrainingState:
             keras-ft creates are never touched.
         keep: How many committed checkpoints to keep, at least 1. Defaults
             to `2`, so that a damaged newest checkpoint has a fallback.
+        async_save: If `True`, `back_up()` returns once the state is copied
+            to host memory, and a background thread writes and commits it;
+            `wait()` waits for the commit. Defaults to `False`.
         task: This process's role; detected from the framework if `None`.
             Defaults to `None`.
 
@@ -59,6 +82,7 @@ class WorkerTrainingState:
         *,
         keep: int = 2,
         task: TaskSpec | None = None,
+        async_save: bool = False,
     ):
         self.backup_dir = validate_backup_dir(backup_dir)
         self.task = task if task is not None else current_task()
@@ -66,6 +90,9 @@ class WorkerTrainingState:
         self._state = TrainingState(model)
         self._chief_store = CheckpointStore(chief_dir(self.backup_dir), self._retention)
         self._lock = DirectoryLock(chief_dir(self.backup_dir))
+        self.async_save = bool(async_save)
+        key = os.path.realpath(chief_dir(self.backup_dir))
+        self._writer = _writers.setdefault(key, BackgroundWriter())
 
     @property
     def model(self) -> keras.Model:
@@ -92,7 +119,16 @@ class WorkerTrainingState:
                 f"backup_dir={self.backup_dir!r}"
             ) from e
         if self.task.is_chief:
+            # A write still in flight from an earlier fit() in this process
+            # owns its staging directory: let it finish before cleaning up.
+            self._finish_earlier_write()
             self._chief_store.remove_leftovers()
+
+    def _finish_earlier_write(self) -> None:
+        try:
+            self._writer.wait()
+        except CheckpointWriteError as e:
+            warnings.warn(f"A backup from an earlier fit() failed: {e}", stacklevel=3)
 
     def lock(self) -> None:
         """Claims the backup for this process: one writer per directory.
@@ -123,8 +159,15 @@ class WorkerTrainingState:
                 Defaults to `None`.
 
         Returns:
-            The committed checkpoint on the chief, `None` on other workers.
+            The committed checkpoint on the chief; `None` on other workers,
+            and with `async_save` (see `wait()`).
+
+        Raises:
+            keras_ft.CheckpointWriteError: if this write, or with
+                `async_save` the previous one, failed.
         """
+        # The write in flight first: one snapshot in memory at a time.
+        self._writer.wait()
         if batch is None:
             snapshot = self._state.snapshot(epoch + 1, 0, extra)
         else:
@@ -136,6 +179,24 @@ class WorkerTrainingState:
             finally:
                 shutil.rmtree(temp_dir, ignore_errors=True)
             return None
+        if self.async_save:
+            self._writer.submit(lambda: self._commit(snapshot))
+            return None
+        return self._commit(snapshot)
+
+    def wait(self) -> Checkpoint | None:
+        """Waits for a background write; returns the checkpoint it committed.
+
+        Raises:
+            keras_ft.CheckpointWriteError: if that write failed.
+        """
+        return self._writer.wait()
+
+    def raise_if_failed(self) -> None:
+        """Raises the error of a background write that failed, without waiting."""
+        self._writer.raise_if_failed()
+
+    def _commit(self, snapshot) -> Checkpoint:
         try:
             return self._chief_store.save(snapshot.write, snapshot.metadata)
         except OSError as e:
@@ -164,6 +225,7 @@ class WorkerTrainingState:
             keras_ft.NoGoodCheckpointError: if every checkpoint is damaged.
             ValueError: if the backup does not match the model.
         """
+        self._finish_earlier_write()
         found = self._chief_store.latest_good()
         if found is None:
             return None
@@ -188,6 +250,7 @@ class WorkerTrainingState:
 
     def delete_backup(self) -> None:
         """Deletes what this backup wrote; other files in `backup_dir` stay."""
+        self._writer.wait()
         if self.task.is_chief:
             self._chief_store.remove_leftovers()
             for checkpoint in self._chief_store.checkpoints():

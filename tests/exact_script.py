@@ -36,11 +36,16 @@ class KillSelf(keras.callbacks.Callback):
         if self.first_epoch is None:
             self.first_epoch = epoch
         if epoch == self.at_epoch_begin:
-            os.kill(os.getpid(), signal.SIGKILL)
+            self.kill()
 
     def on_train_batch_end(self, batch, logs=None):
         if self.after_batch == (self.epoch, batch + 1):
-            os.kill(os.getpid(), signal.SIGKILL)
+            self.kill()
+
+    def kill(self):
+        # Once the background write is committed, so the point is exact.
+        keras_ft.wait_for_backups()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Batches(keras.utils.PyDataset):

@@ -71,6 +71,8 @@ def interrupted_fit(backup_dir, data, at_epoch=5, epochs=10, **kwargs):
                 InterruptAtEpochEnd(at_epoch),
             ],
         )
+    # fit() raised, so nothing waited for the last background write.
+    keras_ft.wait_for_backups()
     return model
 
 
@@ -676,6 +678,8 @@ def test_directory_turned_read_only_mid_training_raises_cleanly(small_filesystem
     class RemountReadOnly(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
             if epoch == 1:
+                # A file open for writing (a backup in flight) blocks remount.
+                keras_ft.wait_for_backups()
                 subprocess.run(
                     ["mount", "-o", "remount,ro", small_filesystem], check=True
                 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -21,10 +22,10 @@ def test_demo_kills_resumes_and_matches_the_uninterrupted_steps():
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    assert "killed the training process with SIGKILL after epoch 3" in out
+    assert "killed the training process with SIGKILL in epoch 4" in out
     assert "BackupAndRestore: restored" in out
-    assert "resumed at epoch 4 and ran epochs 4-8" in out or (
-        "resumed at epoch 5" in out  # The kill may land after epoch 4's backup.
-    )
+    # Epoch 3's backup may still have been in flight (written in the
+    # background), and the kill may land after epoch 4's: 3, 4 or 5.
+    assert re.search(r"resumed at epoch [345] and ran epochs [345]-8", out), out
     assert "160 optimizer steps after the crash and resume, 160 uninterrupted" in out
     assert "the same. Nothing was lost." in out
