@@ -9,6 +9,7 @@ from keras_ft.policy import (
     EveryNSeconds,
     EveryNSteps,
     KeepLast,
+    OverheadBudget,
     SaveSchedule,
 )
 from keras_ft.state import ResumePoint, TrainingState
@@ -38,6 +39,7 @@ __all__ = [
     "EveryNSteps",
     "KeepLast",
     "NoGoodCheckpointError",
+    "OverheadBudget",
     "ResumePoint",
     "SaveSchedule",
     "TaskSpec",

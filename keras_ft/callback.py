@@ -15,7 +15,15 @@ from keras.src.utils import io_utils
 
 from keras_ft import callback_state, rng
 from keras_ft.fast_forward import FastForward
-from keras_ft.policy import AnyOf, EveryEpoch, EveryNSeconds, EveryNSteps, KeepLast
+from keras_ft.policy import (
+    AnyOf,
+    EveryEpoch,
+    EveryNSeconds,
+    EveryNSteps,
+    KeepLast,
+    OverheadBudget,
+    SaveSchedule,
+)
 from keras_ft.preemption import PreemptionWatcher, parse_signals
 from keras_ft.state import ResumePoint
 from keras_ft.store import CheckpointWriteError
@@ -56,14 +64,18 @@ class BackupAndRestore(keras.callbacks.Callback):
     Args:
         backup_dir: Path of the directory where the backup is stored. It
             should not be shared with another training run.
-        save_freq: `"epoch"` to save at the end of every epoch, or a positive
-            integer to save every `save_freq` batches. Defaults to `"epoch"`.
+        save_freq: `"epoch"` to save at the end of every epoch, a positive
+            integer to save every `save_freq` batches, or `"auto"` to save as
+            often as keeps the time saves hold up training within
+            `overhead_budget`. Defaults to `"epoch"`.
         double_checkpoint: If `True`, keep at least two backups, as Keras'
             own callback does with this flag. keras-ft keeps two by default
             (`keep=2`). Defaults to `False`.
         delete_checkpoint: Whether to delete the backup once `fit()` has run
             every epoch. Defaults to `True`.
         keep: How many committed backups to keep, at least 1. Defaults to `2`.
+        overhead_budget: With `save_freq="auto"`, the fraction of training
+            time saves may take. Defaults to `0.02`.
         save_every_seconds: If set, also save at the first batch end after
             this many seconds since the last save (like `tf.train.Supervisor`'s
             `save_model_secs`). Defaults to `None`.
@@ -101,6 +113,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         delete_checkpoint: bool = True,
         *,
         keep: int = 2,
+        overhead_budget: float = 0.02,
         save_every_seconds: float | None = None,
         verbose: int = 1,
         on_save_error: str = "raise",
@@ -111,7 +124,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     ):
         super().__init__()
         self.backup_dir = validate_backup_dir(backup_dir)
-        schedules = [_schedule_from_save_freq(save_freq)]
+        schedules = [_schedule_from_save_freq(save_freq, overhead_budget)]
         if save_every_seconds is not None:
             try:
                 schedules.append(EveryNSeconds(save_every_seconds))
@@ -121,7 +134,9 @@ class BackupAndRestore(keras.callbacks.Callback):
                     "positive number of seconds or `None`. Received: "
                     f"save_every_seconds={save_every_seconds!r}"
                 ) from None
-        KeepLast(keep)  # Validates `keep` now rather than at train begin.
+        # Validate now rather than at train begin.
+        KeepLast(keep)
+        OverheadBudget(overhead_budget)
         if on_save_error not in ("raise", "warn"):
             raise ValueError(
                 "Invalid value for argument `on_save_error`. Expected 'raise' or "
@@ -153,6 +168,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._state: WorkerTrainingState | None = None
         self._others: list[keras.callbacks.Callback] = []
         self._callback_order: list[keras.callbacks.Callback] = []
+        self._reported_interval: int | None = None
         self._resume: ResumePoint | None = None
         self._fast_forward: FastForward | None = None
         self._pending_epoch_end: tuple[int, dict | None] | None = None
@@ -199,6 +215,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         self._schedule.start(time.monotonic())
         self._warned_non_finite = False
+        self._reported_interval: int | None = None
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         model = self.model
@@ -229,6 +246,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             return  # A batch trained before the restart, skipped now.
         if self._schedule.on_batch_end(steps, time.monotonic()):
             self._save(logs, self._epoch, self._batches_in_epoch)
+            self._report_interval()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self.preempted_by:
@@ -331,8 +349,27 @@ class BackupAndRestore(keras.callbacks.Callback):
                 _with_epoch_recorded(self._others, epoch, logs, batch)
             ),
         }
+        started = time.monotonic()
         self._raise_write_errors(lambda: self._state.back_up(epoch, batch, extra))
-        self._schedule.saved(time.monotonic())
+        now = time.monotonic()
+        self._schedule.saved(now, cost=now - started)
+
+    def _report_interval(self) -> None:
+        budget = next(
+            (s for s in self._schedule.schedules if isinstance(s, OverheadBudget)),
+            None,
+        )
+        if budget is None or budget.interval is None or not self.verbose:
+            return
+        reported = self._reported_interval
+        if reported is None or not reported / 2 <= budget.interval <= reported * 2:
+            self._reported_interval = budget.interval
+            io_utils.print_msg(
+                f"BackupAndRestore: saving every {budget.interval} steps (a save "
+                f"holds training up {budget.save_cost * 1000:.0f} ms, a step "
+                f"takes {budget.step_time * 1000:.1f} ms; budget "
+                f"{budget.budget:.1%})."
+            )
 
     def _raise_write_errors(self, step: Any) -> Any:
         """Runs `step`; a failed write raises, or warns with `on_save_error`."""
@@ -492,13 +529,15 @@ def _float_logs(logs: dict | None) -> dict[str, float]:
     return result
 
 
-def _schedule_from_save_freq(save_freq: Any) -> EveryEpoch | EveryNSteps:
+def _schedule_from_save_freq(save_freq: Any, overhead_budget: float) -> SaveSchedule:
     if save_freq == "epoch":
         return EveryEpoch()
+    if save_freq == "auto":
+        return OverheadBudget(overhead_budget)
     if isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0:
         return EveryNSteps(save_freq)
     raise ValueError(
-        "Invalid value for argument `save_freq`. Expected either 'epoch' or a "
+        "Invalid value for argument `save_freq`. Expected 'epoch', 'auto' or a "
         f"positive integer number of batches. Received: save_freq={save_freq!r}"
     )
 

@@ -32,8 +32,13 @@ class SaveSchedule:
         """Whether to save at the end of an epoch."""
         return False
 
-    def saved(self, now: float) -> None:
-        """Called after every save, whichever schedule asked for it."""
+    def saved(self, now: float, cost: float = 0.0) -> None:
+        """Called after every save, whichever schedule asked for it.
+
+        Args:
+            now: The time the save returned.
+            cost: Seconds the save held up training.
+        """
 
 
 class EveryEpoch(SaveSchedule):
@@ -69,7 +74,7 @@ class EveryNSteps(SaveSchedule):
         self._steps += steps
         return self._steps >= self.n
 
-    def saved(self, now: float) -> None:
+    def saved(self, now: float, cost: float = 0.0) -> None:
         self._steps = 0
 
     def __repr__(self) -> str:
@@ -106,11 +111,73 @@ class EveryNSeconds(SaveSchedule):
     def on_batch_end(self, steps: int, now: float) -> bool:
         return now - self._last >= self.seconds
 
-    def saved(self, now: float) -> None:
+    def saved(self, now: float, cost: float = 0.0) -> None:
         self._last = now
 
     def __repr__(self) -> str:
         return f"EveryNSeconds({self.seconds})"
+
+
+class OverheadBudget(SaveSchedule):
+    """Saves as often as keeps the time saves hold up training within a budget.
+
+    It measures the time of a training step (between batch ends, saves left
+    out) and how long each save blocks training (with background writes, the
+    copy to host memory plus any wait for the previous write), and saves every
+    `ceil(save_cost / (budget * step_time))` steps, re-estimated after every
+    save. The first save comes after `warmup_steps` steps, to measure it.
+
+    Args:
+        budget: Fraction of training time saves may take, in (0, 1).
+            Defaults to `0.02`.
+        warmup_steps: Steps before the first save. Defaults to `10`.
+    """
+
+    def __init__(self, budget: float = 0.02, warmup_steps: int = 10):
+        if (
+            isinstance(budget, bool)
+            or not isinstance(budget, (int, float))
+            or not 0 < budget < 1
+        ):
+            raise ValueError(
+                "Invalid value for argument `overhead_budget`. Expected a "
+                "fraction of training time between 0 and 1, e.g. 0.02. "
+                f"Received: overhead_budget={budget!r}"
+            )
+        self.budget = float(budget)
+        self.warmup_steps = warmup_steps
+        self.start(0.0)
+
+    def start(self, now: float) -> None:
+        self.interval: int | None = None
+        self.step_time: float | None = None
+        self.save_cost: float | None = None
+        self._steps = 0
+        self._last_end: float | None = None
+
+    def on_batch_end(self, steps: int, now: float) -> bool:
+        if self._last_end is not None and steps > 0:
+            self.step_time = _average(self.step_time, (now - self._last_end) / steps)
+        self._last_end = now
+        self._steps += steps
+        return self._steps >= (self.interval or self.warmup_steps)
+
+    def saved(self, now: float, cost: float = 0.0) -> None:
+        self.save_cost = _average(self.save_cost, cost)
+        self._steps = 0
+        self._last_end = now  # The next step's time starts after the save.
+        if self.step_time:
+            steps = self.save_cost / (self.budget * self.step_time)
+            # Less a hair, so float noise on an exact ratio does not round up.
+            self.interval = max(1, math.ceil(steps - 1e-9))
+
+    def __repr__(self) -> str:
+        return f"OverheadBudget({self.budget})"
+
+
+def _average(previous: float | None, value: float) -> float:
+    # An exponential moving average: steady, yet follows a changing load.
+    return value if previous is None else 0.8 * previous + 0.2 * value
 
 
 class AnyOf(SaveSchedule):
@@ -135,9 +202,9 @@ class AnyOf(SaveSchedule):
     def on_epoch_end(self, now: float) -> bool:
         return any([s.on_epoch_end(now) for s in self.schedules])
 
-    def saved(self, now: float) -> None:
+    def saved(self, now: float, cost: float = 0.0) -> None:
         for schedule in self.schedules:
-            schedule.saved(now)
+            schedule.saved(now, cost)
 
     def __repr__(self) -> str:
         return f"AnyOf{self.schedules!r}"

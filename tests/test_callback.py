@@ -690,3 +690,32 @@ def test_directory_turned_read_only_mid_training_raises_cleanly(small_filesystem
         model.fit(*data, epochs=3, verbose=0, callbacks=callbacks)
     resume = keras_ft.WorkerTrainingState(make_model(), backup_dir).restore()
     assert resume.epoch == 1
+
+
+def test_auto_save_freq_saves_within_the_budget_and_says_how_often(
+    backup_dir, data, capsys
+):
+    class SlowStep(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            time.sleep(0.01)
+
+    x, y = data
+    x, y = np.concatenate([x] * 8), np.concatenate([y] * 8)  # 32 steps/epoch.
+    callback = keras_ft.BackupAndRestore(
+        backup_dir, save_freq="auto", overhead_budget=0.5, delete_checkpoint=False,
+        keep=1000,
+    )  # fmt: skip
+    model = make_model()
+    model.fit(
+        x, y, epochs=2, batch_size=16, verbose=0, callbacks=[SlowStep(), callback]
+    )
+    out = capsys.readouterr().out
+    assert "BackupAndRestore: saving every" in out and "budget 50.0%" in out
+    saves = len(chief_checkpoints(backup_dir))
+    assert 2 <= saves < 64  # Saved, but not after every one of the 64 steps.
+
+
+@pytest.mark.parametrize("bad", [0, 1.5, "x"])
+def test_bad_overhead_budget_is_rejected(bad, backup_dir):
+    with pytest.raises(ValueError, match="`overhead_budget`"):
+        keras_ft.BackupAndRestore(backup_dir, save_freq="auto", overhead_budget=bad)

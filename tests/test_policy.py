@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from keras_ft.policy import AnyOf, EveryEpoch, EveryNSeconds, EveryNSteps, KeepLast
+from keras_ft.policy import (
+    AnyOf,
+    EveryEpoch,
+    EveryNSeconds,
+    EveryNSteps,
+    KeepLast,
+    OverheadBudget,
+)
 from keras_ft.store import Checkpoint
 
 
@@ -79,3 +86,38 @@ def test_keep_last_selects_the_oldest_beyond_n():
 def test_keep_last_rejects_bad_values(bad):
     with pytest.raises(ValueError, match="`keep`.*Received: keep="):
         KeepLast(bad)
+
+
+def test_overhead_budget_spaces_saves_to_fit_the_budget():
+    schedule = OverheadBudget(budget=0.02, warmup_steps=3)
+    schedule.start(0.0)
+    now, saves = 0.0, []
+    for step in range(1, 400):
+        now += 0.010  # A 10 ms step.
+        if schedule.on_batch_end(1, now):
+            saves.append(step)
+            now += 0.005  # A save blocks training for 5 ms.
+            schedule.saved(now, cost=0.005)
+    # 5 ms per save within 2 % of 10 ms steps: one save every 25 steps.
+    assert saves[0] == 3 and schedule.interval == 25
+    assert all(b - a == 25 for a, b in zip(saves[1:], saves[2:], strict=False))
+    overhead = len(saves) * 0.005 / (399 * 0.010)
+    assert overhead <= 0.02 + 0.005 / (399 * 0.010)
+
+
+def test_overhead_budget_follows_a_slower_save():
+    schedule = OverheadBudget(budget=0.1, warmup_steps=1)
+    schedule.start(0.0)
+    schedule.on_batch_end(1, 0.01)
+    schedule.on_batch_end(1, 0.02)
+    schedule.saved(0.02, cost=0.001)
+    fast = schedule.interval
+    for _ in range(20):
+        schedule.saved(0.02, cost=0.1)
+    assert schedule.interval > 10 * fast
+
+
+@pytest.mark.parametrize("bad", [0, 1, -0.5, 2, "2%", True])
+def test_overhead_budget_rejects_bad_values(bad):
+    with pytest.raises(ValueError, match="`overhead_budget`.*Received"):
+        OverheadBudget(bad)
