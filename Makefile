@@ -1,5 +1,6 @@
 # Every target creates .venv and installs into it first, so each works on a
 # fresh machine. torch is pinned to the CPU wheel these machines carry.
+SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -25,12 +26,23 @@ lint: venv
 	$(VENV)/bin/ruff format --check keras_ft tests benchmarks
 
 # One pytest process per backend: Keras fixes its backend at import time.
+# Each backend's log is kept, and a failing one's summary printed again at
+# the end, so the tail of the output says what failed.
 test: venv lint
-	@failed=""; \
+	@failed=""; logs=$$(mktemp -d); \
 	for backend in $(BACKENDS); do \
 		echo "=== KERAS_BACKEND=$$backend"; \
-		KERAS_BACKEND=$$backend $(PY) -m pytest $(PYTEST_ARGS) || failed="$$failed $$backend"; \
+		KERAS_BACKEND=$$backend $(PY) -m pytest -rfE $(PYTEST_ARGS) 2>&1 \
+			| tee $$logs/$$backend.log; \
+		[ $${PIPESTATUS[0]} -eq 0 ] || failed="$$failed $$backend"; \
 	done; \
+	for backend in $$failed; do \
+		echo "=== failures on KERAS_BACKEND=$$backend"; \
+		sed -n '/= FAILURES =/,/short test summary info/p' $$logs/$$backend.log \
+			| tail -n 60; \
+		sed -n '/short test summary info/,$$p' $$logs/$$backend.log; \
+	done; \
+	rm -rf $$logs; \
 	if [ -n "$$failed" ]; then echo "FAILED backends:$$failed"; exit 1; fi; \
 	echo "all backends passed: $(BACKENDS)"
 

@@ -547,16 +547,16 @@ def test_preemption_message_is_printed(backup_dir):
 
 def test_no_batch_end_within_the_grace_period_exits_anyway(backup_dir):
     process = start_training(
-        backup_dir, "--epochs", "1000", "--seconds-per-batch", "3",
+        backup_dir, "--epochs", "1000", "--seconds-per-batch", "600",
         "--grace-period", "0.5",
     )  # fmt: skip
     assert read_events(process, until="first_batch_end")
-    started = time.monotonic()
     process.send_signal(signal.SIGTERM)
-    stdout, _ = process.communicate(timeout=60)
+    # The batch in progress lasts 10 minutes; exiting within the timeout
+    # means the process did not wait for it.
+    stdout, _ = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM
     assert "no batch ended within the grace period" in stdout
-    assert time.monotonic() - started < 2.9  # Did not wait for the batch.
 
 
 def test_preemption_chains_to_the_users_handler_and_restores_it(backup_dir, data):
