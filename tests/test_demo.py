@@ -25,7 +25,9 @@ def test_demo_kills_resumes_and_matches_the_uninterrupted_steps():
     assert "killed the training process with SIGKILL in epoch 4" in out
     assert "BackupAndRestore: restored" in out
     # Epoch 3's backup may still have been in flight (written in the
-    # background), and the kill may land after epoch 4's: 3, 4 or 5.
-    assert re.search(r"resumed at epoch [345] and ran epochs [345]-8", out), out
+    # background), and on a loaded machine the kill may land epochs later.
+    resumed = re.search(r"resumed at epoch (\d) and ran epochs (\d)-8", out)
+    assert resumed, out
+    assert 3 <= int(resumed[1]) == int(resumed[2]) <= 8, out
     assert "160 optimizer steps after the crash and resume, 160 uninterrupted" in out
     assert "the same. Nothing was lost." in out
