@@ -22,8 +22,8 @@ demo: venv
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m keras_ft.demo
 
 lint: venv
-	$(VENV)/bin/ruff check keras_ft tests benchmarks
-	$(VENV)/bin/ruff format --check keras_ft tests benchmarks
+	$(VENV)/bin/ruff check keras_ft tests benchmarks examples
+	$(VENV)/bin/ruff format --check keras_ft tests benchmarks examples
 
 # One pytest process per backend: Keras fixes its backend at import time.
 # Each backend's log is kept, and a failing one's summary printed again at

@@ -2,6 +2,7 @@
 
 from keras_ft.callback import BackupAndRestore
 from keras_ft.cluster import TaskSpec, current_task
+from keras_ft.compat import install_multi_worker_fixes
 from keras_ft.lock import DirectoryInUseError
 from keras_ft.policy import (
     AnyOf,
@@ -46,5 +47,6 @@ __all__ = [
     "TrainingState",
     "WorkerTrainingState",
     "current_task",
+    "install_multi_worker_fixes",
     "wait_for_backups",
 ]

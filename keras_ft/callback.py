@@ -14,6 +14,8 @@ import keras
 from keras.src.utils import io_utils
 
 from keras_ft import callback_state, rng
+from keras_ft.cluster import TaskSpec
+from keras_ft.compat import install_multi_worker_fixes
 from keras_ft.fast_forward import FastForward
 from keras_ft.policy import (
     AnyOf,
@@ -124,6 +126,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     ):
         super().__init__()
         self.backup_dir = validate_backup_dir(backup_dir)
+        # fit() builds the model before any callback runs: fix that part of
+        # Keras for multi-worker strategies now. No effect on one process.
+        install_multi_worker_fixes()
         schedules = [_schedule_from_save_freq(save_freq, overhead_budget)]
         if save_every_seconds is not None:
             try:
@@ -188,6 +193,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._state = WorkerTrainingState(
             model, self.backup_dir, keep=self.keep, async_save=self.async_save
         )
+        self._check_cluster(self._state.task)
         self._state.check_writable()
         self._state.lock()
         try:
@@ -197,7 +203,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise
         self._resume = resume
         self.preempted_by = None
-        self._watcher.install()
+        if self._state.task.num_workers == 1:
+            # A lone worker's save would wait forever for the others in a
+            # collective read of the variables: only single processes save
+            # on a signal.
+            self._watcher.install()
         self._epochs_completed = resume.epoch if resume else 0
         self._pending_epoch_end = None
         # Read by fit() right after on_train_begin, and cleared again at the
@@ -274,6 +284,24 @@ class BackupAndRestore(keras.callbacks.Callback):
         pending, self._pending_epoch_end = self._pending_epoch_end, None
         if pending is not None and pending[0] == epoch:
             self._save(pending[1], epoch, None)
+
+    def _check_cluster(self, task: TaskSpec) -> None:
+        """Refuses save schedules that workers could disagree on."""
+        if task.num_workers == 1:
+            return
+        timed = [
+            s for s in self._schedule.schedules
+            if isinstance(s, (EveryNSeconds, OverheadBudget))
+        ]  # fmt: skip
+        if timed:
+            raise ValueError(
+                f"With {task.num_workers} workers, every worker must save at the "
+                "same step, so saves cannot depend on each worker's clock. "
+                "Use `save_freq='epoch'` or an integer number of batches "
+                "instead of `save_freq='auto'` or `save_every_seconds`. "
+                f"Received: save_freq={self.save_freq!r}, "
+                f"save_every_seconds={self.save_every_seconds!r}"
+            )
 
     def on_train_end(self, logs: dict | None = None) -> None:
         model = self.model

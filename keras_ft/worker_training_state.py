@@ -118,6 +118,10 @@ class WorkerTrainingState:
                 f"process can create and write. Received: "
                 f"backup_dir={self.backup_dir!r}"
             ) from e
+        if not self.task.is_chief:
+            # A worker's directory only ever holds the save being written.
+            shutil.rmtree(directory, ignore_errors=True)
+            return
         if self.task.is_chief:
             # A write still in flight from an earlier fit() in this process
             # owns its staging directory: let it finish before cleaning up.

@@ -1,0 +1,303 @@
+"""Kill a worker of a local training cluster, relaunch it, watch it resume.
+
+Launches N worker processes on 127.0.0.1 that train one small model together
+with `keras_ft.BackupAndRestore`: under `tf.distribute.MultiWorkerMirroredStrategy`
+(TensorFlow backend) or `keras.distribution.DataParallel` over
+`jax.distributed` (JAX backend). Once the chief has committed a backup, it
+SIGKILLs one worker at a random moment, stops the others as a cluster manager
+would, relaunches all N, and prints where they resumed and how they finished:
+
+    python examples/local_cluster.py --backend jax --workers 2
+    python examples/local_cluster.py --backend tensorflow --workers 2 --json
+
+`--json` adds one line `RESULT {...}` with the numbers, for the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+EXAMPLES_DIR = os.path.dirname(os.path.abspath(__file__))
+SAMPLES, GLOBAL_BATCH = 128, 16
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+# The worker: one process of the cluster.
+
+
+def emit(kind: str, **fields) -> None:
+    print("EVENT " + json.dumps({"kind": kind, **fields}), flush=True)
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    backend = os.environ["KERAS_BACKEND"]
+    if backend == "tensorflow":
+        os.environ["TF_CONFIG"] = json.dumps(
+            {
+                "cluster": {"worker": [f"127.0.0.1:{p}" for p in args.ports]},
+                "task": {"type": "worker", "index": args.index},
+            }
+        )
+        import tensorflow as tf
+
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        scope = strategy.scope()
+    else:
+        import jax
+
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{args.ports[0]}",
+            num_processes=args.workers,
+            process_id=args.index,
+        )
+    import keras
+    import numpy as np
+
+    import keras_ft
+
+    if backend == "jax":
+        keras.distribution.set_distribution(
+            keras.distribution.DataParallel(auto_shard_dataset=False)
+        )
+        scope = contextlib.nullcontext()  # No strategy scope on JAX.
+    keras.utils.set_random_seed(7)
+    with scope:
+        model = keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(32, activation="relu"),
+                keras.layers.Dense(1),
+            ]
+        )
+        model.compile(keras.optimizers.Adam(1e-2), loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(SAMPLES, 8)).astype("float32")
+    y = x.sum(axis=1, keepdims=True).astype("float32")
+    if backend == "tensorflow":
+        data = {"x": tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)}
+    else:
+        data = {"x": x, "y": y, "batch_size": GLOBAL_BATCH, "shuffle": False}
+
+    def step(model: keras.Model) -> int:
+        return int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+
+    class Report(keras.callbacks.Callback):
+        first = True
+
+        def on_epoch_begin(self, epoch, logs=None):
+            if self.first:
+                self.first = False
+                emit("resumed", epoch=epoch, step=step(self.model))
+
+        def on_train_batch_end(self, batch, logs=None):
+            # `self.model`, not `model`: on JAX it syncs the variables.
+            emit("batch_end", step=step(self.model))
+            time.sleep(args.seconds_per_batch)
+
+    backup = keras_ft.BackupAndRestore(
+        args.backup_dir, save_freq=args.save_freq, delete_checkpoint=False
+    )
+    model.fit(epochs=args.epochs, verbose=0, callbacks=[backup, Report()], **data)
+    weights = b"".join(keras.ops.convert_to_numpy(v).tobytes() for v in model.weights)
+    emit(
+        "done",
+        step=step(model),
+        weights=hashlib.sha256(weights).hexdigest(),
+        is_chief=keras_ft.current_task().is_chief,
+    )
+
+
+# The launcher: starts, kills and relaunches the workers.
+
+
+class Worker:
+    def __init__(self, index: int, args: argparse.Namespace, ports: list[int]):
+        command = [
+            sys.executable, __file__, "--worker", str(index),
+            "--workers", str(args.workers), "--backup-dir", args.backup_dir,
+            "--epochs", str(args.epochs), "--save-freq", str(args.save_freq),
+            "--seconds-per-batch", str(args.seconds_per_batch),
+            "--ports", *map(str, ports),
+        ]  # fmt: skip
+        env = dict(os.environ, KERAS_BACKEND=args.backend, TF_CPP_MIN_LOG_LEVEL="3")
+        env["PYTHONPATH"] = os.pathsep.join(
+            [os.path.dirname(EXAMPLES_DIR), env.get("PYTHONPATH", "")]
+        )
+        self.index = index
+        self.events: list[dict] = []
+        self.stderr: list[str] = []
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=env,
+        )  # fmt: skip
+        self._readers = [
+            threading.Thread(target=self._read_events, daemon=True),
+            threading.Thread(target=self._read_stderr, daemon=True),
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    def _read_events(self) -> None:
+        for line in self.process.stdout:
+            if line.startswith("EVENT "):
+                self.events.append(json.loads(line[len("EVENT ") :]))
+
+    def _read_stderr(self) -> None:
+        self.stderr.extend(self.process.stderr)
+
+    def event(self, kind: str) -> dict | None:
+        return next((e for e in self.events if e["kind"] == kind), None)
+
+    def finish(self, timeout: float) -> int:
+        """Waits for the process; kills it after `timeout` seconds."""
+        try:
+            code = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        for reader in self._readers:
+            reader.join(timeout=5)
+        return code
+
+
+def launch(args: argparse.Namespace) -> list[Worker]:
+    ports = free_ports(args.workers if args.backend == "tensorflow" else 1)
+    return [Worker(i, args, ports) for i in range(args.workers)]
+
+
+def committed(backup_dir: str) -> list[str]:
+    chief = os.path.join(backup_dir, "chief")
+    if not os.path.isdir(chief):
+        return []
+    return sorted(n for n in os.listdir(chief) if n.startswith("ckpt-"))
+
+
+def newest_committed_step(backup_dir: str) -> int | None:
+    sys.path.insert(0, os.path.dirname(EXAMPLES_DIR))
+    from keras_ft.store import CheckpointStore  # Needs no backend.
+
+    found = CheckpointStore(os.path.join(backup_dir, "chief")).latest_good()
+    return None if found is None else found[1]["step"]
+
+
+def run_launcher(args: argparse.Namespace) -> dict:
+    rng = random.Random(args.seed)
+    victim = args.kill_worker
+    if victim is None:
+        victim = rng.randrange(args.workers)
+    say = (lambda *a: None) if args.quiet else print
+    say(f"Launching {args.workers} workers ({args.backend}) on 127.0.0.1, "
+        f"backing up to {args.backup_dir}")  # fmt: skip
+    workers = launch(args)
+    deadline = time.monotonic() + args.timeout
+    while not committed(args.backup_dir):
+        if time.monotonic() > deadline or any(
+            w.process.poll() is not None for w in workers
+        ):
+            stderr = "".join(workers[0].stderr[-30:])
+            for w in workers:
+                w.finish(0)
+            raise RuntimeError(f"no backup was committed; chief said:\n{stderr}")
+        time.sleep(0.05)
+    time.sleep(rng.uniform(0.0, args.kill_window))
+    steps_seen = max((e["step"] for e in workers[victim].events), default=0)
+    workers[victim].process.send_signal(signal.SIGKILL)
+    say(f"SIGKILLed worker {victim} after step {steps_seen}.")
+    others = {}
+    for w in workers:
+        # The others fail or hang in a collective: a cluster manager stops them.
+        others[w.index] = w.finish(args.survivor_timeout)
+    committed_step = newest_committed_step(args.backup_dir)
+    say(f"All workers stopped; the chief's newest committed backup is at step "
+        f"{committed_step}. Relaunching.")  # fmt: skip
+
+    workers = launch(args)
+    codes = [w.finish(args.timeout) for w in workers]
+    resumed = [w.event("resumed") for w in workers]
+    done = [w.event("done") for w in workers]
+    for w, code in zip(workers, codes, strict=True):
+        if code != 0:
+            say(f"worker {w.index} exited with {code}:\n" + "".join(w.stderr[-30:]))
+    result = {
+        "victim": victim,
+        "killed_after_step": steps_seen,
+        "exit_codes_after_kill": others,
+        "committed_step": committed_step,
+        "exit_codes": codes,
+        "resumed_steps": [r and r["step"] for r in resumed],
+        "resumed_epochs": [r and r["epoch"] for r in resumed],
+        "final_steps": [d and d["step"] for d in done],
+        "weights": [d and d["weights"] for d in done],
+        "chiefs": [d and d["is_chief"] for d in done],
+        "backup_dir_entries": sorted(os.listdir(args.backup_dir)),
+        "chief_entries": sorted(os.listdir(os.path.join(args.backup_dir, "chief"))),
+    }
+    if all(r is not None for r in resumed) and all(d is not None for d in done):
+        same = "equal" if len(set(result["weights"])) == 1 else "DIFFERENT"
+        say(f"Resumed at step {result['resumed_steps'][0]} (epoch "
+            f"{result['resumed_epochs'][0] + 1}) on every worker; finished at "
+            f"step {result['final_steps'][0]}; final weights {same} on all "
+            f"{args.workers} workers.")  # fmt: skip
+    if args.json:
+        print("RESULT " + json.dumps(result), flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", default=os.environ.get("KERAS_BACKEND", "jax"),
+                        choices=["tensorflow", "jax"])  # fmt: skip
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--save-freq", type=int, default=2)
+    parser.add_argument("--seconds-per-batch", type=float, default=0.05)
+    parser.add_argument("--kill-window", type=float, default=1.0,
+                        help="kill within this many seconds")  # fmt: skip
+    parser.add_argument("--kill-worker", type=int)
+    parser.add_argument("--survivor-timeout", type=float, default=10.0)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--backup-dir")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--worker", type=int, dest="index")
+    parser.add_argument("--ports", type=int, nargs="*")
+    args = parser.parse_args()
+    if args.index is not None:
+        run_worker(args)
+        return
+    temporary = args.backup_dir is None
+    if temporary:
+        args.backup_dir = tempfile.mkdtemp(prefix="keras-ft-cluster-")
+    try:
+        run_launcher(args)
+    finally:
+        if temporary:
+            shutil.rmtree(args.backup_dir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
