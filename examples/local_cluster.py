@@ -9,6 +9,7 @@ would, relaunches all N, and prints where they resumed and how they finished:
 
     python examples/local_cluster.py --backend jax --workers 2
     python examples/local_cluster.py --backend tensorflow --workers 2 --json
+    python examples/local_cluster.py --signal TERM   # a preemption notice
 
 `--json` adds one line `RESULT {...}` with the numbers, for the tests.
 """
@@ -224,12 +225,19 @@ def run_launcher(args: argparse.Namespace) -> dict:
         time.sleep(0.05)
     time.sleep(rng.uniform(0.0, args.kill_window))
     steps_seen = max((e["step"] for e in workers[victim].events), default=0)
-    workers[victim].process.send_signal(signal.SIGKILL)
-    say(f"SIGKILLed worker {victim} after step {steps_seen}.")
+    signum = signal.Signals["SIG" + args.signal]
+    workers[victim].process.send_signal(signum)
+    say(f"Sent {signum.name} to worker {victim} after step {steps_seen}.")
     others = {}
     for w in workers:
-        # The others fail or hang in a collective: a cluster manager stops them.
-        others[w.index] = w.finish(args.survivor_timeout)
+        if signum == signal.SIGTERM:
+            # A preemption notice: every worker backs up the same step and exits.
+            others[w.index] = w.finish(args.timeout)
+        else:
+            # The others fail or hang in a collective: a cluster manager stops them.
+            others[w.index] = w.finish(args.survivor_timeout)
+    if signum == signal.SIGTERM:
+        say(f"Exit statuses: {others} (143 = stopped by SIGTERM after a backup).")
     committed_step = newest_committed_step(args.backup_dir)
     say(f"All workers stopped; the chief's newest committed backup is at step "
         f"{committed_step}. Relaunching.")  # fmt: skip
@@ -243,6 +251,7 @@ def run_launcher(args: argparse.Namespace) -> dict:
             say(f"worker {w.index} exited with {code}:\n" + "".join(w.stderr[-30:]))
     result = {
         "victim": victim,
+        "signal": signum.name,
         "killed_after_step": steps_seen,
         "exit_codes_after_kill": others,
         "committed_step": committed_step,
@@ -277,6 +286,7 @@ def main() -> None:
     parser.add_argument("--kill-window", type=float, default=1.0,
                         help="kill within this many seconds")  # fmt: skip
     parser.add_argument("--kill-worker", type=int)
+    parser.add_argument("--signal", choices=["KILL", "TERM"], default="KILL")
     parser.add_argument("--survivor-timeout", type=float, default=10.0)
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--seed", type=int)

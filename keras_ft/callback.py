@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import signal
 import sys
 import time
 import warnings
@@ -26,7 +27,7 @@ from keras_ft.policy import (
     OverheadBudget,
     SaveSchedule,
 )
-from keras_ft.preemption import PreemptionWatcher, parse_signals
+from keras_ft.preemption import ClusterNotice, PreemptionWatcher, parse_signals
 from keras_ft.state import ResumePoint
 from keras_ft.store import CheckpointWriteError
 from keras_ft.worker_training_state import WorkerTrainingState, validate_backup_dir
@@ -183,6 +184,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._skip_until = 0
         self._epochs_completed = 0
         self._warned_non_finite = False
+        self._batch_ends = 0
+        self._stop_at: dict | None = None
+        self._notice: ClusterNotice | None = None
+        self._preempted_signum: signal.Signals | None = None
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         model = self.model
@@ -203,11 +208,15 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise
         self._resume = resume
         self.preempted_by = None
-        if self._state.task.num_workers == 1:
-            # A lone worker's save would wait forever for the others in a
-            # collective read of the variables: only single processes save
-            # on a signal.
-            self._watcher.install()
+        self._watcher.install()
+        self._batch_ends, self._stop_at = 0, None
+        self._notice = None
+        if self._state.task.num_workers > 1:
+            # A save is a collective read of the variables: a signalled worker
+            # cannot save alone, so every worker stops at one agreed step.
+            self._notice = ClusterNotice(self.backup_dir, resume.step if resume else 0)
+            if self._state.task.is_chief:
+                self._notice.clear()
         self._epochs_completed = resume.epoch if resume else 0
         self._pending_epoch_end = None
         # Read by fit() right after on_train_begin, and cleared again at the
@@ -249,9 +258,25 @@ class BackupAndRestore(keras.callbacks.Callback):
         steps = batch + 1 - self._batches_in_epoch
         self._batches_in_epoch = batch + 1
         self._raise_write_errors(self._state.raise_if_failed)
-        if self._watcher.received is not None and not self._watcher.handled:
-            self._stop_for_preemption(logs)
-            return
+        self._batch_ends += 1
+        signalled = self._watcher.received is not None and not self._watcher.handled
+        if self._notice is None:
+            if signalled:
+                self._stop_for_preemption(logs, self._watcher.received)
+                return
+        else:
+            if signalled and self._stop_at is None:
+                self._stop_at = self._notice.publish(
+                    self._batch_ends + 1,
+                    self._watcher.received,
+                    self._state.task.task_index,
+                )
+            elif self._stop_at is None:
+                self._stop_at = self._notice.read()
+            if self._stop_at and self._batch_ends >= self._stop_at["batch_end"]:
+                signum = signal.Signals[self._stop_at["signal"]]
+                self._stop_for_preemption(logs, signum)
+                return
         if self._batches_in_epoch <= self._skip_until:
             return  # A batch trained before the restart, skipped now.
         if self._schedule.on_batch_end(steps, time.monotonic()):
@@ -319,11 +344,12 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self._state.unlock()
         self._state = None
         if self.preempted_by and self.exit_on_preemption:
-            raise SystemExit(128 + int(self._watcher.received))
+            raise SystemExit(128 + int(self._preempted_signum))
 
-    def _stop_for_preemption(self, logs: dict | None) -> None:
+    def _stop_for_preemption(self, logs: dict | None, signum: signal.Signals) -> None:
         watcher = self._watcher
-        name = watcher.received.name
+        name = signum.name
+        self._preempted_signum = signum
         checkpoint = None
         if self._batches_in_epoch > self._skip_until:
             self._save(logs, self._epoch, self._batches_in_epoch)
@@ -335,13 +361,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.preempted_by = name
         model = self.model
         model.stop_training = True
-        seconds = watcher.seconds_since_signal
+        seconds = watcher.seconds_since_signal if watcher.received else 0.0
         where = f"epoch {self._epoch + 1}, batch {self._batches_in_epoch}"
         saved = (
             f"backed up {where} to {checkpoint.path}"
             if checkpoint
             else (f"the backup already holds {where}")
         )
+        if watcher.received is None:  # Another worker got the signal.
+            name = f"{name} (worker {self._stop_at['worker']})"
         io_utils.print_msg(
             f"BackupAndRestore: received {name}; {saved} {seconds:.1f} s after "
             "the signal. Stopping training; run the same script again to "

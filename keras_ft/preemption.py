@@ -12,6 +12,8 @@ the first is pending is delivered to the old handler at once.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import threading
@@ -131,3 +133,72 @@ class PreemptionWatcher:
                 flush=True,
             )
             os._exit(128 + int(self.received))
+
+
+class ClusterNotice:
+    """Tells every worker of a cluster at which batch end to save and stop.
+
+    Synchronous data-parallel workers train in lockstep: none can finish a
+    step before every other has entered it. So a worker that got the signal
+    at batch end `n` and publishes "stop at batch end `n + 1`" before its next
+    step is seen by every other worker at batch end `n + 1` at the latest, and
+    all of them take the final backup (a collective save) at the same step.
+    The notice is a file in `backup_dir` that every worker sees; the first
+    published wins, so two workers signalled at once still agree.
+
+    Args:
+        backup_dir: The backup directory shared by the workers.
+        resumed_from: Optimizer step this run resumed at, so that a notice
+            left by an earlier run is never taken for this one's.
+    """
+
+    FILE = "preempted.json"
+
+    def __init__(self, backup_dir: str, resumed_from: int):
+        self.path = os.path.join(backup_dir, self.FILE)
+        self.resumed_from = resumed_from
+
+    def clear(self) -> None:
+        """Removes an earlier run's notice (the chief, before its first step)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.path)
+
+    def publish(self, batch_end: int, signum: signal.Signals, worker: int) -> dict:
+        """Publishes "stop at `batch_end`" unless a notice exists.
+
+        Returns:
+            The notice in force: this one, or the one published first.
+        """
+        notice = {
+            "batch_end": batch_end,
+            "signal": signum.name,
+            "worker": worker,
+            "resumed_from": self.resumed_from,
+        }
+        temporary = f"{self.path}.{os.getpid()}.tmp"
+        with open(temporary, "w") as f:
+            json.dump(notice, f)
+        try:
+            os.link(temporary, self.path)  # Fails if one exists: first wins.
+        except FileExistsError:
+            pass
+        finally:
+            os.remove(temporary)
+        return self.read() or notice
+
+    def read(self) -> dict | None:
+        """The notice for this run, if one was published."""
+        try:
+            with open(self.path) as f:
+                notice = json.load(f)
+        except (FileNotFoundError, ValueError):
+            return None
+        if not isinstance(notice, dict) or notice.get("resumed_from") != (
+            self.resumed_from
+        ):
+            return None
+        if not isinstance(notice.get("batch_end"), int):
+            return None
+        if notice.get("signal") not in signal.Signals.__members__:
+            return None
+        return notice

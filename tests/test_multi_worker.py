@@ -61,6 +61,36 @@ def test_a_killed_worker_resumes_from_the_chiefs_last_commit(tmp_path, victim):
         store.verify(checkpoint)
 
 
+@pytest.mark.skipif(
+    keras.backend.backend() not in ("tensorflow", "jax"),
+    reason="multi-worker training is tested on TensorFlow and JAX",
+)
+def test_sigterm_to_one_worker_backs_up_one_step_on_all_and_exits(tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    result = subprocess.run(
+        [sys.executable, HARNESS, "--backend", keras.backend.backend(),
+         "--workers", "2", "--epochs", str(EPOCHS), "--save-freq", "5",
+         "--seconds-per-batch", "0.1", "--kill-window", "0.3",
+         "--kill-worker", "1", "--signal", "TERM", "--seed", "3",
+         "--backup-dir", backup_dir, "--json", "--quiet"],
+        capture_output=True, text=True, env=subprocess_env(), timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
+    run = json.loads(line[len("RESULT ") :])
+    # Both stopped by themselves, as a preempted process should: 128 + 15.
+    assert run["exit_codes_after_kill"] == {"0": 143, "1": 143}
+    # The final backup is the signal's: after the step the signalled worker
+    # had reached, taken by both workers together.
+    committed = run["committed_step"]
+    assert committed > run["killed_after_step"]
+    assert run["exit_codes"] == [0, 0]
+    assert run["resumed_steps"] == [committed, committed]
+    assert run["final_steps"] == [EPOCHS * STEPS_PER_EPOCH] * 2
+    assert run["weights"][0] == run["weights"][1]
+    assert run["backup_dir_entries"] == ["chief"]
+
+
 def test_time_based_saves_are_refused_with_several_workers(backup_dir, data):
     callback = keras_ft.BackupAndRestore(backup_dir, save_freq="auto")
     with pytest.raises(ValueError, match=r"save_freq='auto'.*save_freq='auto'"):

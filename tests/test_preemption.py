@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from keras_ft.preemption import PreemptionWatcher, parse_signals
+from keras_ft.preemption import ClusterNotice, PreemptionWatcher, parse_signals
 
 
 def test_parse_signals_accepts_names_and_numbers():
@@ -70,3 +70,33 @@ def test_install_outside_the_main_thread_warns_and_does_nothing():
     thread.join()
     assert results == [False]
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
+
+
+def test_cluster_notice_first_published_wins(tmp_path):
+    first = ClusterNotice(str(tmp_path), resumed_from=40)
+    second = ClusterNotice(str(tmp_path), resumed_from=40)
+    assert first.read() is None
+    notice = first.publish(7, signal.SIGTERM, worker=1)
+    assert notice == {
+        "batch_end": 7, "signal": "SIGTERM", "worker": 1, "resumed_from": 40,
+    }  # fmt: skip
+    # A worker signalled a moment later gets the notice already in force.
+    assert second.publish(8, signal.SIGINT, worker=0) == notice
+    assert second.read() == notice
+    assert os.listdir(tmp_path) == [ClusterNotice.FILE]  # No temporary files left.
+
+
+def test_cluster_notice_of_an_earlier_run_or_damaged_is_ignored(tmp_path):
+    ClusterNotice(str(tmp_path), resumed_from=40).publish(7, signal.SIGTERM, 1)
+    later_run = ClusterNotice(str(tmp_path), resumed_from=47)
+    assert later_run.read() is None
+    later_run.clear()
+    assert not os.path.exists(os.path.join(tmp_path, ClusterNotice.FILE))
+    later_run.clear()  # Nothing to clear: fine.
+    path = os.path.join(tmp_path, ClusterNotice.FILE)
+    for text in ["{", "[]", '{"batch_end": "7", "signal": "SIGTERM", '
+                 '"resumed_from": 47}', '{"batch_end": 7, "signal": "SIGNOPE", '
+                 '"resumed_from": 47}']:  # fmt: skip
+        with open(path, "w") as f:
+            f.write(text)
+        assert later_run.read() is None, text
