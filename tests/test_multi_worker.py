@@ -23,6 +23,19 @@ HARNESS = os.path.join(os.path.dirname(TESTS_DIR), "examples", "local_cluster.py
 EPOCHS, STEPS_PER_EPOCH = 3, 8  # 128 samples, global batch 16.
 
 
+def run_cluster(backup_dir: str, *args: str) -> dict:
+    """Runs the harness: launch, kill or signal a worker, relaunch; its numbers."""
+    result = subprocess.run(
+        [sys.executable, HARNESS, "--backend", keras.backend.backend(),
+         "--workers", "2", "--epochs", str(EPOCHS), "--seconds-per-batch", "0.1",
+         "--backup-dir", backup_dir, "--json", "--quiet", *args],
+        capture_output=True, text=True, env=subprocess_env(), timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
 @pytest.mark.skipif(
     keras.backend.backend() not in ("tensorflow", "jax"),
     reason="multi-worker training is tested on TensorFlow and JAX",
@@ -30,22 +43,13 @@ EPOCHS, STEPS_PER_EPOCH = 3, 8  # 128 samples, global batch 16.
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_killed_worker_resumes_from_the_chiefs_last_commit(tmp_path, victim):
     backup_dir = str(tmp_path / "backup")
-    result = subprocess.run(
-        [sys.executable, HARNESS, "--backend", keras.backend.backend(),
-         "--workers", "2", "--epochs", str(EPOCHS), "--save-freq", "3",
-         "--seconds-per-batch", "0.1", "--kill-window", "0.6",
-         "--kill-worker", str(victim), "--seed", str(victim),
-         "--backup-dir", backup_dir, "--json", "--quiet"],
-        capture_output=True, text=True, env=subprocess_env(), timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
-    run = json.loads(line[len("RESULT ") :])
+    run = run_cluster(backup_dir, "--save-freq", "3", "--kill-window", "0.6",
+                      "--kill-worker", str(victim), "--seed", str(victim))  # fmt: skip
     assert run["exit_codes_after_kill"][str(victim)] == -9  # SIGKILL, for real.
     # Both workers restore the chief's newest commit and agree on it.
     committed = run["committed_step"]
     assert committed is not None and committed > 0
-    assert run["exit_codes"] == [0, 0], result.stdout
+    assert run["exit_codes"] == [0, 0], run
     assert run["resumed_steps"] == [committed, committed]
     assert run["resumed_epochs"][0] == run["resumed_epochs"][1]
     # And finish with the optimizer steps of an uninterrupted run, in step.
@@ -66,18 +70,9 @@ def test_a_killed_worker_resumes_from_the_chiefs_last_commit(tmp_path, victim):
     reason="multi-worker training is tested on TensorFlow and JAX",
 )
 def test_sigterm_to_one_worker_backs_up_one_step_on_all_and_exits(tmp_path):
-    backup_dir = str(tmp_path / "backup")
-    result = subprocess.run(
-        [sys.executable, HARNESS, "--backend", keras.backend.backend(),
-         "--workers", "2", "--epochs", str(EPOCHS), "--save-freq", "5",
-         "--seconds-per-batch", "0.1", "--kill-window", "0.3",
-         "--kill-worker", "1", "--signal", "TERM", "--seed", "3",
-         "--backup-dir", backup_dir, "--json", "--quiet"],
-        capture_output=True, text=True, env=subprocess_env(), timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
-    run = json.loads(line[len("RESULT ") :])
+    run = run_cluster(str(tmp_path / "backup"), "--save-freq", "5",
+                      "--kill-window", "0.3", "--kill-worker", "1",
+                      "--signal", "TERM", "--seed", "3")  # fmt: skip
     # Both stopped by themselves, as a preempted process should: 128 + 15.
     assert run["exit_codes_after_kill"] == {"0": 143, "1": 143}
     # The final backup is the signal's: after the step the signalled worker
