@@ -259,29 +259,33 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._batches_in_epoch = batch + 1
         self._raise_write_errors(self._state.raise_if_failed)
         self._batch_ends += 1
-        signalled = self._watcher.received is not None and not self._watcher.handled
-        if self._notice is None:
-            if signalled:
-                self._stop_for_preemption(logs, self._watcher.received)
-                return
-        else:
-            if signalled and self._stop_at is None:
-                self._stop_at = self._notice.publish(
-                    self._batch_ends + 1,
-                    self._watcher.received,
-                    self._state.task.task_index,
-                )
-            elif self._stop_at is None:
-                self._stop_at = self._notice.read()
-            if self._stop_at and self._batch_ends >= self._stop_at["batch_end"]:
-                signum = signal.Signals[self._stop_at["signal"]]
-                self._stop_for_preemption(logs, signum)
-                return
+        signum = self._signal_to_stop_for()
+        if signum is not None:
+            self._stop_for_preemption(logs, signum)
+            return
         if self._batches_in_epoch <= self._skip_until:
             return  # A batch trained before the restart, skipped now.
         if self._schedule.on_batch_end(steps, time.monotonic()):
             self._save(logs, self._epoch, self._batches_in_epoch)
             self._report_interval()
+
+    def _signal_to_stop_for(self) -> signal.Signals | None:
+        """The signal to back up and stop for at this batch end, if any."""
+        watcher = self._watcher
+        signalled = watcher.received is not None and not watcher.handled
+        if self._notice is None:  # One process: stop at once.
+            return watcher.received if signalled else None
+        # Several workers: stop together at the batch end the notice names.
+        if self._stop_at is None:
+            if signalled:
+                self._stop_at = self._notice.publish(
+                    self._batch_ends + 1, watcher.received, self._state.task.task_index
+                )
+            else:
+                self._stop_at = self._notice.read()
+        if self._stop_at and self._batch_ends >= self._stop_at["batch_end"]:
+            return signal.Signals[self._stop_at["signal"]]
+        return None
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if self.preempted_by:

@@ -101,7 +101,8 @@ class WorkerTrainingState:
     def check_writable(self) -> None:
         """Fails early, naming `backup_dir`, if saves could not be written.
 
-        Also removes staging directories left by a writer that was killed.
+        Also removes staging directories left by a writer that was killed
+        (the chief) or this worker's temporary directory (other workers).
 
         Raises:
             ValueError: if the directory cannot be created or written.
@@ -122,11 +123,10 @@ class WorkerTrainingState:
             # A worker's directory only ever holds the save being written.
             shutil.rmtree(directory, ignore_errors=True)
             return
-        if self.task.is_chief:
-            # A write still in flight from an earlier fit() in this process
-            # owns its staging directory: let it finish before cleaning up.
-            self._finish_earlier_write()
-            self._chief_store.remove_leftovers()
+        # A write still in flight from an earlier fit() in this process owns
+        # its staging directory: let it finish before cleaning up.
+        self._finish_earlier_write()
+        self._chief_store.remove_leftovers()
 
     def _finish_earlier_write(self) -> None:
         try:
