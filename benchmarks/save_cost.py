@@ -1,6 +1,6 @@
 """Cost of a backup: keras-ft vs `keras.callbacks.BackupAndRestore` vs nothing.
 
-Measures, side by side in one run on the current backend (`KERAS_BACKEND`):
+Measures, side by side in one run, on TensorFlow and JAX (one process each):
 1. `fit()` time of a ~5M-parameter MLP with Adam saving every batch: no
    callback, Keras' own, keras-ft synchronous, keras-ft asynchronous (the
    default); and keras-ft with `save_freq="auto"` over a longer run;
@@ -9,11 +9,14 @@ Measures, side by side in one run on the current backend (`KERAS_BACKEND`):
 3. save and restore throughput against raw write+fsync and raw read of the
    same number of bytes on the same disk (reads start from a cold page
    cache: the files' cached pages are dropped first);
-4. peak extra resident memory during an asynchronous save.
+4. peak extra resident memory during a first asynchronous save.
 
-Prints medians over repeats with the spread (min-max). Run: `make bench`, or
-`KERAS_BACKEND=jax python benchmarks/save_cost.py --repeats 5`; `--no-big`
-leaves out the 50M model.
+The variants of a measurement run interleaved (one fit of each, then the
+next round), so a machine that slows down or speeds up affects them alike;
+ratios are taken within a round and their median is reported with the
+spread (min-max) over rounds. Run: `make bench`; one backend:
+`python benchmarks/save_cost.py --backend jax`; `--quick` for a short run
+without the 50M model.
 """
 
 from __future__ import annotations
@@ -21,22 +24,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 
-import keras
-import numpy as np
-
-import keras_ft
-
 med = statistics.median
+BACKENDS = ("tensorflow", "jax")
 
 
-def build_model(width: int) -> keras.Model:
+def build_model(width: int):
+    import keras
+
     model = keras.Sequential(
         [
             keras.Input((512,)),
@@ -49,17 +53,17 @@ def build_model(width: int) -> keras.Model:
     return model
 
 
-def timed(fn, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
+def data(steps: int):
+    import numpy as np
+
+    x = np.random.default_rng(0).normal(size=(32 * steps, 512)).astype("float32")
+    return x, np.zeros((len(x), 10), "float32")
 
 
-def fmt(times: list[float]) -> str:
-    return f"{med(times):8.3f} s  ({min(times):.3f}-{max(times):.3f})"
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def files_below(path: str) -> list[str]:
@@ -89,7 +93,6 @@ def raw_write(path: str, block: bytes) -> None:
 
 
 def raw_read(path: str) -> None:
-    drop_cached_pages([path])
     with open(path, "rb", buffering=0) as f:
         while f.read(1 << 24):
             pass
@@ -119,53 +122,39 @@ def peak_extra_rss(fn) -> int:
     return max(peak[0], rss_bytes()) - before
 
 
-def fit_times(width, x, y, callbacks, repeats, epochs=1) -> list[float]:
-    """`fit()` seconds of a fresh, warmed-up model with `callbacks()`."""
+def interleaved(variants: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds of each variant's run, one of each per round."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, run in variants.items():
+            times[name].append(timed(run))
+    return times
+
+
+def fit_runner(width, x, y, make_callbacks, epochs=1):
+    """A warmed-up model; each call runs `fit()` with fresh callbacks."""
     model = build_model(width)
     model.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
-    return timed(
-        lambda: model.fit(
-            x, y, batch_size=32, epochs=epochs, verbose=0, callbacks=callbacks()
-        ),
-        repeats,
+    return lambda: model.fit(
+        x, y, batch_size=32, epochs=epochs, verbose=0, callbacks=make_callbacks()
     )
 
 
-def data(steps: int) -> tuple[np.ndarray, np.ndarray]:
-    x = np.random.default_rng(0).normal(size=(32 * steps, 512)).astype("float32")
-    return x, np.zeros((len(x), 10), "float32")
+def measure(args) -> dict:
+    """Every measurement on the current backend; returns plain numbers."""
+    import keras
 
+    import keras_ft
 
-def ft(path: str, **kwargs):
-    return lambda: [keras_ft.BackupAndRestore(path, verbose=0, **kwargs)]
-
-
-def keras_own(path: str, **kwargs):
-    return lambda: [keras.callbacks.BackupAndRestore(path, **kwargs)]
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--width", type=int, default=2048)
-    parser.add_argument("--fit-steps", type=int, default=20)
-    parser.add_argument("--auto-steps", type=int, default=300)
-    parser.add_argument("--big-width", type=int, default=6900)
-    parser.add_argument("--big-steps", type=int, default=40)
-    parser.add_argument("--big-epochs", type=int, default=3)
-    parser.add_argument("--big-repeats", type=int, default=3)
-    parser.add_argument("--no-big", action="store_true")
-    args = parser.parse_args()
-
-    root = tempfile.mkdtemp(prefix="keras-ft-bench-")
-    table: list[tuple[str, str, str]] = []
+    root = tempfile.mkdtemp(prefix="keras-ft-bench-", dir=args.dir)
+    result: dict = {"backend": keras.backend.backend()}
     notes: list[str] = []
     try:
         # 4. Memory first, in a fresh process, before anything is cached.
         model = build_model(args.width)
         x, y = data(args.fit_steps)
         model.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
-        params = model.count_params()
+        result["params"] = model.count_params()
         async_state = keras_ft.WorkerTrainingState(
             model, os.path.join(root, "rss"), keep=1, async_save=True
         )
@@ -178,145 +167,272 @@ def main() -> None:
         ckpt_bytes = dir_bytes(os.path.join(root, "rss", "chief"))
         keras_cb = keras.callbacks.BackupAndRestore(os.path.join(root, "keras"))
         keras_cb.set_model(model)
-        keras_rss = peak_extra_rss(keras_cb._save_model)
+        result["rss"] = {
+            "keras-ft": rss_extra / ckpt_bytes,
+            "keras": peak_extra_rss(keras_cb._save_model) / ckpt_bytes,
+        }
 
-        # 3. Throughput against the raw disk.
+        # 3. Throughput against the raw disk, interleaved.
         state = keras_ft.WorkerTrainingState(model, os.path.join(root, "ft"), keep=1)
-        ft_save = timed(lambda: state.back_up(0), args.repeats)
+        state.back_up(0)
         chief = os.path.join(root, "ft", "chief")
         ft_bytes = dir_bytes(chief)
-
-        def cold_restore():
-            drop_cached_pages(files_below(chief))
-            state.restore()
-
-        ft_restore = timed(cold_restore, args.repeats)
-        keras_save = timed(keras_cb._save_model, args.repeats)
+        keras_cb._save_model()
         keras_files = files_below(os.path.join(root, "keras"))
-
-        def keras_cold_restore():
-            drop_cached_pages(keras_files)
-            keras_cb._load_model()
-
-        keras_restore = timed(keras_cold_restore, args.repeats)
         raw_path = os.path.join(root, "raw.bin")
-        block = np.random.default_rng(0).bytes(ft_bytes)
-        raw_w = timed(lambda: raw_write(raw_path, block), args.repeats)
-        raw_r = timed(lambda: raw_read(raw_path), args.repeats)
+        block = os.urandom(ft_bytes)
+        raw_write(raw_path, block)
+
+        def cold(paths, fn):
+            def run():
+                drop_cached_pages(paths() if callable(paths) else paths)
+                fn()
+
+            return run
+
+        io_times = interleaved(
+            {
+                "save": lambda: state.back_up(0),
+                "raw write": lambda: raw_write(raw_path, block),
+                "keras save": keras_cb._save_model,
+                "restore": cold(lambda: files_below(chief), state.restore),
+                "raw read": cold([raw_path], lambda: raw_read(raw_path)),
+                "keras restore": cold(keras_files, keras_cb._load_model),
+            },
+            args.repeats,
+        )
+        result["bytes"] = ft_bytes
+        result["io"] = io_times
 
         # 1. Every batch, ~5M parameters.
+        def ft(path, **kwargs):
+            return lambda: [keras_ft.BackupAndRestore(path, verbose=0, **kwargs)]
+
+        def keras_own(path, **kwargs):
+            return lambda: [keras.callbacks.BackupAndRestore(path, **kwargs)]
+
         fit_args = (args.width, x, y)
-        every = {
-            "no callback": fit_times(*fit_args, list, args.repeats),
-            "Keras BackupAndRestore": fit_times(
-                *fit_args, keras_own(f"{root}/f-keras", save_freq=1), args.repeats
-            ),
-            "keras-ft sync": fit_times(
-                *fit_args,
-                ft(f"{root}/f-sync", save_freq=1, async_save=False),
-                args.repeats,
-            ),
-            "keras-ft async": fit_times(
-                *fit_args, ft(f"{root}/f-async", save_freq=1), args.repeats
-            ),
-        }
-        base = med(every["no callback"])
-        keras_added = med(every["Keras BackupAndRestore"]) - base
-        for name, times in every.items():
-            added = med(times) - base
-            vs_keras = ""
-            if name != "no callback" and keras_added > 0:
-                vs_keras = f", added {added / keras_added:.2f}x Keras'"
-            table.append(
-                (
-                    f"fit {args.fit_steps} steps every batch, {name}",
-                    fmt(times),
-                    f"{med(times) / base:.2f}x{vs_keras}",
-                )
-            )
-        xa, ya = data(args.auto_steps)
-        auto_none = fit_times(args.width, xa, ya, list, args.repeats)
-        auto_log = io.StringIO()  # The interval it chose, printed when verbose.
-        with contextlib.redirect_stdout(auto_log):
-            auto_ft = fit_times(
-                args.width,
-                xa,
-                ya,
-                lambda: [keras_ft.BackupAndRestore(f"{root}/f-auto", save_freq="auto")],
-                args.repeats,
-            )
-        table.append((f"fit {args.auto_steps} steps, no callback", fmt(auto_none), ""))
-        table.append(
-            (
-                f"fit {args.auto_steps} steps, keras-ft save_freq='auto'",
-                fmt(auto_ft),
-                f"{med(auto_ft) / med(auto_none):.3f}x",
-            )
+        result["every_batch"] = interleaved(
+            {
+                "none": fit_runner(*fit_args, list),
+                "keras": fit_runner(*fit_args, keras_own(f"{root}/f-k", save_freq=1)),
+                "sync": fit_runner(
+                    *fit_args, ft(f"{root}/f-s", save_freq=1, async_save=False)
+                ),
+                "async": fit_runner(*fit_args, ft(f"{root}/f-a", save_freq=1)),
+            },
+            args.repeats,
         )
+        result["steps"] = args.fit_steps
+
+        # 1b. save_freq="auto" over a longer run.
+        xa, ya = data(args.auto_steps)
+        auto_log = io.StringIO()  # The interval it chose, printed when verbose.
+
+        def auto_callbacks():
+            return [keras_ft.BackupAndRestore(f"{root}/f-auto", save_freq="auto")]
+
+        auto_ft = fit_runner(args.width, xa, ya, auto_callbacks)
+
+        def auto_run():
+            with contextlib.redirect_stdout(auto_log):
+                auto_ft()
+
+        result["auto"] = interleaved(
+            {"none": fit_runner(args.width, xa, ya, list), "auto": auto_run},
+            args.repeats,
+        )
+        result["auto_steps"] = args.auto_steps
         notes.extend(sorted(set(auto_log.getvalue().splitlines())))
 
         # 2. Every epoch, ~50M parameters.
-        if not args.no_big:
+        if not args.quick:
             xb, yb = data(args.big_steps)
             big = build_model(args.big_width)
-            big_params = big.count_params()
+            result["big_params"] = big.count_params()
             del big
             big_args = (args.big_width, xb, yb)
-            epoch_runs = {
-                "no callback": fit_times(
-                    *big_args, list, args.big_repeats, epochs=args.big_epochs
-                ),
-                "Keras BackupAndRestore": fit_times(
-                    *big_args,
-                    keras_own(f"{root}/b-keras"),
-                    args.big_repeats,
-                    epochs=args.big_epochs,
-                ),
-                "keras-ft": fit_times(
-                    *big_args,
-                    ft(f"{root}/b-ft"),
-                    args.big_repeats,
-                    epochs=args.big_epochs,
-                ),
-            }
-            bbase = med(epoch_runs["no callback"])
-            for name, times in epoch_runs.items():
-                table.append(
-                    (
-                        f"fit {big_params / 1e6:.0f}M params, {args.big_epochs} "
-                        f"epochs x {args.big_steps} steps, every epoch, {name}",
-                        fmt(times),
-                        f"{med(times) / bbase:.3f}x",
-                    )
-                )
+            epochs = args.big_epochs
+            result["every_epoch"] = interleaved(
+                {
+                    "none": fit_runner(*big_args, list, epochs),
+                    "keras": fit_runner(*big_args, keras_own(f"{root}/b-k"), epochs),
+                    "keras-ft": fit_runner(*big_args, ft(f"{root}/b-ft"), epochs),
+                },
+                args.big_repeats,
+            )
+            result["big_steps"], result["big_epochs"] = args.big_steps, epochs
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    result["notes"] = notes
+    return result
 
-    mb = ft_bytes / 1e6
-    table[:0] = [
-        ("save, keras-ft sync (fsync)", fmt(ft_save), f"{mb / med(ft_save):.0f} MB/s"),
-        ("raw write+fsync, same bytes", fmt(raw_w), f"{mb / med(raw_w):.0f} MB/s"),
-        ("save, Keras BackupAndRestore (no fsync)", fmt(keras_save), ""),
-        ("restore, keras-ft, cold cache", fmt(ft_restore),
-         f"{mb / med(ft_restore):.0f} MB/s"),
-        ("raw read, cold cache, same bytes", fmt(raw_r), f"{mb / med(raw_r):.0f} MB/s"),
-        ("restore, Keras BackupAndRestore, cold cache", fmt(keras_restore), ""),
+
+def spread(values: list[float], fmt: str = "{:.3f}") -> str:
+    return (
+        f"{fmt.format(med(values))} ({fmt.format(min(values))}-"
+        f"{fmt.format(max(values))})"
+    )
+
+
+def paired(a: list[float], b: list[float], fn) -> list[float]:
+    return [fn(x, y) for x, y in zip(a, b, strict=True)]
+
+
+def rows_of(r: dict) -> list[tuple[str, str, str, str]]:
+    """(measurement, value, target, met) rows for one backend's results."""
+    rows = []
+    mb = r["bytes"] / 1e6
+    io_ = r["io"]
+    for name, raw, label in (
+        ("save", "raw write", "save throughput / raw write+fsync"),
+        ("restore", "raw read", "restore throughput / raw cold read"),
+    ):
+        ratios = paired(io_[raw], io_[name], lambda raw_t, t: raw_t / t)
+        rows.append(
+            (
+                f"{label} ({mb:.0f} MB: {mb / med(io_[name]):.0f} vs "
+                f"{mb / med(io_[raw]):.0f} MB/s)",
+                spread(ratios, "{:.2f}"),
+                ">= 0.80",
+                "yes" if med(ratios) >= 0.8 else "no",
+            )
+        )
+    for name in ("keras save", "keras restore"):
+        rows.append((f"{name} (Keras' own, no fsync), s", spread(io_[name]), "", ""))
+
+    eb = r["every_batch"]
+    steps = r["steps"]
+    for name in ("none", "keras", "sync", "async"):
+        rows.append(
+            (
+                f"fit {steps} steps saving every batch: {name}, s",
+                spread(eb[name]),
+                "",
+                "",
+            )
+        )
+    for name in ("sync", "async"):
+        ratios = [
+            (v - n) / (k - n)
+            for v, n, k in zip(eb[name], eb["none"], eb["keras"], strict=True)
+        ]
+        rows.append(
+            (
+                f"  keras-ft {name} added time / Keras' added time",
+                spread(ratios, "{:.2f}"),
+                "<= 0.20" if name == "async" else "",
+                ("yes" if med(ratios) <= 0.2 else "no") if name == "async" else "",
+            )
+        )
+    per_save = [
+        (v - n) / steps * 1000
+        for v, n in zip(eb["async"], eb["none"], strict=True)
     ]  # fmt: skip
-    print(
-        f"\nbackend={keras.backend.backend()}  parameters={params:,}  "
-        f"checkpoint={mb:.1f} MB  repeats={args.repeats}  (median, min-max)\n"
+    rows.append(
+        ("  keras-ft async added per save, ms", spread(per_save, "{:.0f}"), "", "")
     )
-    for name, value, extra in table:
-        print(f"{name:64s} {value:28s} {extra}")
-    print(
-        f"\nsave throughput / raw write+fsync: {med(raw_w) / med(ft_save):.2f}\n"
-        f"restore throughput / raw read: {med(raw_r) / med(ft_restore):.2f}\n"
-        f"peak extra RSS, keras-ft async save: {rss_extra / ckpt_bytes:.2f}x "
-        f"the checkpoint ({rss_extra / 1e6:.0f} MB); Keras' own save: "
-        f"{keras_rss / 1e6:.0f} MB"
+
+    auto = r["auto"]
+    ratios = paired(auto["auto"], auto["none"], lambda a, n: a / n)
+    rows.append(
+        (
+            f"fit {r['auto_steps']} steps, save_freq='auto' / no callback",
+            spread(ratios, "{:.3f}"),
+            "<= 1.035",
+            "yes" if med(ratios) <= 1.035 else "no",
+        )
     )
-    for note in notes:
-        print(note)
+    if "every_epoch" in r:
+        ee = r["every_epoch"]
+        label = (
+            f"fit {r['big_params'] / 1e6:.0f}M params, {r['big_epochs']} epochs x "
+            f"{r['big_steps']} steps, every epoch"
+        )
+        for name in ("none", "keras", "keras-ft"):
+            rows.append((f"{label}: {name}, s", spread(ee[name]), "", ""))
+        for name, target in (("keras", ""), ("keras-ft", "<= 1.02")):
+            ratios = paired(ee[name], ee["none"], lambda a, n: a / n)
+            rows.append(
+                (
+                    f"  {name} / no callback",
+                    spread(ratios),
+                    target,
+                    ("yes" if med(ratios) <= 1.02 else "no") if target else "",
+                )
+            )
+    rss = r["rss"]
+    rows.append(
+        (
+            "peak extra RSS during a first async save / checkpoint bytes",
+            f"{rss['keras-ft']:.2f} (Keras' own save: {rss['keras']:.2f})",
+            "<= 1.10",
+            "yes" if rss["keras-ft"] <= 1.1 else "no",
+        )
+    )
+    return rows
+
+
+def print_table(results: list[dict], repeats: int) -> None:
+    print(
+        "\nkeras-ft save cost: median (min-max) over interleaved rounds; ratios "
+        f"paired within a round. repeats={repeats}\n"
+    )
+    header = ("backend", "measurement", "value", "target", "met")
+    lines = [header]
+    for r in results:
+        for name, value, target, met in rows_of(r):
+            lines.append((r["backend"], name, value, target, met))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    for line in lines:
+        print(" | ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)))
+    for r in results:
+        params = f"{r['params']:,} parameters, checkpoint {r['bytes'] / 1e6:.1f} MB"
+        print(f"\n{r['backend']}: {params}")
+        for note in r["notes"]:
+            print(f"  {note}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--backend", default="all", choices=("all", *BACKENDS))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--fit-steps", type=int, default=20)
+    parser.add_argument("--auto-steps", type=int, default=300)
+    parser.add_argument("--big-width", type=int, default=6900)
+    parser.add_argument("--big-steps", type=int, default=40)
+    parser.add_argument("--big-epochs", type=int, default=3)
+    parser.add_argument("--big-repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="leave out 50M")
+    parser.add_argument("--dir", default=None, help="where to write checkpoints")
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.json:
+        print("RESULT " + json.dumps(measure(args)))
+        return
+    backends = BACKENDS if args.backend == "all" else (args.backend,)
+    results = []
+    for backend in backends:
+        print(f"measuring on {backend}...", flush=True)
+        env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+        argv = []
+        for key, value in vars(args).items():
+            flag = "--" + key.replace("_", "-")
+            if key in ("backend", "json") or value is None or value is False:
+                continue
+            argv += [flag] if value is True else [flag, str(value)]
+        out = subprocess.run(
+            [sys.executable, __file__, "--json", *argv],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+            check=True,
+        ).stdout
+        line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+        results.append(json.loads(line[len("RESULT ") :]))
+    print_table(results, args.repeats)
 
 
 if __name__ == "__main__":

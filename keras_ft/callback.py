@@ -203,6 +203,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._state.lock()
         try:
             resume = self._state.restore()
+            self._state.prepare()
         except BaseException:
             self._state.unlock()
             raise
@@ -341,10 +342,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._watcher.uninstall()
         completed = self._epochs_completed >= self.params.get("epochs", 0)
         if self._state is not None:
-            self._raise_write_errors(self._state.wait)
             if self.delete_checkpoint and completed and not self.preempted_by:
+                # The backup goes: no need to finish writing the last save.
+                self._state.discard_pending()
                 self._state.delete_backup()
             else:
+                self._raise_write_errors(self._state.wait)
                 self._state.unlock()
         self._state = None
         if self.preempted_by and self.exit_on_preemption:

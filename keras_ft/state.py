@@ -22,6 +22,7 @@ import keras
 import numpy as np
 
 from keras_ft import arrays, rng, weights
+from keras_ft.store import Staging
 
 WEIGHTS_FILE = "model.weights.h5"
 STATE_FORMAT_VERSION = 1
@@ -56,7 +57,7 @@ class Snapshot:
     """One checkpoint's worth of state in host memory, ready to be written.
 
     Taking it is the only part of a save that must run in the training
-    thread; `write()` can run in another.
+    thread; `write()` can run in another if the snapshot is a copy.
     """
 
     weights: weights.CapturedWeights
@@ -67,10 +68,11 @@ class Snapshot:
     def nbytes(self) -> int:
         return self.weights.nbytes + sum(a.nbytes for a in self.arrays.values())
 
-    def write(self, directory: str) -> None:
+    def write(self, directory: str | Staging) -> None:
         """Writes the checkpoint's data files into `directory`."""
-        weights.write(os.path.join(directory, WEIGHTS_FILE), self.weights)
-        arrays.write(os.path.join(directory, arrays.ARRAYS_FILE), self.arrays)
+        staging = directory if isinstance(directory, Staging) else Staging(directory)
+        staging.write_file(WEIGHTS_FILE, self.weights.chunks)
+        arrays.write(os.path.join(staging, arrays.ARRAYS_FILE), self.arrays)
 
 
 class TrainingState:
@@ -82,14 +84,26 @@ class TrainingState:
 
     def __init__(self, model: keras.Model):
         self.model = model
+        self._weights = weights.WeightsLayout(model)
 
     def snapshot(
         self,
         epochs_completed: int,
         batches_completed: int,
         extra: dict[str, Any] | None = None,
+        copy: bool = True,
     ) -> Snapshot:
-        """The state now, with `extra` (JSON values and NumPy arrays) added."""
+        """The state now, with `extra` (JSON values and NumPy arrays) added.
+
+        Args:
+            epochs_completed: Epochs trained so far.
+            batches_completed: Batches of the current epoch trained so far.
+            extra: More state to save. Defaults to `None`.
+            copy: If `True`, the snapshot is a copy that stays valid while
+                training goes on, until the next `snapshot(copy=True)`; if
+                `False`, it views the variables and must be written before
+                the next training step. Defaults to `True`.
+        """
         tree = {
             "seed_generators": [
                 keras.ops.convert_to_numpy(g.state.value)
@@ -103,7 +117,16 @@ class TrainingState:
         }
         metadata = self.metadata(epochs_completed, batches_completed)
         metadata["state"], state_arrays = arrays.split(tree)
-        return Snapshot(weights.capture(self.model), metadata, state_arrays)
+        return Snapshot(self._weights.capture(copy=copy), metadata, state_arrays)
+
+    def prepare(self, copy: bool = True) -> None:
+        """Walks the model now rather than at the first snapshot; with `copy`,
+        also allocates the memory that copied snapshots reuse."""
+        self._weights.prepare(copy=copy)
+
+    def release(self) -> None:
+        """Frees the host memory that copied snapshots reuse."""
+        self._weights.release()
 
     def metadata(self, epochs_completed: int, batches_completed: int) -> dict:
         """The JSON metadata of a save taken now, without the state tree."""
@@ -131,7 +154,7 @@ class TrainingState:
         _check_metadata(metadata, directory)
         self._ensure_built(metadata)
         self._check_variables(metadata["variables"], directory)
-        self.model.load_weights(os.path.join(directory, WEIGHTS_FILE))
+        weights.load(self.model, os.path.join(directory, WEIGHTS_FILE))
         extra = arrays.join(
             metadata.get("state", {}),
             arrays.read(os.path.join(directory, arrays.ARRAYS_FILE)),

@@ -1,86 +1,447 @@
-"""Keras' `.weights.h5`, written from host copies of the variables.
+"""Keras' `.weights.h5`, captured from the variables and written at disk speed.
 
-`model.save_weights()` reads the variables while it writes, so it must run in
-the training thread for the whole write. Here the two halves are split:
-`capture()` walks the model exactly as `save_weights()` does (Keras' own
-traversal, so every layer and optimizer is covered) and copies each variable
-to host memory, which is fast; `write()` lays the copies out in the same HDF5
-structure, which `model.load_weights()` reads, and can run in another thread.
+`model.save_weights()` finds what to save by walking every attribute of the
+model, layers and optimizer, copies every variable (twice, for optimizers),
+and writes through h5py while holding the GIL, all in the training thread.
+Here the walk runs once per model structure, and its result is kept as a
+`WeightsLayout`: which object writes each HDF5 group, and at which byte
+offset of the file each value lies, the file's HDF5 structure being laid out
+once with every dataset stored contiguously. A save is then one copy of each
+variable into its place in a file image (`copy=True`, for a write in another
+thread) or no copy at all (`copy=False`), and one `writev()`: no walk, no
+h5py, no GIL. The file is the one `save_weights()` writes (same groups,
+attributes, datasets and values) and `model.load_weights()` reads it;
+`load()` reads it back at disk speed the same way, through the objects' own
+`load_own_variables()`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import mmap
+import os
+import sys
+import tempfile
 from typing import Any
 
 import h5py
 import keras
+import ml_dtypes
 import numpy as np
+from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.saving import saving_lib
+
+from keras_ft import host
+
+# Big datasets start on a page boundary: aligned copies, aligned views.
+_ALIGN_THRESHOLD = 64 * 1024
+_ALIGN = 4096
+# Element types a weights file may hold; anything else is not ours to read.
+_NUMERIC_KINDS = "biuf"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """One dataset: a value of one group, and where its bytes lie in the file."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    offset: int | None  # None when the value has no bytes.
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+@dataclasses.dataclass
+class _Group:
+    """One object's `save_own_variables()`: an HDF5 group `<path>/vars`."""
+
+    path: str
+    metadata: dict | None
+    saveable: Any
+    slots: list[_Slot]
 
 
 @dataclasses.dataclass
 class CapturedWeights:
-    """Host copies of a model's variables, grouped as in a `.weights.h5`."""
+    """A weights file in host memory: its bytes, as buffers in file order."""
 
-    # (group path, group attributes, {dataset name: array}), in save order.
-    groups: list[tuple[str, dict | None, dict[str, np.ndarray]]]
+    chunks: list[Any]
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for _, _, arrays in self.groups for a in arrays.values())
+        return sum(memoryview(c).nbytes for c in self.chunks)
+
+
+class WeightsLayout:
+    """What `save_weights()` writes for one model structure, and where.
+
+    Built by one walk of the model (Keras' own traversal, so every layer and
+    optimizer is covered); `capture()` reuses it as long as the model has the
+    same variables, and walks again when they change.
+
+    Args:
+        model: The `keras.Model` whose weights to capture.
+    """
+
+    def __init__(self, model: keras.Model):
+        self.model = model
+        self._fingerprint: tuple | None = None
+        self._groups: list[_Group] = []
+        self._size = 0
+        # The file's bytes outside the datasets: (offset, bytes), in order.
+        self._gaps: list[tuple[int, bytes]] = []
+        self._image: mmap.mmap | None = None
+        self._image_views: list[tuple[_Slot, np.ndarray]] = []
+
+    def capture(self, copy: bool = True) -> CapturedWeights:
+        """The model's weights file as it would be written now.
+
+        Args:
+            copy: If `True`, the values are copied into a buffer this layout
+                owns, so training may go on while it is written; the next
+                `capture(copy=True)` reuses that buffer, so write it first.
+                If `False`, the chunks are views of the variables, valid
+                until the next training step. Defaults to `True`.
+        """
+        if self._fingerprint != _fingerprint(self.model):
+            self._lay_out()
+        values = self._read_values()
+        if values is None:  # A group wrote other keys or shapes than planned.
+            self._lay_out()
+            values = self._read_values()
+        if not copy:
+            return CapturedWeights(self._chunks_around(values))
+        self._allocate()
+        for (_, destination), value in zip(self._image_views, values, strict=True):
+            np.copyto(destination, value, casting="no")
+        return CapturedWeights([memoryview(self._image)[: self._size]])
+
+    def prepare(self, copy: bool = True) -> None:
+        """Walks the model and, with `copy`, allocates the copy buffer now."""
+        if self._fingerprint != _fingerprint(self.model):
+            self._lay_out()
+        if copy:
+            self._allocate()
+
+    def _allocate(self) -> None:
+        if self._image is not None:
+            return
+        # Page-aligned, for direct I/O; huge pages make the first touch of
+        # a big buffer (below: every page) much cheaper.
+        image = mmap.mmap(-1, max(self._size, 1))
+        with contextlib.suppress(AttributeError, OSError):
+            image.madvise(mmap.MADV_HUGEPAGE)
+        for offset, gap in self._gaps:
+            image[offset : offset + len(gap)] = gap
+        buffer = np.frombuffer(image, np.uint8)
+        self._image_views = [(slot, _view(buffer, slot)) for slot in self._data_slots()]
+        self._image = image
+
+    def release(self) -> None:
+        """Frees the copy buffer; the next `capture(copy=True)` makes a new one."""
+        self._image, self._image_views = None, []
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the weights file."""
+        return self._size
+
+    def _lay_out(self) -> None:
+        recorder = _Recorder()
+        saving_lib._save_state(
+            self.model,
+            weights_store=recorder,
+            assets_store=None,
+            inner_path="",
+            visited_saveables=set(),
+        )
+        groups = [
+            _Group(path, metadata, saveable, slots)
+            for path, metadata, saveable, slots in recorder.groups
+        ]
+        self._size, self._gaps, offsets = _h5_template(groups)
+        for group in groups:
+            group.slots = [
+                dataclasses.replace(s, offset=offsets.get((group.path, s.key)))
+                for s in group.slots
+            ]
+        self._groups = groups
+        self._fingerprint = _fingerprint(self.model)
+        self.release()
+
+    def _read_values(self) -> list[np.ndarray] | None:
+        """Every dataset's current value, in `_data_slots()` order."""
+        values = []
+        for group in self._groups:
+            current = _own_variables(group.saveable)
+            if list(current) != [s.key for s in group.slots]:
+                return None
+            for slot in group.slots:
+                value = host.view(current[slot.key])
+                if value.shape != slot.shape or value.dtype != slot.dtype:
+                    return None
+                if slot.offset is not None:
+                    values.append(value)
+        return values
+
+    def _data_slots(self) -> list[_Slot]:
+        return [s for g in self._groups for s in g.slots if s.offset is not None]
+
+    def _chunks_around(self, values: list[np.ndarray]) -> list[Any]:
+        """The file's bytes between the values, and the values, in order."""
+        pieces = [(offset, gap) for offset, gap in self._gaps]
+        for slot, value in zip(self._data_slots(), values, strict=True):
+            # As bytes: the buffer protocol knows no bfloat16.
+            data = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+            pieces.append((slot.offset, data))
+        return [piece for _, piece in sorted(pieces, key=lambda p: p[0])]
+
+
+def capture(model: keras.Model, copy: bool = True) -> CapturedWeights:
+    """The weights file `model.save_weights()` would write, in host memory."""
+    return WeightsLayout(model).capture(copy=copy)
+
+
+def write(path: str, weights: CapturedWeights) -> None:
+    """Writes `weights` as a `.weights.h5` file, without fsync."""
+    with open(path, "wb") as f:
+        for chunk in weights.chunks:
+            f.write(chunk)
+
+
+def load(model: keras.Model, path: str) -> None:
+    """Loads a `.weights.h5` file into `model`, like `model.load_weights()`.
+
+    Files whose datasets are all stored contiguously (the ones keras-ft and
+    Keras write) are read with one mapping of the file, each value viewed in
+    place; others go through `model.load_weights()`.
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        groups = _contiguous_datasets(path, size) if size else None
+        if groups is None:
+            model.load_weights(path)
+            return
+        # Copy-on-write: a loader that changes a value in place changes only
+        # its own pages, never the checkpoint.
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    buffer = np.frombuffer(mapped, np.uint8)
+    views = {
+        group: {slot.key: _view(buffer, slot) for slot in slots}
+        for group, slots in groups.items()
+    }
+    errors: dict = {}
+    failed: set = set()
+    saving_lib._load_state(
+        model,
+        weights_store=_Views(views),
+        assets_store=None,
+        inner_path="",
+        visited_saveables=set(),
+        failed_saveables=failed,
+        error_msgs=errors,
+    )
+    if failed:
+        saving_lib._raise_loading_failure(errors)
+
+
+def _own_variables(saveable: Any) -> dict[str, Any]:
+    """What `saveable.save_own_variables()` stores, without copying."""
+    if type(saveable).save_own_variables is BaseOptimizer.save_own_variables:
+        # Keras' optimizer stores `variable.numpy()`, a copy of each.
+        return {str(i): v for i, v in enumerate(saveable.variables)}
+    store: dict[str, Any] = {}
+    saveable.save_own_variables(store)
+    return store
+
+
+def _fingerprint(model: keras.Model) -> tuple:
+    optimizer = model.optimizer
+    optimizer_variables = optimizer.variables if optimizer is not None else []
+    return (
+        tuple(id(v) for v in model.weights),
+        tuple(id(v) for v in optimizer_variables),
+    )
+
+
+def _view(buffer: np.ndarray, slot: _Slot) -> np.ndarray:
+    data = buffer[slot.offset : slot.offset + slot.nbytes]
+    return data.view(slot.dtype).reshape(slot.shape)
 
 
 class _Recorder(saving_lib.H5IOStore):
-    """Stands where `save_weights()` puts its HDF5 store, and keeps copies.
+    """Stands where `save_weights()` puts its HDF5 store, and takes notes.
 
     `_save_state` accepts only Keras' own store classes, hence the subclass;
     none of its file handling is used.
     """
 
     def __init__(self) -> None:  # noqa: D107 - no HDF5 file behind it.
-        self.groups: list[tuple[str, dict | None, dict[str, np.ndarray]]] = []
+        self.groups: list[tuple[str, dict | None, Any, list[_Slot]]] = []
 
     def __bool__(self) -> bool:
         return True
 
     def make(self, path: str, metadata: dict | None = None) -> _Recorder:
-        self.groups.append((path, dict(metadata) if metadata else None, {}))
+        # The object about to save into this group is `_save_state`'s
+        # argument; its `save_own_variables()` is what each capture calls.
+        caller = sys._getframe(1).f_locals
+        saveable = caller.get("saveable", caller.get("trackable"))
+        if saveable is None:
+            raise RuntimeError(
+                "keras-ft does not support this Keras version's saving code "
+                f"(keras {keras.__version__}); please report it."
+            )
+        self.groups.append((path, dict(metadata) if metadata else None, saveable, []))
         return self
 
     def __setitem__(self, key: str, value: Any) -> None:
-        # A copy: the backend may reuse the buffer in the next training step.
-        self.groups[-1][2][key] = np.array(keras.ops.convert_to_numpy(value))
+        # Only the shape and type: a value may be a copy (optimizers make
+        # one of each variable), and all of them at once would be a lot.
+        array = host.view(value)
+        self.groups[-1][3].append(_Slot(key, array.shape, array.dtype, None))
 
     def close(self) -> None:
         pass
 
 
-def capture(model: keras.Model) -> CapturedWeights:
-    """Copies every variable `model.save_weights()` would save to host memory."""
-    recorder = _Recorder()
-    saving_lib._save_state(
-        model,
-        weights_store=recorder,
-        assets_store=None,
-        inner_path="",
-        visited_saveables=set(),
-    )
-    return CapturedWeights(recorder.groups)
+def _h5_template(groups: list[_Group]) -> tuple[int, list, dict]:
+    """Lays out an HDF5 file with every group and dataset, data space reserved.
+
+    Returns:
+        The file's size; its bytes outside the datasets, as `(offset, bytes)`
+        pairs in order; and the byte offset of each `(group, key)` dataset.
+    """
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    offsets, extents = {}, []
+    # A real (sparse) file: the unwritten data space takes no memory or disk.
+    with tempfile.TemporaryDirectory(prefix="keras-ft-layout-") as directory:
+        path = os.path.join(directory, "layout.h5")
+        with h5py.File(
+            path, "w", alignment_threshold=_ALIGN_THRESHOLD, alignment_interval=_ALIGN
+        ) as f:
+            for group in groups:
+                if not group.slots and not group.metadata:
+                    continue  # Keras creates no group for a store left unused.
+                parent = f.require_group(group.path) if group.path else f
+                h5_group = parent.create_group("vars")
+                for key, value in (group.metadata or {}).items():
+                    h5_group.attrs[key] = value
+                for slot in group.slots:
+                    dataset = h5_group.create_dataset(
+                        slot.key, shape=slot.shape, dtype=slot.dtype, dcpl=dcpl
+                    )
+                    if slot.dtype == ml_dtypes.bfloat16:
+                        dataset.attrs["dtype"] = "bfloat16"
+                    if slot.nbytes and dataset.id.get_offset() is None:
+                        # h5py allocates scalars late, whatever the property
+                        # list says; writing zeros allocates them.
+                        dataset[()] = np.zeros(slot.shape, slot.dtype)
+                    if slot.nbytes:
+                        offset = dataset.id.get_offset()
+                        offsets[(group.path, slot.key)] = offset
+                        extents.append((offset, offset + slot.nbytes))
+        # Space reserved for the last datasets may lie past the end written.
+        size = max([os.path.getsize(path)] + [end for _, end in extents])
+        gaps, position = [], 0
+        with open(path, "rb") as f:
+            for start, end in [*sorted(extents), (size, size)]:
+                if start > position:
+                    gap = os.pread(f.fileno(), start - position, position)
+                    gaps.append((position, gap.ljust(start - position, b"\0")))
+                position = end
+    return size, gaps, offsets
 
 
-def write(path: str, weights: CapturedWeights) -> None:
-    """Writes `weights` as the `.weights.h5` file `save_weights()` would."""
-    with h5py.File(path, "w") as f:
-        for group_path, metadata, arrays in weights.groups:
-            if not arrays and not metadata:
-                continue  # Keras creates no group for a store left unused.
-            parent = f.require_group(group_path) if group_path else f
-            group = parent.create_group("vars")
-            for key, value in (metadata or {}).items():
-                group.attrs[key] = value
-            for key, array in arrays.items():
-                if keras.backend.standardize_dtype(array.dtype) == "bfloat16":
-                    group.create_dataset(key, data=array).attrs["dtype"] = "bfloat16"
-                else:
-                    group[key] = array
+def _contiguous_datasets(path: str, size: int) -> dict[str, list[_Slot]] | None:
+    """Each group's datasets with their offsets, or `None` if any is not
+    stored contiguously inside the file (chunked, compressed, external, a
+    link, an unknown type), for `model.load_weights()` to deal with."""
+    groups: dict[str, list[_Slot]] = {}
+    plain = True
+
+    def visit(name: str, link: Any) -> None:
+        nonlocal plain
+        if not isinstance(link, h5py.HardLink):
+            plain = False
+            return
+        if f[name].__class__ is not h5py.Dataset:
+            return
+        dataset = f[name]
+        parent, _, key = name.rpartition("/")
+        if parent != "vars" and not parent.endswith("/vars"):
+            plain = False
+            return
+        group = parent[: -len("vars")].rstrip("/")
+        dtype = dataset.dtype
+        if dataset.attrs.get("dtype") == "bfloat16" and dtype.itemsize == 2:
+            dtype = np.dtype(ml_dtypes.bfloat16)
+        elif dtype.kind not in _NUMERIC_KINDS:
+            plain = False
+            return
+        slot = _Slot(key, tuple(dataset.shape), dtype, dataset.id.get_offset())
+        stored = dataset.id.get_storage_size()
+        if (
+            dataset.chunks is not None
+            or dataset.external
+            or dataset.is_virtual
+            or (slot.nbytes and (slot.offset is None or stored != slot.nbytes))
+            or (slot.offset is not None and slot.offset + slot.nbytes > size)
+        ):
+            plain = False
+            return
+        if slot.offset is None:
+            slot = dataclasses.replace(slot, offset=0)
+        groups.setdefault(group, []).append(slot)
+
+    try:
+        with h5py.File(path, "r") as f:
+            f.visititems_links(visit)
+    except (OSError, ValueError):
+        return None
+    return groups if plain else None
+
+
+class _Views(saving_lib.H5IOStore):
+    """Serves `load_own_variables()` views of a mapped weights file."""
+
+    def __init__(self, groups: dict[str, dict[str, np.ndarray]]):  # noqa: D107
+        self._groups = groups
+        self._paths = {
+            "/".join(parts[:i])
+            for parts in (g.split("/") for g in groups if g)
+            for i in range(1, len(parts) + 1)
+        }
+        self._current: dict[str, np.ndarray] = {}
+
+    def __bool__(self) -> bool:
+        return True
+
+    def get(self, path: str) -> _Views:
+        self._current = self._groups.get(path, {})
+        return self
+
+    def has_path(self, path: str) -> bool:
+        return path in self._paths
+
+    def close(self) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return len(self._current)
+
+    def keys(self):
+        return self._current.keys()
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self._current[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._current

@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import threading
 import warnings
 
 import keras
@@ -14,7 +15,13 @@ from keras_ft.cluster import TaskSpec, chief_dir, current_task, write_dir
 from keras_ft.lock import DirectoryLock
 from keras_ft.policy import KeepLast
 from keras_ft.state import ResumePoint, TrainingState
-from keras_ft.store import Checkpoint, CheckpointStore, CheckpointWriteError
+from keras_ft.store import (
+    Checkpoint,
+    CheckpointStore,
+    CheckpointWriteError,
+    SaveCancelled,
+    wait_for_removals,
+)
 from keras_ft.writer import BackgroundWriter
 
 # One writer per chief directory in this process, shared by every
@@ -34,6 +41,7 @@ def wait_for_backups() -> None:
     """
     for writer in list(_writers.values()):
         writer.wait()
+    wait_for_removals()
 
 
 class WorkerTrainingState:
@@ -93,6 +101,7 @@ class WorkerTrainingState:
         self.async_save = bool(async_save)
         key = os.path.realpath(chief_dir(self.backup_dir))
         self._writer = _writers.setdefault(key, BackgroundWriter())
+        self._cancel_pending = threading.Event()
 
     @property
     def model(self) -> keras.Model:
@@ -170,12 +179,17 @@ class WorkerTrainingState:
             keras_ft.CheckpointWriteError: if this write, or with
                 `async_save` the previous one, failed.
         """
-        # The write in flight first: one snapshot in memory at a time.
+        # The write in flight first: one snapshot in memory at a time, and
+        # the copy buffer is free again once its write is done.
         self._writer.wait()
-        if batch is None:
-            snapshot = self._state.snapshot(epoch + 1, 0, extra)
-        else:
-            snapshot = self._state.snapshot(epoch, batch, extra)
+        in_background = self.async_save and self.task.is_chief
+        # Written right away, a snapshot can view the variables: no copy.
+        snapshot = self._state.snapshot(
+            epoch + 1 if batch is None else epoch,
+            0 if batch is None else batch,
+            extra,
+            copy=in_background,
+        )
         if not self.task.is_chief:
             temp_dir = write_dir(self.backup_dir, self.task)
             try:
@@ -183,26 +197,48 @@ class WorkerTrainingState:
             finally:
                 shutil.rmtree(temp_dir, ignore_errors=True)
             return None
-        if self.async_save:
-            self._writer.submit(lambda: self._commit(snapshot))
+        if in_background:
+            cancel = threading.Event()
+            self._writer.submit(lambda: self._commit(snapshot, cancel))
+            self._cancel_pending = cancel
             return None
         return self._commit(snapshot)
 
     def wait(self) -> Checkpoint | None:
         """Waits for a background write; returns the checkpoint it committed.
 
+        Also waits until the checkpoints it superseded are removed from disk.
+
         Raises:
             keras_ft.CheckpointWriteError: if that write failed.
         """
-        return self._writer.wait()
+        checkpoint = self._writer.wait()
+        wait_for_removals()
+        return checkpoint
 
     def raise_if_failed(self) -> None:
         """Raises the error of a background write that failed, without waiting."""
         self._writer.raise_if_failed()
 
-    def _commit(self, snapshot) -> Checkpoint:
+    def prepare(self) -> None:
+        """Does the one-time work of the first save now (walking the model,
+        laying out the weights file, and with `async_save`, allocating the
+        buffer snapshots are copied into), so that no save pays for it."""
+        self._state.prepare(copy=self.async_save and self.task.is_chief)
+
+    def discard_pending(self) -> None:
+        """Calls off a background write that has not committed yet.
+
+        For a backup about to be deleted: its write stops where it is, and
+        neither it nor its error, if it failed, is kept.
+        """
+        self._cancel_pending.set()
+        with contextlib.suppress(SaveCancelled, CheckpointWriteError):
+            self._writer.wait()
+
+    def _commit(self, snapshot, cancel: threading.Event | None = None) -> Checkpoint:
         try:
-            return self._chief_store.save(snapshot.write, snapshot.metadata)
+            return self._chief_store.save(snapshot.write, snapshot.metadata, cancel)
         except OSError as e:
             committed = self._chief_store.checkpoints()
             previous = (

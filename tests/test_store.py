@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -11,6 +12,7 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 from conftest import tree_digest
 
@@ -90,7 +92,7 @@ def write_garbage_manifest(path):
 
 
 DAMAGES = {
-    "flipped byte": (flip_byte, "SHA-256"),
+    "flipped byte": (flip_byte, "XXH3-128 checksum"),
     "truncated": (truncate, "truncated"),
     "deleted": (os.remove, "missing"),
     "manifest edited": (damage_manifest, "digest"),
@@ -131,6 +133,49 @@ def test_no_good_checkpoint_is_a_clear_error_and_deletes_nothing(tmp_path):
     assert tree_digest(str(tmp_path)) == before
 
 
+def test_big_files_are_written_from_buffers_and_checksummed_on_the_way(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    parts = [os.urandom(3 << 20), np.arange(1 << 20, dtype="float32"), b"", b"end"]
+
+    def write(staging):
+        staging.write_file("big.bin", [memoryview(p) for p in parts])
+
+    checkpoint = store.save(write, {})
+    with open(checkpoint.file("big.bin"), "rb") as f:
+        assert f.read() == b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+    store.verify(checkpoint)
+    flip_byte(checkpoint.file("big.bin"))  # Past 4 MB: verified through a map.
+    with pytest.raises(CorruptCheckpointError, match="big.bin does not match"):
+        store.verify(checkpoint)
+
+
+def rewrite_manifest(checkpoint, change):
+    with open(checkpoint.file("manifest.json")) as f:
+        manifest = json.load(f)
+    change(manifest)
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    manifest["digest"] = store_module._json_digest(body)
+    with open(checkpoint.file("manifest.json"), "w") as f:
+        json.dump(manifest, f)
+
+
+def test_sha256_manifests_of_earlier_releases_still_verify(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    checkpoint = store.save(write_payload(b"abc"), {"epoch": 1})
+
+    def to_sha256(manifest):
+        for name, entry in manifest["files"].items():
+            del entry["xxh3_128"]
+            with open(checkpoint.file(name), "rb") as f:
+                entry["sha256"] = hashlib.sha256(f.read()).hexdigest()
+
+    rewrite_manifest(checkpoint, to_sha256)
+    assert store.verify(checkpoint) == {"epoch": 1}
+    flip_byte(checkpoint.file("payload.bin"))
+    with pytest.raises(CorruptCheckpointError, match="SHA-256 checksum"):
+        store.verify(checkpoint)
+
+
 def test_manifest_cannot_point_outside_the_checkpoint(tmp_path):
     store = CheckpointStore(str(tmp_path))
     checkpoint = store.save(write_payload(b"x"), {})
@@ -152,6 +197,7 @@ def test_retention_keeps_the_newest_n(tmp_path):
     for i in range(5):
         store.save(write_payload(bytes([i])), {"i": i})
     assert [c.sequence for c in store.checkpoints()] == [4, 5]
+    store_module.wait_for_removals()  # Deleted ones go in the background.
     assert sorted(os.listdir(tmp_path)) == ["ckpt-00000004", "ckpt-00000005"]
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import h5py
 import keras
 import numpy as np
-from conftest import make_model, weights_of
+import pytest
+from conftest import iterations, make_model, weights_of
+from keras.src.saving import saving_lib
 
 from keras_ft import weights
 
@@ -69,12 +71,89 @@ def test_written_file_loads_with_load_weights(tmp_path, data):
         np.testing.assert_array_equal(a, b)
 
 
+def file_bytes(captured) -> bytes:
+    return b"".join(bytes(memoryview(c).cast("B")) for c in captured.chunks)
+
+
+def test_capture_without_copy_writes_the_same_file(tmp_path, data):
+    model = trained_model(data)
+    assert file_bytes(weights.capture(model, copy=False)) == file_bytes(
+        weights.capture(model, copy=True)
+    )
+
+
 def test_capture_is_a_copy_not_a_view(data):
     model = make_model()
     model.fit(*data, epochs=1, verbose=0)
-    captured = weights.capture(model)
-    before = [a.copy() for _, _, arrays in captured.groups for a in arrays.values()]
+    layout = weights.WeightsLayout(model)
+    captured = layout.capture()
+    before = file_bytes(captured)
     model.fit(*data, epochs=1, verbose=0)  # Changes every variable.
-    after = [a for _, _, arrays in captured.groups for a in arrays.values()]
-    for a, b in zip(before, after, strict=True):
+    assert file_bytes(captured) == before
+    assert file_bytes(layout.capture()) != before
+
+
+def test_the_model_is_walked_once_until_its_variables_change(
+    tmp_path, data, monkeypatch
+):
+    walks = []
+    original = saving_lib._save_state
+
+    def counting(*args, **kwargs):
+        if kwargs["inner_path"] == "":  # The model, not a recursion.
+            walks.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(saving_lib, "_save_state", counting)
+    model = make_model()  # Its optimizer has no variables before fit().
+    layout = weights.WeightsLayout(model)
+    layout.capture()
+    layout.capture()
+    assert len(walks) == 1
+    model.fit(*data, epochs=1, verbose=0)
+    path = str(tmp_path / "w.weights.h5")
+    weights.write(path, layout.capture())
+    assert len(walks) == 2
+    fresh = make_model()
+    fresh.optimizer.build(fresh.trainable_variables)
+    fresh.load_weights(path)
+    assert iterations(fresh) == iterations(model)
+
+
+def test_load_reads_keras_own_file_in_place(tmp_path, data, monkeypatch):
+    model = trained_model(data)
+    path = str(tmp_path / "keras.weights.h5")
+    model.save_weights(path)
+    fresh = keras.models.clone_model(model)
+    fresh.compile(keras.optimizers.Adam(), loss="mse")
+    fresh.optimizer.build(fresh.trainable_variables)
+    monkeypatch.setattr(fresh, "load_weights", None)  # Not the slow path.
+    weights.load(fresh, path)
+    for a, b in zip(weights_of(model), weights_of(fresh), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_load_falls_back_to_keras_for_compressed_datasets(tmp_path, data):
+    model = trained_model(data)
+    path = str(tmp_path / "compressed.weights.h5")
+    weights.write(path, weights.capture(model))
+    with h5py.File(path, "a") as f:
+        kernel = f["layers/dense/vars/0"][()]
+        del f["layers/dense/vars/0"]
+        f["layers/dense/vars"].create_dataset("0", data=kernel, compression="gzip")
+    fresh = keras.models.clone_model(model)
+    fresh.compile(keras.optimizers.Adam(), loss="mse")
+    fresh.optimizer.build(fresh.trainable_variables)
+    weights.load(fresh, path)
+    np.testing.assert_array_equal(weights_of(fresh)[0], weights_of(model)[0])
+
+
+def test_load_reports_a_mismatch_as_keras_does(tmp_path, data):
+    model = make_model(units=8)
+    model.fit(*data, epochs=1, verbose=0)
+    path = str(tmp_path / "w.weights.h5")
+    weights.write(path, weights.capture(model))
+    other = make_model(units=16)
+    other.optimizer.build(other.trainable_variables)
+    with pytest.raises(ValueError, match="shape"):
+        weights.load(other, path)

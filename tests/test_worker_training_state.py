@@ -73,8 +73,8 @@ def test_non_chief_writes_a_temporary_directory_and_removes_it(backup_dir, data)
     written = []
     original_snapshot = worker._state.snapshot
 
-    def spy(*args):
-        snapshot = original_snapshot(*args)
+    def spy(*args, **kwargs):
+        snapshot = original_snapshot(*args, **kwargs)
         original_write = snapshot.write
 
         def write(directory):
@@ -86,7 +86,7 @@ def test_non_chief_writes_a_temporary_directory_and_removes_it(backup_dir, data)
 
     worker._state.snapshot = spy
     assert worker.back_up(0) is None
-    assert written and os.path.join(backup_dir, "workertemp_1") in written[0]
+    assert written and os.path.join(backup_dir, "workertemp_1") in os.fspath(written[0])
     assert not os.path.exists(os.path.join(backup_dir, "workertemp_1"))
     assert tree_digest(backup_dir) == before  # The chief's files are untouched.
     # Every worker restores from the chief's checkpoint.
