@@ -1,11 +1,14 @@
-"""Backend tensors as NumPy arrays, without a copy where the backend allows.
+"""Between backend tensors and NumPy arrays, with as few copies as can be.
 
-The one place that knows how each backend hands out host memory. On the CPU,
-TensorFlow's tensors, JAX's arrays and PyTorch's tensors can all be viewed as
-NumPy arrays in place; `keras.ops.convert_to_numpy()` copies instead (and a
-TensorFlow variable's `numpy()` copies once more). A view is only valid until
-the backend updates the variable, so callers copy it or write it out before
-the next training step.
+The one place that knows how each backend hands out and takes in host
+memory. On the CPU, TensorFlow's tensors, JAX's arrays and PyTorch's tensors
+can all be viewed as NumPy arrays in place (`view`); `keras.ops.
+convert_to_numpy()` copies instead (and a TensorFlow variable's `numpy()`
+copies once more). A view is only valid until the backend updates the
+variable, so callers copy it or write it out before the next training step.
+The other way (`for_assign`), an array is handed to a variable's `assign()`
+in the form that backend copies least: Keras' own conversion copies it twice
+on TensorFlow.
 """
 
 from __future__ import annotations
@@ -14,6 +17,9 @@ from typing import Any
 
 import keras
 import numpy as np
+
+# The alignment TensorFlow's CPU kernels require of a tensor's data.
+_TF_ALIGNMENT = 64
 
 
 def view(value: Any) -> np.ndarray:
@@ -56,3 +62,25 @@ def _view_of(value: Any) -> np.ndarray | None:
         if isinstance(value, torch.Tensor):
             return value.detach().cpu().numpy()
     return None
+
+
+def for_assign(array: np.ndarray) -> Any:
+    """`array` as the value to pass to a Keras variable's `assign()`.
+
+    On TensorFlow, a tensor with its own copy of the values, made in one
+    copy (Keras converts an array by copying it, then copying the copy again
+    if that is unaligned). Elsewhere `array` itself: JAX may keep using its
+    memory, PyTorch copies it into the variable.
+    """
+    if keras.backend.backend() != "tensorflow":
+        return array
+    import tensorflow as tf
+
+    # TensorFlow aborts the process on an unaligned DLPack tensor.
+    if array.ctypes.data % _TF_ALIGNMENT or not array.flags.c_contiguous:
+        return array
+    try:
+        shared = tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+    except (TypeError, ValueError, RuntimeError, BufferError):
+        return array  # E.g. bfloat16, which DLPack refuses.
+    return tf.raw_ops.DeepCopy(x=shared)

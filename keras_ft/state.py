@@ -154,7 +154,7 @@ class TrainingState:
         _check_metadata(metadata, directory)
         self._ensure_built(metadata)
         self._check_variables(metadata["variables"], directory)
-        weights.load(self.model, os.path.join(directory, WEIGHTS_FILE))
+        weights.load(self.model, os.path.join(directory, WEIGHTS_FILE), self._weights)
         extra = arrays.join(
             metadata.get("state", {}),
             arrays.read(os.path.join(directory, arrays.ARRAYS_FILE)),

@@ -157,3 +157,50 @@ def test_load_reports_a_mismatch_as_keras_does(tmp_path, data):
     other.optimizer.build(other.trainable_variables)
     with pytest.raises(ValueError, match="shape"):
         weights.load(other, path)
+
+
+def test_a_file_written_for_the_same_layout_loads_without_parsing(
+    tmp_path, data, monkeypatch
+):
+    model = trained_model(data)
+    path = str(tmp_path / "w.weights.h5")
+    weights.write(path, weights.capture(model))
+    fresh = keras.models.clone_model(model)  # Same structure and names.
+    fresh.compile(keras.optimizers.Adam(name=model.optimizer.name), loss="mse")
+    fresh.optimizer.build(fresh.trainable_variables)
+    layout = weights.WeightsLayout(fresh)
+
+    def no_parsing(*args):
+        raise AssertionError("the file was parsed")
+
+    monkeypatch.setattr(weights, "_contiguous_datasets", no_parsing)
+    weights.load(fresh, path, layout)
+    for a, b in zip(weights_of(model), weights_of(fresh), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert iterations(fresh) == iterations(model)
+
+
+def test_a_file_of_another_layout_is_parsed_and_loads(tmp_path, data, monkeypatch):
+    model = make_model()
+    model.fit(*data, epochs=1, verbose=0)
+    path = str(tmp_path / "w.weights.h5")
+    weights.write(path, weights.capture(model))
+    fresh = make_model()  # New layer names: the bytes around the values differ.
+    fresh.optimizer.build(fresh.trainable_variables)
+    parsed = []
+    original = weights._contiguous_datasets
+    monkeypatch.setattr(
+        weights, "_contiguous_datasets", lambda *a: parsed.append(1) or original(*a)
+    )
+    weights.load(fresh, path, weights.WeightsLayout(fresh))
+    assert parsed
+    for a, b in zip(weights_of(model), weights_of(fresh), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_walks_leave_keras_own_functions_in_place(data):
+    original = saving_lib.get_attr_skipset
+    model = make_model()
+    model.fit(*data, epochs=1, verbose=0)
+    weights.capture(model)
+    assert saving_lib.get_attr_skipset is original
