@@ -266,7 +266,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             return
         if self._batches_in_epoch <= self._skip_until:
             return  # A batch trained before the restart, skipped now.
-        if self._schedule.on_batch_end(steps, time.monotonic()):
+        writing = self._state.writing
+        if self._schedule.on_batch_end(steps, time.monotonic(), writing):
             self._save(logs, self._epoch, self._batches_in_epoch)
             self._report_interval()
 

@@ -17,15 +17,23 @@ class SaveSchedule:
     """Decides, at each batch end and epoch end, whether a save is due.
 
     A schedule is told how many optimizer steps ran since the previous batch
-    end, the time, and when a save happened. It keeps no other state, so a
-    schedule can be reset with `start()` and reused across `fit()` calls.
+    end, the time, whether a save was still being written in the background,
+    and when a save happened. It keeps no other state, so a schedule can be
+    reset with `start()` and reused across `fit()` calls.
     """
 
     def start(self, now: float) -> None:
         """Called at train begin: forget everything of a previous run."""
 
-    def on_batch_end(self, steps: int, now: float) -> bool:
-        """Whether to save after a batch end that completed `steps` steps."""
+    def on_batch_end(self, steps: int, now: float, writing: bool = False) -> bool:
+        """Whether to save after a batch end that completed `steps` steps.
+
+        Args:
+            steps: Optimizer steps since the previous batch end.
+            now: The time.
+            writing: Whether a save was being written in the background
+                during those steps. Defaults to `False`.
+        """
         return False
 
     def on_epoch_end(self, now: float) -> bool:
@@ -70,7 +78,7 @@ class EveryNSteps(SaveSchedule):
     def start(self, now: float) -> None:
         self._steps = 0
 
-    def on_batch_end(self, steps: int, now: float) -> bool:
+    def on_batch_end(self, steps: int, now: float, writing: bool = False) -> bool:
         self._steps += steps
         return self._steps >= self.n
 
@@ -108,7 +116,7 @@ class EveryNSeconds(SaveSchedule):
     def start(self, now: float) -> None:
         self._last = now
 
-    def on_batch_end(self, steps: int, now: float) -> bool:
+    def on_batch_end(self, steps: int, now: float, writing: bool = False) -> bool:
         return now - self._last >= self.seconds
 
     def saved(self, now: float, cost: float = 0.0) -> None:
@@ -119,11 +127,14 @@ class EveryNSeconds(SaveSchedule):
 
 
 class OverheadBudget(SaveSchedule):
-    """Saves as often as keeps the time saves hold up training within a budget.
+    """Saves as often as keeps the time saves add to training within a budget.
 
-    It measures the time of a training step (between batch ends, saves left
-    out) and how long each save blocks training (with background writes, the
-    copy to host memory plus any wait for the previous write), and saves every
+    It measures the time of a training step while nothing is being written
+    (between batch ends, saves left out) and what each save costs training:
+    the time it blocks (with background writes, the copy to host memory plus
+    any wait for the previous write) plus the time the steps run while its
+    write goes on in the background lose against that (the write takes CPU,
+    memory bandwidth and I/O from them). It saves every
     `ceil(save_cost / (budget * step_time))` steps, re-estimated after every
     save. The first save comes after `warmup_steps` steps, to measure it.
 
@@ -154,16 +165,30 @@ class OverheadBudget(SaveSchedule):
         self.save_cost: float | None = None
         self._steps = 0
         self._last_end: float | None = None
+        self._blocked = 0.0  # By the last save, in the training thread.
+        self._beside_write = [0.0, 0]  # Seconds and steps while it was written.
 
-    def on_batch_end(self, steps: int, now: float) -> bool:
+    def on_batch_end(self, steps: int, now: float, writing: bool = False) -> bool:
         if self._last_end is not None and steps > 0:
-            self.step_time = _average(self.step_time, (now - self._last_end) / steps)
+            seconds = now - self._last_end
+            if writing:
+                self._beside_write[0] += seconds
+                self._beside_write[1] += steps
+            else:
+                self.step_time = _average(self.step_time, seconds / steps)
         self._last_end = now
         self._steps += steps
         return self._steps >= (self.interval or self.warmup_steps)
 
     def saved(self, now: float, cost: float = 0.0) -> None:
-        self.save_cost = _average(self.save_cost, cost)
+        # The previous save's full cost is known now that its write is over.
+        seconds, steps = self._beside_write
+        if self.step_time and (steps or self._blocked):
+            slowed = max(0.0, seconds - steps * self.step_time)
+            self.save_cost = _average(self.save_cost, self._blocked + slowed, up=0.5)
+        elif self.save_cost is None:
+            self.save_cost = cost
+        self._blocked, self._beside_write = cost, [0.0, 0]
         self._steps = 0
         self._last_end = now  # The next step's time starts after the save.
         if self.step_time:
@@ -175,9 +200,13 @@ class OverheadBudget(SaveSchedule):
         return f"OverheadBudget({self.budget})"
 
 
-def _average(previous: float | None, value: float) -> float:
-    # An exponential moving average: steady, yet follows a changing load.
-    return value if previous is None else 0.8 * previous + 0.2 * value
+def _average(previous: float | None, value: float, up: float = 0.2) -> float:
+    # An exponential moving average: steady, yet follows a changing load;
+    # with a larger `up`, quicker to believe a rise than a fall.
+    if previous is None:
+        return value
+    weight = up if value > previous else 0.2
+    return (1 - weight) * previous + weight * value
 
 
 class AnyOf(SaveSchedule):
@@ -194,9 +223,9 @@ class AnyOf(SaveSchedule):
         for schedule in self.schedules:
             schedule.start(now)
 
-    def on_batch_end(self, steps: int, now: float) -> bool:
+    def on_batch_end(self, steps: int, now: float, writing: bool = False) -> bool:
         # Every schedule must see every batch, so no short-circuiting `any`.
-        answers = [s.on_batch_end(steps, now) for s in self.schedules]
+        answers = [s.on_batch_end(steps, now, writing) for s in self.schedules]
         return any(answers)
 
     def on_epoch_end(self, now: float) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 import warnings
 from typing import Any
@@ -63,6 +64,9 @@ class Snapshot:
     weights: weights.CapturedWeights
     metadata: dict
     arrays: dict[str, np.ndarray]
+    # Set once `write()` no longer needs the weights' buffers, which the next
+    # copied snapshot reuses.
+    released: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     @property
     def nbytes(self) -> int:
@@ -71,7 +75,12 @@ class Snapshot:
     def write(self, directory: str | Staging) -> None:
         """Writes the checkpoint's data files into `directory`."""
         staging = directory if isinstance(directory, Staging) else Staging(directory)
-        staging.write_file(WEIGHTS_FILE, self.weights.chunks)
+        try:
+            staging.write_file(
+                WEIGHTS_FILE, self.weights.chunks, on_written=self.released.set
+            )
+        finally:
+            self.released.set()
         arrays.write(os.path.join(staging, arrays.ARRAYS_FILE), self.arrays)
 
 

@@ -152,10 +152,26 @@ class Staging(os.PathLike):
     def __repr__(self) -> str:
         return f"Staging({self.path!r})"
 
-    def write_file(self, name: str, chunks: Sequence[Any]) -> None:
-        """Writes the buffers `chunks`, one after another, as the file `name`."""
+    def write_file(
+        self,
+        name: str,
+        chunks: Sequence[Any],
+        on_written: Callable[[], None] | None = None,
+    ) -> None:
+        """Writes the buffers `chunks`, one after another, as the file `name`.
+
+        Args:
+            name: The file's name.
+            chunks: Buffers (see `write_file()`).
+            on_written: Called once the buffers are no longer needed (their
+                bytes are with the kernel or on disk), before the fsync.
+                Defaults to `None`.
+        """
         self.digests[name] = write_file(
-            os.path.join(self.path, name), chunks, cancel=self.cancel
+            os.path.join(self.path, name),
+            chunks,
+            cancel=self.cancel,
+            on_written=on_written,
         )
 
     def check_cancelled(self) -> None:
@@ -168,6 +184,7 @@ def write_file(
     chunks: Sequence[Any],
     sync: bool = True,
     cancel: threading.Event | None = None,
+    on_written: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Writes buffers one after another into a new file at `path`.
 
@@ -184,6 +201,8 @@ def write_file(
         sync: Whether to fsync the file before returning. Defaults to `True`.
         cancel: If set while writing, stop with `SaveCancelled`. Defaults to
             `None`.
+        on_written: Called once `chunks` are no longer needed, before the
+            fsync. Defaults to `None`.
 
     Returns:
         The file's manifest entry: its size and checksum.
@@ -202,6 +221,8 @@ def write_file(
                 for view in batch:
                     digest.update(view)
                 _writev_all(fd, batch)
+        if on_written is not None:
+            on_written()
         if sync:
             os.fsync(fd)
     finally:

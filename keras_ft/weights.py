@@ -132,11 +132,16 @@ class WeightsLayout:
         if self._image is not None:
             return
         # Page-aligned, for direct I/O. Private: Python's default is a shared
-        # mapping, which the kernel backs with shared memory, slower to touch.
+        # mapping, which the kernel backs with shared memory, slower to touch
+        # and never in huge pages. Huge pages make the first touch of a big
+        # buffer several times cheaper; it happens here, not in a save.
         image = mmap.mmap(-1, max(self._size, 1), flags=mmap.MAP_PRIVATE)
+        with contextlib.suppress(AttributeError, OSError):
+            image.madvise(mmap.MADV_HUGEPAGE)
+        buffer = np.frombuffer(image, np.uint8)
+        buffer[:: mmap.PAGESIZE] = 0
         for offset, gap in self._gaps:
             image[offset : offset + len(gap)] = gap
-        buffer = np.frombuffer(image, np.uint8)
         self._image_views = [(slot, _view(buffer, slot)) for slot in self._data_slots()]
         self._image = image
 
@@ -187,7 +192,7 @@ class WeightsLayout:
 
     def _lay_out(self) -> None:
         recorder = _Recorder()
-        with _skipsets_cached():
+        with _skipsets_cached(), _optimizer_stores_variables(self.model):
             saving_lib._save_state(
                 self.model,
                 weights_store=recorder,
@@ -318,6 +323,33 @@ def _skipsets_cached():
 
 
 _skipset = functools.cache(saving_lib.get_attr_skipset)
+
+
+@contextlib.contextmanager
+def _optimizer_stores_variables(model: keras.Model):
+    """Has Keras' optimizer store its variables, not copies, for one walk.
+
+    Its `save_own_variables()` stores `variable.numpy()` of each, a copy of
+    the optimizer's whole state, for a walk that only needs shapes.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if (
+        optimizer is None
+        or type(optimizer).save_own_variables is not BaseOptimizer.save_own_variables
+    ):
+        yield
+        return
+
+    def save_own_variables(store: Any) -> None:
+        for i, variable in enumerate(optimizer.variables):
+            store[str(i)] = variable
+
+    # Around the optimizer's tracking `__setattr__`: a plain instance attribute.
+    object.__setattr__(optimizer, "save_own_variables", save_own_variables)
+    try:
+        yield
+    finally:
+        object.__delattr__(optimizer, "save_own_variables")
 
 
 def _own_variables(saveable: Any) -> dict[str, Any]:

@@ -102,6 +102,8 @@ class WorkerTrainingState:
         key = os.path.realpath(chief_dir(self.backup_dir))
         self._writer = _writers.setdefault(key, BackgroundWriter())
         self._cancel_pending = threading.Event()
+        self._buffer_released = threading.Event()
+        self._buffer_released.set()
 
     @property
     def model(self) -> keras.Model:
@@ -179,10 +181,14 @@ class WorkerTrainingState:
             keras_ft.CheckpointWriteError: if this write, or with
                 `async_save` the previous one, failed.
         """
-        # The write in flight first: one snapshot in memory at a time, and
-        # the copy buffer is free again once its write is done.
-        self._writer.wait()
         in_background = self.async_save and self.task.is_chief
+        if in_background:
+            # One copy buffer: free again once the write in flight has handed
+            # its bytes over, so this copy overlaps the rest of that write
+            # (fsync, commit), which `submit()` then waits for.
+            self._buffer_released.wait()
+        else:
+            self._writer.wait()
         # Written right away, a snapshot can view the variables: no copy.
         snapshot = self._state.snapshot(
             epoch + 1 if batch is None else epoch,
@@ -201,6 +207,7 @@ class WorkerTrainingState:
             cancel = threading.Event()
             self._writer.submit(lambda: self._commit(snapshot, cancel))
             self._cancel_pending = cancel
+            self._buffer_released = snapshot.released
             return None
         return self._commit(snapshot)
 
@@ -215,6 +222,11 @@ class WorkerTrainingState:
         checkpoint = self._writer.wait()
         wait_for_removals()
         return checkpoint
+
+    @property
+    def writing(self) -> bool:
+        """Whether a save is being written in the background right now."""
+        return self._writer.busy
 
     def raise_if_failed(self) -> None:
         """Raises the error of a background write that failed, without waiting."""

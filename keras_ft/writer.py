@@ -62,6 +62,11 @@ class BackgroundWriter:
         pending, self._pending = self._pending, None
         return None if pending is None else pending.result()
 
+    @property
+    def busy(self) -> bool:
+        """Whether a write is still running."""
+        return self._pending is not None and not self._pending.done
+
     def raise_if_failed(self) -> None:
         """Raises the error of a write that has finished, without waiting."""
         if self._pending is not None and self._pending.done:

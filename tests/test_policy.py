@@ -117,6 +117,24 @@ def test_overhead_budget_follows_a_slower_save():
     assert schedule.interval > 10 * fast
 
 
+def test_overhead_budget_counts_steps_slowed_by_a_background_write():
+    schedule = OverheadBudget(budget=0.02, warmup_steps=1)
+    schedule.start(0.0)
+    now = 0.0
+    for _ in range(3):
+        now += 0.010
+        schedule.on_batch_end(1, now)
+    schedule.saved(now, cost=0.002)  # Blocks 2 ms; then written beside 4 steps
+    for writing in [True] * 4 + [False] * 100:  # that take 15 ms, not 10.
+        now += 0.015 if writing else 0.010
+        schedule.on_batch_end(1, now, writing=writing)
+    schedule.saved(now, cost=0.002)
+    # The first save cost 2 ms blocked + 4 x 5 ms slower steps = 22 ms, and a
+    # dearer save is believed quickly.
+    assert schedule.save_cost == pytest.approx(0.5 * 0.002 + 0.5 * 0.022)
+    assert schedule.step_time == pytest.approx(0.010)
+
+
 @pytest.mark.parametrize("bad", [0, 1, -0.5, 2, "2%", True])
 def test_overhead_budget_rejects_bad_values(bad):
     with pytest.raises(ValueError, match="`overhead_budget`.*Received"):
