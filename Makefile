@@ -34,7 +34,9 @@ test: venv lint
 		echo "=== KERAS_BACKEND=$$backend"; \
 		KERAS_BACKEND=$$backend $(PY) -m pytest -rfE $(PYTEST_ARGS) 2>&1 \
 			| tee $$logs/$$backend.log; \
-		[ $${PIPESTATUS[0]} -eq 0 ] || failed="$$failed $$backend"; \
+		status=$${PIPESTATUS[0]}; \
+		echo "=== KERAS_BACKEND=$$backend: pytest exit status $$status"; \
+		[ $$status -eq 0 ] || failed="$$failed $$backend"; \
 	done; \
 	for backend in $$failed; do \
 		echo "=== failures on KERAS_BACKEND=$$backend"; \

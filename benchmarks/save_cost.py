@@ -12,7 +12,8 @@ Measures, side by side in one run, on TensorFlow and JAX (one process each):
 4. peak extra resident memory during a first asynchronous save.
 
 The variants of a measurement run interleaved (one fit of each, then the
-next round), so a machine that slows down or speeds up affects them alike;
+next round, every other round in reverse order), so a machine that slows
+down or speeds up affects them alike;
 ratios are taken within a round and their median is reported with the
 spread (min-max) over rounds. Run: `make bench`; one backend:
 `python benchmarks/save_cost.py --backend jax`; `--quick` for a short run
@@ -122,8 +123,11 @@ def interleaved(variants: dict, rounds: int) -> dict[str, list[float]]:
     A run that returns a number reports its own time; others are timed.
     """
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, run in variants.items():
+    for round_ in range(rounds):
+        # Every other round in reverse order, so that a steady drift of the
+        # machine's speed favours no variant.
+        order = list(variants.items())
+        for name, run in order if round_ % 2 == 0 else order[::-1]:
             start = time.perf_counter()
             reported = run()
             elapsed = time.perf_counter() - start

@@ -78,7 +78,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             every epoch. Defaults to `True`.
         keep: How many committed backups to keep, at least 1. Defaults to `2`.
         overhead_budget: With `save_freq="auto"`, the fraction of training
-            time saves may take. Defaults to `0.02`.
+            time saves may add: the time a save holds training up, plus what
+            the steps run beside its background write lose. Defaults to
+            `0.02`.
         save_every_seconds: If set, also save at the first batch end after
             this many seconds since the last save (like `tf.train.Supervisor`'s
             `save_model_secs`). Defaults to `None`.
@@ -97,11 +99,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         grace_period: Seconds allowed between the signal and the end of the
             final backup; if no batch ends in time, the process exits as the
             signal would have made it. Defaults to `25.0`.
-        async_save: If `True`, a save copies the state to host memory and
-            training goes on while a background thread writes and commits it
-            (one write at a time; a save due while one is being written waits
-            for it). A backup counts only once committed. Write errors are
-            raised at the next batch end or at train end. Defaults to `True`.
+        async_save: If `True`, a save copies the state into a host buffer
+            (allocated once, at train begin) and training goes on while a
+            background thread writes and commits it (one write at a time; a
+            save due while one is being written waits for it). A backup
+            counts only once committed. Write errors are raised at the next
+            batch end or at train end. With `False`, a save writes straight
+            from the variables' memory, holding training up for the whole
+            write. Defaults to `True`.
         exit_on_preemption: After the final backup, end the process with exit
             status 128 + the signal's number (`SystemExit`, no traceback), so
             a job scheduler sees it was preempted. With `False`, `fit()`

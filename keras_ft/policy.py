@@ -129,14 +129,16 @@ class EveryNSeconds(SaveSchedule):
 class OverheadBudget(SaveSchedule):
     """Saves as often as keeps the time saves add to training within a budget.
 
-    It measures the time of a training step while nothing is being written
-    (between batch ends, saves left out) and what each save costs training:
+    It measures the time of a training step away from saves (nothing being
+    written, a few steps after the last save) and what a save costs training:
     the time it blocks (with background writes, the copy to host memory plus
-    any wait for the previous write) plus the time the steps run while its
-    write goes on in the background lose against that (the write takes CPU,
-    memory bandwidth and I/O from them). It saves every
+    any wait for the previous write), plus what every step after it, up to
+    the next save, takes beyond that clean step time (a background write
+    takes CPU, memory bandwidth and I/O from the steps beside it, and a copy
+    leaves the caches cold for the steps after). It saves every
     `ceil(save_cost / (budget * step_time))` steps, re-estimated after every
     save. The first save comes after `warmup_steps` steps, to measure it.
+    Time between epochs (validation, other callbacks) is not counted.
 
     Args:
         budget: Fraction of training time saves may take, in (0, 1).
@@ -165,30 +167,34 @@ class OverheadBudget(SaveSchedule):
         self.save_cost: float | None = None
         self._steps = 0
         self._last_end: float | None = None
-        self._blocked = 0.0  # By the last save, in the training thread.
-        self._beside_write = [0.0, 0]  # Seconds and steps while it was written.
+        self._blocked: float | None = None  # By the last save, if any.
+        self._excess = 0.0  # Step time beyond `step_time` since that save.
+        self._since_save = _SETTLE_STEPS
 
     def on_batch_end(self, steps: int, now: float, writing: bool = False) -> bool:
         if self._last_end is not None and steps > 0:
             seconds = now - self._last_end
-            if writing:
-                self._beside_write[0] += seconds
-                self._beside_write[1] += steps
-            else:
+            if self._blocked is not None and self.step_time is not None:
+                self._excess += seconds - steps * self.step_time
+            if not writing and self._since_save >= _SETTLE_STEPS:
                 self.step_time = _average(self.step_time, seconds / steps)
+        self._since_save += steps
         self._last_end = now
         self._steps += steps
         return self._steps >= (self.interval or self.warmup_steps)
 
+    def on_epoch_end(self, now: float) -> bool:
+        self._last_end = None  # What comes between epochs is no step.
+        return False
+
     def saved(self, now: float, cost: float = 0.0) -> None:
-        # The previous save's full cost is known now that its write is over.
-        seconds, steps = self._beside_write
-        if self.step_time and (steps or self._blocked):
-            slowed = max(0.0, seconds - steps * self.step_time)
-            self.save_cost = _average(self.save_cost, self._blocked + slowed, up=0.5)
+        # The previous save's whole cost is known by now.
+        if self._blocked is not None and self.step_time:
+            whole = self._blocked + max(0.0, self._excess)
+            self.save_cost = _average(self.save_cost, whole, up=0.5)
         elif self.save_cost is None:
             self.save_cost = cost
-        self._blocked, self._beside_write = cost, [0.0, 0]
+        self._blocked, self._excess, self._since_save = cost, 0.0, 0
         self._steps = 0
         self._last_end = now  # The next step's time starts after the save.
         if self.step_time:
@@ -198,6 +204,10 @@ class OverheadBudget(SaveSchedule):
 
     def __repr__(self) -> str:
         return f"OverheadBudget({self.budget})"
+
+
+# Steps after a save before a step counts as clean (caches warm again).
+_SETTLE_STEPS = 2
 
 
 def _average(previous: float | None, value: float, up: float = 0.2) -> float:

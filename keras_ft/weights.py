@@ -10,9 +10,10 @@ once with every dataset stored contiguously. A save is then one copy of each
 variable into its place in a file image (`copy=True`, for a write in another
 thread) or no copy at all (`copy=False`), and one `writev()`: no walk, no
 h5py, no GIL. The file is the one `save_weights()` writes (same groups,
-attributes, datasets and values) and `model.load_weights()` reads it;
-`load()` reads it back at disk speed the same way, through the objects' own
-`load_own_variables()`.
+attributes, datasets and values) and `model.load_weights()` reads it.
+`load()` maps a file and hands each object views of its values, through its
+own `load_own_variables()`; a file the layout itself wrote (recognised by its
+bytes outside the values) needs neither parsing nor another walk.
 """
 
 from __future__ import annotations
@@ -114,6 +115,13 @@ class WeightsLayout:
         if values is None:  # A group wrote other keys or shapes than planned.
             self._lay_out()
             values = self._read_values()
+        if values is None:
+            raise RuntimeError(
+                f"The `save_own_variables()` of a layer or optimizer of model "
+                f"{self.model.name!r} stores different variables each time it is "
+                "called, so its weights have no fixed layout. keras-ft needs the "
+                "same keys, shapes and dtypes from one call to the next."
+            )
         if not copy:
             return CapturedWeights(self._chunks_around(values))
         self._allocate()

@@ -135,6 +135,25 @@ def test_overhead_budget_counts_steps_slowed_by_a_background_write():
     assert schedule.step_time == pytest.approx(0.010)
 
 
+def test_overhead_budget_leaves_time_between_epochs_out():
+    schedule = OverheadBudget(budget=0.02, warmup_steps=1)
+    schedule.start(0.0)
+    now = 0.0
+    for _ in range(3):
+        now += 0.010
+        schedule.on_batch_end(1, now)
+    schedule.saved(now, cost=0.002)
+    for _ in range(2):
+        for _ in range(20):
+            now += 0.010
+            schedule.on_batch_end(1, now)
+        schedule.on_epoch_end(now)
+        now += 5.0  # Validation.
+    schedule.saved(now, cost=0.002)
+    assert schedule.save_cost == pytest.approx(0.002)
+    assert schedule.step_time == pytest.approx(0.010)
+
+
 @pytest.mark.parametrize("bad", [0, 1, -0.5, 2, "2%", True])
 def test_overhead_budget_rejects_bad_values(bad):
     with pytest.raises(ValueError, match="`overhead_budget`.*Received"):

@@ -204,3 +204,21 @@ def test_walks_leave_keras_own_functions_in_place(data):
     model.fit(*data, epochs=1, verbose=0)
     weights.capture(model)
     assert saving_lib.get_attr_skipset is original
+
+
+def test_a_layer_that_saves_other_variables_each_time_is_refused():
+    class Unstable(keras.layers.Layer):
+        calls = 0
+
+        def call(self, x):
+            return x
+
+        def save_own_variables(self, store):
+            Unstable.calls += 1
+            for i in range(Unstable.calls):
+                store[str(i)] = np.zeros(i + 1, "float32")
+
+    model = keras.Sequential([keras.Input((4,)), Unstable(), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.Adam(), loss="mse")
+    with pytest.raises(RuntimeError, match="stores different variables each time"):
+        weights.capture(model)
