@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import threading
 
 import numpy as np
 import pytest
-from conftest import iterations, make_model, tree_digest, weights_of
+from conftest import (
+    TESTS_DIR,
+    iterations,
+    make_model,
+    subprocess_env,
+    tree_digest,
+    weights_of,
+)
 
 from keras_ft import TaskSpec, WorkerTrainingState
+from keras_ft.state import Snapshot
 
 
 def train_epochs(model, data, first, last, state):
@@ -150,3 +161,78 @@ def test_fuzzed_newest_checkpoint_always_falls_back_to_the_previous(backup_dir, 
         assert resume.epoch == 1, (name, how)
         messages = " ".join(str(w.message) for w in caught)
         assert "ckpt-00000002 is damaged" in messages, (name, how)
+
+
+def held_writes(monkeypatch):
+    """Makes every snapshot write wait at a gate; returns the gate."""
+    gate = threading.Event()
+    original = Snapshot.write
+
+    def write(self, directory):
+        assert gate.wait(timeout=60)
+        original(self, directory)
+
+    monkeypatch.setattr(Snapshot, "write", write)
+    return gate
+
+
+def test_an_async_save_returns_before_its_commit(backup_dir, data, monkeypatch):
+    gate = held_writes(monkeypatch)
+    model = make_model()
+    model.fit(*data, epochs=1, verbose=0)
+    state = WorkerTrainingState(model, backup_dir, async_save=True)
+    assert state.back_up(0) is None  # Returned while the write is held.
+    assert state.writing and state.checkpoints() == []
+    gate.set()
+    assert state.wait().sequence == 1 and not state.writing
+    fresh = make_model()
+    WorkerTrainingState(fresh, backup_dir).restore()
+    for a, b in zip(weights_of(model), weights_of(fresh), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_discarding_a_pending_save_commits_nothing(backup_dir, data, monkeypatch):
+    gate = held_writes(monkeypatch)
+    model = make_model()
+    model.fit(*data, epochs=1, verbose=0)
+    state = WorkerTrainingState(model, backup_dir, async_save=True)
+    state.back_up(0)
+    threading.Timer(0.2, gate.set).start()  # Released after the call-off.
+    state.discard_pending()
+    assert state.checkpoints() == [] and not state.writing
+    assert os.listdir(os.path.join(backup_dir, "chief")) == []  # No staging left.
+
+
+_EXIT_WITH_A_WRITE_IN_FLIGHT = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from conftest import make_model, make_data
+from keras_ft import WorkerTrainingState
+from keras_ft.state import Snapshot
+
+original = Snapshot.write
+def slow_write(self, directory):
+    time.sleep(1.0)
+    original(self, directory)
+Snapshot.write = slow_write
+
+model = make_model()
+model.fit(*make_data(), epochs=1, verbose=0)
+WorkerTrainingState(model, sys.argv[1], async_save=True).back_up(0)
+print("exiting", flush=True)
+"""
+
+
+def test_interpreter_exit_waits_for_the_pending_commit(backup_dir):
+    result = subprocess.run(
+        [sys.executable, "-c", _EXIT_WITH_A_WRITE_IN_FLIGHT, backup_dir, TESTS_DIR],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "exiting" in result.stdout
+    assert [
+        c.sequence for c in WorkerTrainingState(make_model(), backup_dir).checkpoints()
+    ] == [1]
