@@ -43,6 +43,9 @@ test: venv lint
 		sed -n '/= FAILURES =/,/short test summary info/p' $$logs/$$backend.log \
 			| tail -n 60; \
 		sed -n '/short test summary info/,$$p' $$logs/$$backend.log; \
+		grep -q 'short test summary info' $$logs/$$backend.log || { \
+			echo "=== no pytest summary: the process died; its last lines:"; \
+			tail -n 40 $$logs/$$backend.log; }; \
 	done; \
 	rm -rf $$logs; \
 	if [ -n "$$failed" ]; then echo "FAILED backends:$$failed"; exit 1; fi; \

@@ -199,7 +199,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._fast_forward is not None:  # Left by a fit() that raised.
             self._fast_forward.remove()
             self._fast_forward = None
-        self._others = self._join_callback_list()
+        callback_list = _calling_callback_list(self)
+        self._others = self._join_callback_list(callback_list)
         self._state = WorkerTrainingState(
             model, self.backup_dir, keep=self.keep, async_save=self.async_save
         )
@@ -214,7 +215,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise
         self._resume = resume
         self.preempted_by = None
-        self._watcher.install()
+        # Keras calls no callback when fit() raises: the handlers check that
+        # this fit's CallbackList is still on the stack when a signal comes.
+        self._watcher.install(training=callback_list)
         self._batch_ends, self._stop_at = 0, None
         self._notice = None
         if self._state.task.num_workers > 1:
@@ -497,9 +500,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             on_first_batch=first_batch,
         )
 
-    def _join_callback_list(self) -> list[keras.callbacks.Callback]:
-        """Finds the other callbacks of this fit(), and adds our tail hook."""
-        callback_list = _calling_callback_list(self)
+    def _join_callback_list(
+        self, callback_list: keras.callbacks.CallbackList | None
+    ) -> list[keras.callbacks.Callback]:
+        """The other callbacks of this fit(); adds our tail hook to the list."""
         if callback_list is None:
             return []
         others = [

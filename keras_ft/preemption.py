@@ -8,6 +8,12 @@ batch end comes within the grace period (training hung, or ended by an
 exception without reaching train end), the process exits as the signal would
 have made it, rather than ignore it. A second signal of the same kind while
 the first is pending is delivered to the old handler at once.
+
+Keras calls no callback when `fit()` raises, so the handlers can outlive the
+training they were installed for. A handler that finds its training no longer
+running (no frame on the stack holds the object it was installed with) steps
+aside: it puts the old handlers back and passes the signal on, so Ctrl-C in a
+notebook after a failed `fit()` is a plain `KeyboardInterrupt` again.
 """
 
 from __future__ import annotations
@@ -16,10 +22,12 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -62,9 +70,18 @@ class PreemptionWatcher:
         self.handled = False
         self._previous: dict[signal.Signals, Any] = {}
         self._timer: threading.Timer | None = None
+        self._training: Callable[[], Any] | None = None
 
-    def install(self) -> bool:
-        """Installs the handlers; only possible from the main thread."""
+    def install(self, training: Any = None) -> bool:
+        """Installs the handlers; only possible from the main thread.
+
+        Args:
+            training: An object that a frame of the training loop holds for
+                as long as training runs (`fit()`'s `CallbackList`). Once no
+                frame on the main thread's stack holds it, the handlers step
+                aside. `None`: they stay in charge until `uninstall()`.
+                Defaults to `None`.
+        """
         self.received, self.handled = None, False
         if not self.signals:
             return False
@@ -76,8 +93,14 @@ class PreemptionWatcher:
                 stacklevel=3,
             )
             return False
+        self.uninstall()  # Still in place if this watcher's last fit() raised.
+        here = sys._getframe()
         for signum in self.signals:
-            self._previous[signum] = signal.signal(signum, self._handle)
+            _remove_stale_watchers(signum, here)
+        self._training = _weak(training)
+        for signum in self.signals:
+            if signum not in self._previous:  # Else still called from a chain.
+                self._previous[signum] = signal.signal(signum, self._handle)
         return True
 
     def uninstall(self) -> None:
@@ -87,10 +110,15 @@ class PreemptionWatcher:
             self._timer = None
         if threading.current_thread() is not threading.main_thread():
             return
+        kept = {}
         for signum, previous in self._previous.items():
             if signal.getsignal(signum) == self._handle:
                 signal.signal(signum, previous)
-        self._previous = {}
+            else:
+                # A handler installed after ours may still call ours: keep
+                # knowing where to pass the signal on.
+                kept[signum] = previous
+        self._previous = kept
 
     def done(self) -> None:
         """The requested save happened: the fallback exit is no longer needed."""
@@ -103,16 +131,30 @@ class PreemptionWatcher:
     def seconds_since_signal(self) -> float:
         return time.monotonic() - self.received_at
 
+    def training_running(self, frame: Any) -> bool:
+        """Whether the training the handlers were installed for is running,
+        judged from `frame` (the main thread's) and the frames below it."""
+        if self._training is None:
+            return True
+        training = self._training()
+        while training is not None and frame is not None:
+            if any(value is training for value in frame.f_locals.values()):
+                return True
+            frame = frame.f_back
+        return False
+
     def _handle(self, signum: int, frame: Any) -> None:
         signum = signal.Signals(signum)
+        if not self.training_running(frame):
+            previous = self._previous.get(signum, signal.SIG_DFL)
+            self.uninstall()
+            _deliver(previous, signum, frame)
+            return
         if self.received is not None:
             # A second signal while we are still saving: the user insists.
             previous = self._previous.get(signum, signal.SIG_DFL)
             self.uninstall()
-            if callable(previous):
-                previous(signum, frame)
-            else:
-                os.kill(os.getpid(), signum)
+            _deliver(previous, signum, frame)
             return
         self.received, self.received_at = signum, time.monotonic()
         self._timer = threading.Timer(self.grace_period, self._too_late)
@@ -133,6 +175,39 @@ class PreemptionWatcher:
                 flush=True,
             )
             os._exit(128 + int(self.received))
+
+
+def _weak(obj: Any) -> Callable[[], Any] | None:
+    if obj is None:
+        return None
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # Not weakly referenceable: hold it.
+        return lambda: obj
+
+
+def _remove_stale_watchers(signum: signal.Signals, frame: Any) -> None:
+    """Uninstalls watchers on top of `signum`'s chain whose training is over."""
+    while True:
+        handler = signal.getsignal(signum)
+        watcher = getattr(handler, "__self__", None)
+        if (
+            not isinstance(watcher, PreemptionWatcher)
+            or getattr(handler, "__func__", None) is not PreemptionWatcher._handle
+            or watcher.training_running(frame)
+        ):
+            return
+        watcher.uninstall()
+        if signal.getsignal(signum) == handler:
+            return  # Could not step aside; leave the chain as it is.
+
+
+def _deliver(handler: Any, signum: signal.Signals, frame: Any) -> None:
+    """Delivers a signal as `handler`, the disposition before ours, would."""
+    if callable(handler):
+        handler(signum, frame)
+    elif handler != signal.SIG_IGN:
+        os.kill(os.getpid(), signum)  # SIG_DFL, now back in place.
 
 
 class ClusterNotice:

@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -98,6 +99,21 @@ def run_training(*args: str, timeout: float = 180) -> tuple[int, list[dict], str
     events = read_events(process)
     stderr = process.stderr.read()
     return process.wait(timeout=timeout), events, stderr
+
+
+@pytest.fixture(autouse=True)
+def _isolated_signal_handlers():
+    """Each test starts with the handlers the suite started with.
+
+    A `fit()` that raises leaves keras-ft's handlers installed (Keras calls
+    no callback then); they step aside at the next signal, which
+    `test_preemption.py` tests. Other tests should not depend on that.
+    """
+    signals = (signal.SIGINT, signal.SIGTERM)
+    before = {s: signal.getsignal(s) for s in signals}
+    yield
+    for signum, handler in before.items():
+        signal.signal(signum, handler)
 
 
 @pytest.fixture

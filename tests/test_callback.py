@@ -559,16 +559,21 @@ def test_no_batch_end_within_the_grace_period_exits_anyway(backup_dir):
     assert "no batch ended within the grace period" in stdout
 
 
+class SendSignalAt(keras.callbacks.Callback):
+    def __init__(self, batch: int, signum: signal.Signals):
+        super().__init__()
+        self.batch, self.signum = batch, signum
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == self.batch:
+            os.kill(os.getpid(), self.signum)
+
+
 def test_preemption_chains_to_the_users_handler_and_restores_it(backup_dir, data):
     calls = []
 
     def user_handler(signum, frame):
         calls.append(signum)
-
-    class SendSigterm(keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):
-            if batch == 2:
-                os.kill(os.getpid(), signal.SIGTERM)
 
     old = signal.signal(signal.SIGTERM, user_handler)
     try:
@@ -579,7 +584,7 @@ def test_preemption_chains_to_the_users_handler_and_restores_it(backup_dir, data
             epochs=5,
             batch_size=16,
             verbose=0,
-            callbacks=[callback, SendSigterm()],
+            callbacks=[callback, SendSignalAt(2, signal.SIGTERM)],
         )
         assert calls == [signal.SIGTERM]
         assert callback.preempted_by == "SIGTERM"
@@ -589,6 +594,34 @@ def test_preemption_chains_to_the_users_handler_and_restores_it(backup_dir, data
         assert (resume.epoch, resume.batch, resume.step) == (0, 3, 3)
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def test_ctrl_c_after_a_fit_that_raised_is_a_keyboard_interrupt(backup_dir, data):
+    class Fails(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            raise RuntimeError("a bug in the training loop")
+
+    callback = keras_ft.BackupAndRestore(backup_dir)
+    try:
+        with pytest.raises(RuntimeError):
+            make_model().fit(*data, epochs=2, callbacks=[callback, Fails()], verbose=0)
+        # fit() raised, so no train end put the handlers back; they must not
+        # take this Ctrl-C for a preemption of a training that is over.
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert callback.preempted_by is None
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        # The same callback trains again, and handles a preemption again.
+        model = make_model()
+        sigterm_at_batch_2 = SendSignalAt(2, signal.SIGTERM)
+        callback.exit_on_preemption = False
+        model.fit(
+            *data, epochs=2, batch_size=16, verbose=0,
+            callbacks=[callback, sigterm_at_batch_2],
+        )  # fmt: skip
+        assert callback.preempted_by == "SIGTERM" and iterations(model) == 3
+    finally:
+        callback._watcher.done()  # Whatever happened, no delayed exit.
 
 
 def test_second_trainer_on_the_same_directory_is_refused(backup_dir, data):

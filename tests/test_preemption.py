@@ -100,3 +100,87 @@ def test_cluster_notice_of_an_earlier_run_or_damaged_is_ignored(tmp_path):
         with open(path, "w") as f:
             f.write(text)
         assert later_run.read() is None, text
+
+
+class _Training:
+    """Stands for fit()'s CallbackList: held by the training loop's frame."""
+
+
+def _training_that_raises(watcher: PreemptionWatcher) -> None:
+    training = _Training()  # noqa: F841 - held by this frame while it runs.
+    watcher.install(training=training)
+    raise RuntimeError("the training step failed")
+
+
+def test_handlers_of_a_training_that_raised_step_aside():
+    calls = []
+
+    def user_handler(signum, frame):
+        calls.append(signum)
+
+    old = signal.signal(signal.SIGUSR1, user_handler)
+    watcher = PreemptionWatcher((signal.SIGUSR1,), grace_period=30)
+    try:
+        with pytest.raises(RuntimeError):
+            _training_that_raises(watcher)  # No uninstall(), like fit().
+        assert signal.getsignal(signal.SIGUSR1) == watcher._handle
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert calls == [signal.SIGUSR1]  # Passed on as if we were not there,
+        assert watcher.received is None  # not taken for a preemption,
+        assert signal.getsignal(signal.SIGUSR1) is user_handler  # and undone.
+    finally:
+        watcher.done()
+        watcher.uninstall()
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_ctrl_c_after_a_training_that_raised_is_a_keyboard_interrupt():
+    watcher = PreemptionWatcher((signal.SIGINT,), grace_period=30)
+    try:
+        with pytest.raises(RuntimeError):
+            _training_that_raises(watcher)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert watcher.received is None
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        watcher.done()
+        watcher.uninstall()
+
+
+def test_a_new_training_removes_a_stale_watcher_below_it():
+    stale = PreemptionWatcher((signal.SIGINT,), grace_period=30)
+    live = PreemptionWatcher((signal.SIGINT,), grace_period=30)
+    try:
+        with pytest.raises(RuntimeError):
+            _training_that_raises(stale)
+        training = _Training()
+        assert live.install(training=training)
+        os.kill(os.getpid(), signal.SIGINT)  # No KeyboardInterrupt from below.
+        assert live.received == signal.SIGINT and stale.received is None
+        live.done()
+        live.uninstall()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        for watcher in (stale, live):
+            watcher.done()
+            watcher.uninstall()
+
+
+def test_a_watcher_reinstalled_after_its_training_raised_is_in_the_chain_once():
+    watcher = PreemptionWatcher((signal.SIGUSR1,), grace_period=30)
+    old = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        with pytest.raises(RuntimeError):
+            _training_that_raises(watcher)
+        training = _Training()
+        assert watcher.install(training=training)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert watcher.received == signal.SIGUSR1
+        watcher.done()
+        watcher.uninstall()
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+    finally:
+        watcher.done()
+        watcher.uninstall()
+        signal.signal(signal.SIGUSR1, old)
