@@ -101,12 +101,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             signal would have made it. Defaults to `25.0`.
         async_save: If `True`, a save copies the state into a host buffer
             (allocated once, at train begin) and training goes on while a
-            background thread writes and commits it (one write at a time; a
-            save due while one is being written waits for it). A backup
-            counts only once committed. Write errors are raised at the next
-            batch end or at train end. With `False`, a save writes straight
-            from the variables' memory, holding training up for the whole
-            write. Defaults to `True`.
+            background thread writes and commits it. The buffer is the only
+            one: the next save's copy of each value waits until the previous
+            save has written that value out, so memory stays bounded and no
+            save is skipped. A backup counts only once committed. Write
+            errors are raised at the next batch end or at train end. With
+            `False`, `fit()` waits for each commit. Defaults to `True`.
         exit_on_preemption: After the final backup, end the process with exit
             status 128 + the signal's number (`SystemExit`, no traceback), so
             a job scheduler sees it was preempted. With `False`, `fit()`

@@ -7,7 +7,9 @@ tested without training anything.
 
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 from collections.abc import Sequence
 
 from keras_ft.store import Checkpoint
@@ -129,16 +131,20 @@ class EveryNSeconds(SaveSchedule):
 class OverheadBudget(SaveSchedule):
     """Saves as often as keeps the time saves add to training within a budget.
 
-    It measures the time of a training step away from saves (nothing being
-    written, a few steps after the last save) and what a save costs training:
-    the time it blocks (with background writes, the copy to host memory plus
-    any wait for the previous write), plus what every step after it, up to
-    the next save, takes beyond that clean step time (a background write
-    takes CPU, memory bandwidth and I/O from the steps beside it, and a copy
-    leaves the caches cold for the steps after). It saves every
-    `ceil(save_cost / (budget * step_time))` steps, re-estimated after every
-    save. The first save comes after `warmup_steps` steps, to measure it.
-    Time between epochs (validation, other callbacks) is not counted.
+    A clean step's time is the median of recent steps taken away from saves
+    (nothing being written, a few steps after the last save), so neither
+    noise nor the tail of a save's slowdown pulls it up. A save's cost is the
+    time it blocks (with background writes, the copy to host memory plus any
+    wait for the previous write) plus what the steps after it, up to the
+    next save, take beyond clean steps: a background write takes CPU, memory
+    bandwidth and I/O from the steps beside it. The next save is planned
+    once the last one's write has ended and training has settled, from the
+    cost seen so far (a save's cost is believed quicker when it rises than
+    when it falls): every `ceil(save_cost / (budget * step_time))` steps. So
+    even the first interval counts the background write, not only the
+    blocking copy. The first save comes after `warmup_steps` steps, to
+    measure it. Time between epochs (validation, other callbacks) is not
+    counted.
 
     Args:
         budget: Fraction of training time saves may take, in (0, 1).
@@ -165,22 +171,32 @@ class OverheadBudget(SaveSchedule):
         self.interval: int | None = None
         self.step_time: float | None = None
         self.save_cost: float | None = None
+        self._clean_steps: collections.deque[float] = collections.deque(
+            maxlen=_CLEAN_STEPS_KEPT
+        )
         self._steps = 0
         self._last_end: float | None = None
         self._blocked: float | None = None  # By the last save, if any.
         self._excess = 0.0  # Step time beyond `step_time` since that save.
         self._since_save = _SETTLE_STEPS
+        self._planned = True  # Whether the next save is planned.
 
     def on_batch_end(self, steps: int, now: float, writing: bool = False) -> bool:
         if self._last_end is not None and steps > 0:
             seconds = now - self._last_end
+            if not writing and self._since_save >= _SETTLE_STEPS:
+                self._clean_steps.append(seconds / steps)
+                self.step_time = statistics.median(self._clean_steps)
             if self._blocked is not None and self.step_time is not None:
                 self._excess += seconds - steps * self.step_time
-            if not writing and self._since_save >= _SETTLE_STEPS:
-                self.step_time = _average(self.step_time, seconds / steps)
         self._since_save += steps
         self._last_end = now
         self._steps += steps
+        if not self._planned:
+            if writing or self._since_save < _SETTLE_STEPS or not self.step_time:
+                return False  # The last save's cost is not known yet.
+            seen = self._blocked + max(0.0, self._excess)
+            self._plan(max(seen, self.save_cost or 0.0))
         return self._steps >= (self.interval or self.warmup_steps)
 
     def on_epoch_end(self, now: float) -> bool:
@@ -192,22 +208,25 @@ class OverheadBudget(SaveSchedule):
         if self._blocked is not None and self.step_time:
             whole = self._blocked + max(0.0, self._excess)
             self.save_cost = _average(self.save_cost, whole, up=0.5)
-        elif self.save_cost is None:
-            self.save_cost = cost
         self._blocked, self._excess, self._since_save = cost, 0.0, 0
+        self._planned = False
         self._steps = 0
         self._last_end = now  # The next step's time starts after the save.
-        if self.step_time:
-            steps = self.save_cost / (self.budget * self.step_time)
-            # Less a hair, so float noise on an exact ratio does not round up.
-            self.interval = max(1, math.ceil(steps - 1e-9))
+
+    def _plan(self, save_cost: float) -> None:
+        steps = save_cost / (self.budget * self.step_time)
+        # Less a hair, so float noise on an exact ratio does not round up.
+        self.interval = max(1, math.ceil(steps - 1e-9))
+        self._planned = True
 
     def __repr__(self) -> str:
         return f"OverheadBudget({self.budget})"
 
 
-# Steps after a save before a step counts as clean (caches warm again).
+# Steps after a save before a step counts as clean (caches warm again), and
+# how many recent clean steps the step time is the median of.
 _SETTLE_STEPS = 2
+_CLEAN_STEPS_KEPT = 64
 
 
 def _average(previous: float | None, value: float, up: float = 0.2) -> float:

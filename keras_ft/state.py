@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 import time
 import warnings
 from typing import Any
@@ -64,24 +63,32 @@ class Snapshot:
     weights: weights.CapturedWeights
     metadata: dict
     arrays: dict[str, np.ndarray]
-    # Set once `write()` no longer needs the weights' buffers, which the next
-    # copied snapshot reuses.
-    released: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     @property
     def nbytes(self) -> int:
         return self.weights.nbytes + sum(a.nbytes for a in self.arrays.values())
 
     def write(self, directory: str | Staging) -> None:
-        """Writes the checkpoint's data files into `directory`."""
+        """Writes the checkpoint's data files into `directory`.
+
+        A copy still being made (`snapshot(fill=False)`) is written as it
+        fills, and its buffer is released piece by piece as it is written.
+        """
         staging = directory if isinstance(directory, Staging) else Staging(directory)
         try:
             staging.write_file(
-                WEIGHTS_FILE, self.weights.chunks, on_written=self.released.set
+                WEIGHTS_FILE,
+                self.weights.chunks,
+                filled=self.weights.filled,
+                written=self.weights.written,
             )
         finally:
-            self.released.set()
+            self.release()
         arrays.write(os.path.join(staging, arrays.ARRAYS_FILE), self.arrays)
+
+    def release(self) -> None:
+        """Frees the weights' buffer for the next copy; the write is over."""
+        self.weights.release()
 
 
 class TrainingState:
@@ -101,6 +108,7 @@ class TrainingState:
         batches_completed: int,
         extra: dict[str, Any] | None = None,
         copy: bool = True,
+        fill: bool = True,
     ) -> Snapshot:
         """The state now, with `extra` (JSON values and NumPy arrays) added.
 
@@ -109,9 +117,14 @@ class TrainingState:
             batches_completed: Batches of the current epoch trained so far.
             extra: More state to save. Defaults to `None`.
             copy: If `True`, the snapshot is a copy that stays valid while
-                training goes on, until the next `snapshot(copy=True)`; if
-                `False`, it views the variables and must be written before
-                the next training step. Defaults to `True`.
+                training goes on; the next `snapshot(copy=True)` reuses its
+                buffer as its write frees it. If `False`, it views the
+                variables and must be written before the next training step.
+                Defaults to `True`.
+            fill: With `copy`, whether to copy the weights now; if `False`,
+                call `snapshot.weights.fill()` before the next training step
+                (a writer may start on it first and follow the copy).
+                Defaults to `True`.
         """
         tree = {
             "seed_generators": [
@@ -126,7 +139,8 @@ class TrainingState:
         }
         metadata = self.metadata(epochs_completed, batches_completed)
         metadata["state"], state_arrays = arrays.split(tree)
-        return Snapshot(self._weights.capture(copy=copy), metadata, state_arrays)
+        captured = self._weights.capture(copy=copy, fill=fill)
+        return Snapshot(captured, metadata, state_arrays)
 
     def prepare(self, copy: bool = True) -> None:
         """Walks the model now rather than at the first snapshot; with `copy`,

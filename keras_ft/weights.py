@@ -8,8 +8,9 @@ Here the walk runs once per model structure, and its result is kept as a
 offset of the file each value lies, the file's HDF5 structure being laid out
 once with every dataset stored contiguously. A save is then one copy of each
 variable into its place in a file image (`copy=True`, for a write in another
-thread) or no copy at all (`copy=False`), and one `writev()`: no walk, no
-h5py, no GIL. The file is the one `save_weights()` writes (same groups,
+thread, which can follow the copy piece by piece) or no copy at all
+(`copy=False`), and plain writes of the file's bytes: no walk, no h5py, no
+GIL. The file is the one `save_weights()` writes (same groups,
 attributes, datasets and values) and `model.load_weights()` reads it.
 `load()` maps a file and hands each object views of its values, through its
 own `load_own_variables()`; a file the layout itself wrote (recognised by its
@@ -18,6 +19,7 @@ bytes outside the values) needs neither parsing nor another walk.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -35,6 +37,7 @@ from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.saving import saving_lib
 
 from keras_ft import host
+from keras_ft.writer import Watermark
 
 # Big datasets start on a page boundary: aligned copies, aligned views.
 _ALIGN_THRESHOLD = 64 * 1024
@@ -69,13 +72,33 @@ class _Group:
 
 @dataclasses.dataclass
 class CapturedWeights:
-    """A weights file in host memory: its bytes, as buffers in file order."""
+    """A weights file in host memory: its bytes, as buffers in file order.
+
+    A copy may still be being made: `filled` says how much of its single
+    buffer is ready, `fill()` makes the rest, and `written` is for the
+    writer to advance as the bytes leave the buffer, which the next copy
+    into it waits for. Views of the variables (no copy) have neither.
+    """
 
     chunks: list[Any]
+    filled: Watermark | None = None
+    written: Watermark | None = None
+    _fill: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
         return sum(memoryview(c).nbytes for c in self.chunks)
+
+    def fill(self) -> None:
+        """Copies the variables into the buffer (in this thread), if not yet."""
+        fill, self._fill = self._fill, None
+        if fill is not None:
+            fill()
+
+    def release(self) -> None:
+        """Marks the buffer free for the next copy (its write is over)."""
+        if self.written is not None:
+            self.written.finish()
 
 
 class WeightsLayout:
@@ -97,17 +120,25 @@ class WeightsLayout:
         # The file's bytes outside the datasets: (offset, bytes), in order.
         self._gaps: list[tuple[int, bytes]] = []
         self._image: mmap.mmap | None = None
-        self._image_views: list[tuple[_Slot, np.ndarray]] = []
+        # How a capture copies the values into the image (`_copy_batches()`).
+        self._copy_batches: list[tuple[int, list[_Piece], int]] = []
+        self._written: Watermark | None = None  # Of the last copy's write.
 
-    def capture(self, copy: bool = True) -> CapturedWeights:
+    def capture(self, copy: bool = True, fill: bool = True) -> CapturedWeights:
         """The model's weights file as it would be written now.
 
         Args:
             copy: If `True`, the values are copied into a buffer this layout
-                owns, so training may go on while it is written; the next
-                `capture(copy=True)` reuses that buffer, so write it first.
-                If `False`, the chunks are views of the variables, valid
-                until the next training step. Defaults to `True`.
+                owns, so training may go on while it is written. The next
+                `capture(copy=True)` reuses that buffer, so write this one
+                first. If `False`, the chunks are views of the variables,
+                valid until the next training step. Defaults to `True`.
+            fill: With `copy`, whether to copy now. If `False`, the caller
+                calls `fill()` before the variables change, and may hand the
+                capture to a writer first, which then follows the copy; the
+                writer must advance (at the latest, finish) its `written`,
+                since the next capture's copy of each value waits for it.
+                Defaults to `True`.
         """
         if self._fingerprint != _fingerprint(self.model):
             self._lay_out()
@@ -125,9 +156,44 @@ class WeightsLayout:
         if not copy:
             return CapturedWeights(self._chunks_around(values))
         self._allocate()
-        for (_, destination), value in zip(self._image_views, values, strict=True):
-            np.copyto(destination, value, casting="no")
-        return CapturedWeights([memoryview(self._image)[: self._size]])
+        previous, filled = self._written, Watermark(self._size)
+        # Only a capture handed to a writer before it is filled is followed.
+        written = self._written = None if fill else Watermark(self._size)
+        captured = CapturedWeights(
+            [memoryview(self._image)[: self._size]],
+            filled,
+            written,
+            functools.partial(self._fill, values, previous, filled),
+        )
+        if fill:
+            captured.fill()
+        return captured
+
+    def _fill(
+        self, values: list[np.ndarray], previous: Watermark | None, filled: Watermark
+    ) -> None:
+        """Copies `values` into the buffer in file order, raising `filled`.
+
+        Batch by batch: each waits until the previous capture's write has
+        passed it, and is copied by this thread and a helper together (the
+        training thread waits for the copy anyway; two cores copy faster).
+        """
+        try:
+            for ready, pieces, split in self._copy_batches:
+                if previous is not None:
+                    previous.wait_for(ready)
+                helper = _copy_helper() if 0 < split < len(pieces) else None
+                if helper is not None:
+                    second = helper.submit(_copy_pieces, values, pieces[split:])
+                    _copy_pieces(values, pieces[:split])
+                    second.result()
+                else:
+                    _copy_pieces(values, pieces)
+                filled.advance(ready)
+            filled.finish()
+        except BaseException as e:
+            filled.abandon(e)
+            raise
 
     def prepare(self, copy: bool = True) -> None:
         """Walks the model and, with `copy`, allocates the copy buffer now."""
@@ -140,22 +206,24 @@ class WeightsLayout:
         if self._image is not None:
             return
         # Page-aligned, for direct I/O. Private: Python's default is a shared
-        # mapping, which the kernel backs with shared memory, slower to touch
-        # and never in huge pages. Huge pages make the first touch of a big
-        # buffer several times cheaper; it happens here, not in a save.
+        # mapping, which the kernel backs with shared memory, slower to touch.
+        # Not huge pages: on the VMs measured, asking for them made the first
+        # touch 5x slower (compaction). The first touch happens here, not in
+        # a save.
         image = mmap.mmap(-1, max(self._size, 1), flags=mmap.MAP_PRIVATE)
-        with contextlib.suppress(AttributeError, OSError):
-            image.madvise(mmap.MADV_HUGEPAGE)
         buffer = np.frombuffer(image, np.uint8)
         buffer[:: mmap.PAGESIZE] = 0
         for offset, gap in self._gaps:
             image[offset : offset + len(gap)] = gap
-        self._image_views = [(slot, _view(buffer, slot)) for slot in self._data_slots()]
-        self._image = image
+        self._copy_batches = _copy_batches(self._data_slots(), buffer, self._size)
+        self._image, self._written = image, None
 
     def release(self) -> None:
-        """Frees the copy buffer; the next `capture(copy=True)` makes a new one."""
-        self._image, self._image_views = None, []
+        """Frees the copy buffer; the next `capture(copy=True)` makes a new one.
+
+        A write still using it keeps it alive until it is done.
+        """
+        self._image, self._copy_batches, self._written = None, [], None
 
     @property
     def nbytes(self) -> int:
@@ -250,6 +318,74 @@ class WeightsLayout:
         return [piece for _, piece in sorted(pieces, key=lambda p: p[0])]
 
 
+# A piece of a value to copy: (index in `_data_slots()`, first and last
+# element of the flattened value, where in the image those elements go).
+_Piece = tuple[int, int, int, np.ndarray]
+# Values are copied in pieces of at most this many bytes, gathered into
+# batches of at least _COPY_BATCH bytes, after each of which the writer may
+# write what is ready.
+_COPY_PIECE = 2 * 1024 * 1024
+_COPY_BATCH = 8 * 1024 * 1024
+
+
+def _copy_batches(
+    slots: list[_Slot], buffer: np.ndarray, size: int
+) -> list[tuple[int, list[_Piece], int]]:
+    """The copy of every slot into `buffer`, in file order, as batches.
+
+    Each batch is `(ready, pieces, split)`: once its pieces are copied the
+    file's first `ready` bytes are final (the bytes between values never
+    change), and `pieces[:split]` and `pieces[split:]` hold about half its
+    bytes each, for two threads.
+    """
+    ordered = sorted(enumerate(slots), key=lambda s: s[1].offset)
+    ends = [slot.offset for _, slot in ordered[1:]] + [size]
+    batches, pieces, batch_bytes = [], [], 0
+    for (index, slot), end in zip(ordered, ends, strict=True):
+        flat = _view(buffer, slot).reshape(-1)
+        step = max(1, _COPY_PIECE // slot.dtype.itemsize)
+        for lo in range(0, flat.size, step):
+            hi = min(lo + step, flat.size)
+            pieces.append((index, lo, hi, flat[lo:hi]))
+            batch_bytes += (hi - lo) * slot.dtype.itemsize
+            if batch_bytes >= _COPY_BATCH:
+                ready = end if hi == flat.size else slot.offset + hi * flat.itemsize
+                batches.append((ready, pieces, _half(pieces)))
+                pieces, batch_bytes = [], 0
+    if pieces:
+        batches.append((size, pieces, _half(pieces)))
+    return batches
+
+
+def _half(pieces: list[_Piece]) -> int:
+    """Where to split `pieces` so that each part has about half the bytes."""
+    sizes = [destination.nbytes for *_, destination in pieces]
+    total, running = sum(sizes), 0
+    for i, nbytes in enumerate(sizes):
+        if running + nbytes / 2 >= total / 2:
+            return i if i else 1
+        running += nbytes
+    return len(pieces)
+
+
+def _copy_pieces(values: list[np.ndarray], pieces: list[_Piece]) -> None:
+    for index, lo, hi, destination in pieces:
+        np.copyto(destination, values[index].reshape(-1)[lo:hi], casting="no")
+
+
+_helper: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _copy_helper() -> concurrent.futures.ThreadPoolExecutor | None:
+    """A second thread for copies, on a machine with more than one core."""
+    global _helper
+    if _helper is None and (os.cpu_count() or 1) > 1:
+        _helper = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="keras-ft-copy"
+        )
+    return _helper
+
+
 def capture(model: keras.Model, copy: bool = True) -> CapturedWeights:
     """The weights file `model.save_weights()` would write, in host memory."""
     return WeightsLayout(model).capture(copy=copy)
@@ -257,9 +393,13 @@ def capture(model: keras.Model, copy: bool = True) -> CapturedWeights:
 
 def write(path: str, weights: CapturedWeights) -> None:
     """Writes `weights` as a `.weights.h5` file, without fsync."""
-    with open(path, "wb") as f:
-        for chunk in weights.chunks:
-            f.write(chunk)
+    weights.fill()
+    try:
+        with open(path, "wb") as f:
+            for chunk in weights.chunks:
+                f.write(chunk)
+    finally:
+        weights.release()
 
 
 def load(model: keras.Model, path: str, layout: WeightsLayout | None = None) -> None:

@@ -14,7 +14,7 @@ import keras
 from keras_ft.cluster import TaskSpec, chief_dir, current_task, write_dir
 from keras_ft.lock import DirectoryLock
 from keras_ft.policy import KeepLast
-from keras_ft.state import ResumePoint, TrainingState
+from keras_ft.state import ResumePoint, Snapshot, TrainingState
 from keras_ft.store import (
     Checkpoint,
     CheckpointStore,
@@ -22,7 +22,7 @@ from keras_ft.store import (
     SaveCancelled,
     wait_for_removals,
 )
-from keras_ft.writer import BackgroundWriter
+from keras_ft.writer import BackgroundWriter, PendingWrite
 
 # One writer per chief directory in this process, shared by every
 # WorkerTrainingState on it: a fit() that raised may leave a write in flight,
@@ -66,7 +66,9 @@ class WorkerTrainingState:
             to `2`, so that a damaged newest checkpoint has a fallback.
         async_save: If `True`, `back_up()` returns once the state is copied
             to host memory, and a background thread writes and commits it;
-            `wait()` waits for the commit. Defaults to `False`.
+            `wait()` waits for the commit. If `False`, `back_up()` returns
+            the committed checkpoint. Either way the copy and the write
+            overlap, piece by piece. Defaults to `False`.
         task: This process's role; detected from the framework if `None`.
             Defaults to `None`.
 
@@ -101,9 +103,7 @@ class WorkerTrainingState:
         self.async_save = bool(async_save)
         key = os.path.realpath(chief_dir(self.backup_dir))
         self._writer = _writers.setdefault(key, BackgroundWriter())
-        self._cancel_pending = threading.Event()
-        self._buffer_released = threading.Event()
-        self._buffer_released.set()
+        self._cancels: list[threading.Event] = []  # Of the saves in flight.
 
     @property
     def model(self) -> keras.Model:
@@ -181,35 +181,39 @@ class WorkerTrainingState:
             keras_ft.CheckpointWriteError: if this write, or with
                 `async_save` the previous one, failed.
         """
-        in_background = self.async_save and self.task.is_chief
-        if in_background:
-            # One copy buffer: free again once the write in flight has handed
-            # its bytes over, so this copy overlaps the rest of that write
-            # (fsync, commit), which `submit()` then waits for.
-            self._buffer_released.wait()
-        else:
-            self._writer.wait()
-        # Written right away, a snapshot can view the variables: no copy.
-        snapshot = self._state.snapshot(
-            epoch + 1 if batch is None else epoch,
-            0 if batch is None else batch,
-            extra,
-            copy=in_background,
-        )
+        epochs_completed = epoch + 1 if batch is None else epoch
+        batches_completed = 0 if batch is None else batch
         if not self.task.is_chief:
+            # Written right away, a snapshot can view the variables: no copy.
+            snapshot = self._state.snapshot(
+                epochs_completed, batches_completed, extra, copy=False
+            )
             temp_dir = write_dir(self.backup_dir, self.task)
             try:
                 CheckpointStore(temp_dir).save(snapshot.write, snapshot.metadata)
             finally:
                 shutil.rmtree(temp_dir, ignore_errors=True)
             return None
-        if in_background:
-            cancel = threading.Event()
-            self._writer.submit(lambda: self._commit(snapshot, cancel))
-            self._cancel_pending = cancel
-            self._buffer_released = snapshot.released
+        # The copy goes into the buffer the saves in flight share: each value
+        # waits until the save before has written it out, and this save's
+        # write follows the copy, so the disk never waits for all of it.
+        snapshot = self._state.snapshot(
+            epochs_completed, batches_completed, extra, copy=True, fill=False
+        )
+        cancel = threading.Event()
+        try:
+            self._writer.submit(
+                lambda previous: self._commit(snapshot, cancel, previous)
+            )
+        except BaseException:
+            snapshot.release()  # Never written: the next copy must not wait.
+            raise
+        self._cancels.append(cancel)
+        snapshot.weights.fill()  # On failure, the write sees it and calls off.
+        if self.async_save:
             return None
-        return self._commit(snapshot)
+        self._cancels = []
+        return self._writer.wait()
 
     def wait(self) -> Checkpoint | None:
         """Waits for a background write; returns the checkpoint it committed.
@@ -219,6 +223,7 @@ class WorkerTrainingState:
         Raises:
             keras_ft.CheckpointWriteError: if that write failed.
         """
+        self._cancels = []
         checkpoint = self._writer.wait()
         wait_for_removals()
         return checkpoint
@@ -236,7 +241,7 @@ class WorkerTrainingState:
         """Does the one-time work of the first save now (walking the model,
         laying out the weights file, and with `async_save`, allocating the
         buffer snapshots are copied into), so that no save pays for it."""
-        self._state.prepare(copy=self.async_save and self.task.is_chief)
+        self._state.prepare(copy=self.task.is_chief)
 
     def discard_pending(self) -> None:
         """Calls off a background write that has not committed yet.
@@ -244,13 +249,24 @@ class WorkerTrainingState:
         For a backup about to be deleted: its write stops where it is, and
         neither it nor its error, if it failed, is kept.
         """
-        self._cancel_pending.set()
+        for cancel in self._cancels:
+            cancel.set()
+        self._cancels = []
         with contextlib.suppress(SaveCancelled, CheckpointWriteError):
             self._writer.wait()
 
-    def _commit(self, snapshot, cancel: threading.Event | None = None) -> Checkpoint:
+    def _commit(
+        self,
+        snapshot: Snapshot,
+        cancel: threading.Event,
+        previous: PendingWrite | None,
+    ) -> Checkpoint:
+        # Commits keep the order of the saves: the one before goes first.
+        after = previous.join if previous is not None else None
         try:
-            return self._chief_store.save(snapshot.write, snapshot.metadata, cancel)
+            return self._chief_store.save(
+                snapshot.write, snapshot.metadata, cancel, after
+            )
         except OSError as e:
             committed = self._chief_store.checkpoints()
             previous = (
@@ -266,6 +282,8 @@ class WorkerTrainingState:
                 "`BackupAndRestore(on_save_error='warn')` keeps training and "
                 "tries again at the next save.",
             ) from e
+        finally:
+            snapshot.release()  # Also when it failed before writing anything.
 
     def restore(self) -> ResumePoint | None:
         """Loads the newest good checkpoint into the model.

@@ -1,11 +1,17 @@
-"""One background thread that writes checkpoints, one write at a time.
+"""Background threads that write checkpoints, and how far a buffer is ready.
 
-The training thread hands over a write (a snapshot already in host memory)
-and goes on training. A new write first waits for the one in flight, so at
-most one snapshot is ever held and none is skipped. A write's error is kept
-and raised in the training thread the next time it looks: at the next batch
-end, the next save, or train end. The thread is not a daemon, so the
-interpreter waits for a pending commit before it exits.
+The training thread hands over a write and goes on training. Writes overlap
+by at most one stage: the next save's data may go to disk while the previous
+save commits its small files, but commits happen in the order of the saves,
+and a third save waits until the first is done, so memory stays bounded and
+no save is skipped. A write's error is kept and raised in the training thread
+the next time it looks: at the next batch end, the next save, or train end.
+The threads are not daemons, so the interpreter waits for a pending commit
+before it exits.
+
+A `Watermark` tells one thread how much of a buffer another thread has made
+ready: the writer follows the copy into the snapshot buffer piece by piece,
+and the next copy follows the writer out of it.
 """
 
 from __future__ import annotations
@@ -14,9 +20,64 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from keras_ft.store import SaveCancelled
+
+
+class Watermark:
+    """How many bytes from the start of a buffer are ready, across threads.
+
+    Args:
+        total: The buffer's size.
+    """
+
+    def __init__(self, total: int):
+        self.total = total
+        self._level = 0
+        self._error: BaseException | None = None
+        self._condition = threading.Condition()
+
+    @property
+    def level(self) -> int:
+        return self._level
+
+    def advance(self, level: int) -> None:
+        """Marks the first `level` bytes ready."""
+        with self._condition:
+            if level > self._level:
+                self._level = min(level, self.total)
+                self._condition.notify_all()
+
+    def finish(self) -> None:
+        """Marks every byte ready."""
+        self.advance(self.total)
+
+    def abandon(self, error: BaseException) -> None:
+        """The rest will never be ready: waiters get `SaveCancelled`."""
+        with self._condition:
+            self._error = error
+            self._condition.notify_all()
+
+    def wait_for(self, level: int) -> None:
+        """Waits until the first `level` bytes are ready.
+
+        Raises:
+            SaveCancelled: if they never will be (`abandon()`).
+        """
+        with self._condition:
+            while self._level < min(level, self.total):
+                if self._error is not None:
+                    raise SaveCancelled(
+                        f"The snapshot was not taken ({self._error!r})."
+                    )
+                self._condition.wait()
+
 
 class PendingWrite:
-    """A write handed to the background thread."""
+    """A write handed to a background thread.
+
+    A write that raises `SaveCancelled` was called off: it has no result
+    and no error.
+    """
 
     def __init__(self, write: Callable[[], Any]):
         self._write = write
@@ -30,6 +91,8 @@ class PendingWrite:
     def _run(self) -> None:
         try:
             self._result = self._write()
+        except SaveCancelled:
+            pass
         except BaseException as e:  # Handed to the training thread.
             self._error = e
 
@@ -37,8 +100,12 @@ class PendingWrite:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
+    def join(self) -> None:
+        """Waits for the write to end, whatever its outcome."""
+        self._thread.join()
+
     def result(self) -> Any:
-        """Waits for the write; returns its result or raises its error."""
+        """Waits for the write; returns its result or raises its error, once."""
         self._thread.join()
         if self._error is not None:
             error, self._error = self._error, None
@@ -47,27 +114,52 @@ class PendingWrite:
 
 
 class BackgroundWriter:
-    """Runs writes in the background, at most one at a time."""
+    """Runs writes in background threads: at most two, committing in order.
 
-    def __init__(self) -> None:
-        self._pending: PendingWrite | None = None
+    Args:
+        depth: How many writes may be in flight at once. Defaults to `2`:
+            one writing its data while the one before commits.
+    """
 
-    def submit(self, write: Callable[[], Any]) -> None:
-        """Waits for the write in flight (raising its error), starts `write`."""
-        self.wait()
-        self._pending = PendingWrite(write)
+    def __init__(self, depth: int = 2):
+        self.depth = depth
+        self._pending: list[PendingWrite] = []
+
+    def submit(self, write: Callable[[PendingWrite | None], Any]) -> None:
+        """Starts `write(previous)`, `previous` being the write before it.
+
+        `write` should wait for `previous.join()` before it commits, so that
+        commits keep the order of the saves. If `depth` writes are in flight,
+        first waits for the oldest, raising its error.
+        """
+        while len(self._pending) >= self.depth:
+            self._pending.pop(0).result()
+        previous = self._pending[-1] if self._pending else None
+        self._pending.append(PendingWrite(lambda: write(previous)))
 
     def wait(self) -> Any:
-        """Waits for the write in flight; returns its result or raises its error."""
-        pending, self._pending = self._pending, None
-        return None if pending is None else pending.result()
+        """Waits for every write in flight; returns the newest's result.
+
+        Raises:
+            The first error among them, once all have ended.
+        """
+        pending, self._pending = self._pending, []
+        result, first_error = None, None
+        for write in pending:
+            try:
+                result = write.result()
+            except BaseException as e:
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
+        return result
 
     @property
     def busy(self) -> bool:
         """Whether a write is still running."""
-        return self._pending is not None and not self._pending.done
+        return any(not write.done for write in self._pending)
 
     def raise_if_failed(self) -> None:
-        """Raises the error of a write that has finished, without waiting."""
-        if self._pending is not None and self._pending.done:
-            self.wait()
+        """Raises the error of a write that has ended, without waiting."""
+        while self._pending and self._pending[0].done:
+            self._pending.pop(0).result()

@@ -601,6 +601,8 @@ def test_ctrl_c_after_a_fit_that_raised_is_a_keyboard_interrupt(backup_dir, data
         def on_train_batch_end(self, batch, logs=None):
             raise RuntimeError("a bug in the training loop")
 
+    # Python's own handler, even where the suite runs with SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     callback = keras_ft.BackupAndRestore(backup_dir)
     try:
         with pytest.raises(RuntimeError):

@@ -43,6 +43,7 @@ def test_signal_is_recorded_chained_and_old_handler_restored():
 
 
 def test_python_default_sigint_handler_is_not_chained():
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     watcher = PreemptionWatcher((signal.SIGINT,), grace_period=30)
     previous = signal.getsignal(signal.SIGINT)
     assert watcher.install()
@@ -135,6 +136,9 @@ def test_handlers_of_a_training_that_raised_step_aside():
 
 
 def test_ctrl_c_after_a_training_that_raised_is_a_keyboard_interrupt():
+    # Python's own handler, even where the suite runs with SIGINT ignored
+    # (a background job); conftest puts the suite's back afterwards.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     watcher = PreemptionWatcher((signal.SIGINT,), grace_period=30)
     try:
         with pytest.raises(RuntimeError):
@@ -149,6 +153,7 @@ def test_ctrl_c_after_a_training_that_raised_is_a_keyboard_interrupt():
 
 
 def test_a_new_training_removes_a_stale_watcher_below_it():
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     stale = PreemptionWatcher((signal.SIGINT,), grace_period=30)
     live = PreemptionWatcher((signal.SIGINT,), grace_period=30)
     try:

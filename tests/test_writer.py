@@ -1,70 +1,101 @@
-"""BackgroundWriter: one write in flight, errors never lost."""
+"""BackgroundWriter and Watermark: bounded overlap, ordered commits, no lost error."""
 
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
-from keras_ft.writer import BackgroundWriter
+from keras_ft.store import SaveCancelled
+from keras_ft.writer import BackgroundWriter, Watermark
 
 
-def test_writes_run_in_the_background_one_at_a_time():
+def held_write(name, gate, log, result=None):
+    """A write that waits at `gate`, then for the write before it, then logs."""
+
+    def write(previous):
+        log.append(f"{name} started")
+        assert gate.wait(timeout=60)
+        if previous is not None:
+            previous.join()
+        log.append(f"{name} committed")
+        return result if result is not None else name
+
+    return write
+
+
+def test_a_write_starts_while_the_one_before_runs_and_commits_after_it():
     writer = BackgroundWriter()
-    running, overlaps, order = [], [], []
-    lock = threading.Lock()
-    gate = threading.Event()
-    released = []  # Whether each write saw the gate opened (not a timeout).
-
-    def write(i):
-        def run():
-            with lock:
-                running.append(i)
-                overlaps.append(len(running))
-            released.append(gate.wait(timeout=30))
-            order.append(i)
-            with lock:
-                running.remove(i)
-            return i
-
-        return run
-
-    writer.submit(write(1))
-    # submit() returned while write 1 is still held at the gate: had it
-    # waited, the write would have timed out and recorded False.
-    assert order == []
-    gate.set()
-    writer.submit(write(2))  # Waits for 1 first.
-    assert order[0] == 1
-    assert writer.wait() == 2
-    assert order == [1, 2] and max(overlaps) == 1 and released == [True, True]
+    first_gate, second_gate, log = threading.Event(), threading.Event(), []
+    writer.submit(held_write("first", first_gate, log))
+    writer.submit(held_write("second", second_gate, log))
+    # Both submit() calls returned while both writes are held at their gates.
+    second_started = threading.Event()
+    while "second started" not in log:
+        second_started.wait(0.01)
+    assert writer.busy and not any("committed" in entry for entry in log)
+    second_gate.set()  # The second is ready first, yet commits second.
+    first_gate.set()
+    assert writer.wait() == "second"
+    assert [e for e in log if "committed" in e] == [
+        "first committed",
+        "second committed",
+    ]
+    assert not writer.busy
 
 
-def test_an_error_is_raised_at_the_next_look():
+def test_a_third_write_waits_until_the_first_has_ended():
+    writer = BackgroundWriter(depth=2)
+    gate, log = threading.Event(), []
+    writer.submit(held_write("first", gate, log))
+    writer.submit(held_write("second", gate, log))
+    threading.Timer(0.3, gate.set).start()
+    writer.submit(held_write("third", gate, log))  # Returns once first ended.
+    assert "first committed" in log
+    assert writer.wait() == "third"
+    assert log.index("first committed") < log.index("third started")
+
+
+def test_an_error_is_raised_at_the_next_look_and_only_once():
     writer = BackgroundWriter()
 
-    def fail():
+    def fail(previous):
         raise OSError(28, "No space left on device")
 
     writer.submit(fail)
-    while not writer._pending.done:
-        time.sleep(0.01)
+    writer._pending[0].join()
     with pytest.raises(OSError, match="No space"):
         writer.raise_if_failed()
     writer.raise_if_failed()  # Raised once, then gone.
     writer.submit(fail)
+    writer.submit(lambda previous: "ok")
     with pytest.raises(OSError):
-        writer.submit(lambda: None)  # The next save sees it too.
-    writer.wait()
+        writer.submit(lambda previous: "later")  # A third save sees it,
+    assert writer.wait() == "ok"  # and is not started.
+
+
+def test_wait_waits_for_every_write_and_raises_the_first_error():
+    writer = BackgroundWriter()
+    gate, log = threading.Event(), []
+
+    def fail(previous):
+        raise OSError(5, "Input/output error")
+
+    writer.submit(fail)
+    writer.submit(held_write("second", gate, log))
+    threading.Timer(0.2, gate.set).start()
+    with pytest.raises(OSError, match="Input/output"):
+        writer.wait()
+    assert log == ["second started", "second committed"]  # Not abandoned.
+    assert not writer.busy
 
 
 def test_raise_if_failed_does_not_wait():
     writer = BackgroundWriter()
     gate = threading.Event()
 
-    def fail_after_gate():
-        gate.wait(timeout=30)
+    def fail_after_gate(previous):
+        gate.wait(timeout=60)
         raise OSError(5, "Input/output error")
 
     writer.submit(fail_after_gate)
@@ -72,3 +103,51 @@ def test_raise_if_failed_does_not_wait():
     gate.set()
     with pytest.raises(OSError, match="Input/output"):
         writer.wait()
+
+
+def test_a_cancelled_write_has_neither_result_nor_error():
+    writer = BackgroundWriter()
+
+    def cancelled(previous):
+        raise SaveCancelled("called off")
+
+    writer.submit(cancelled)
+    assert writer.wait() is None
+
+
+def test_watermark_lets_a_waiter_through_once_the_level_is_reached():
+    mark, reached = Watermark(100), []
+
+    def wait():
+        mark.wait_for(60)
+        reached.append(mark.level)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    mark.advance(50)
+    thread.join(timeout=0.2)
+    assert thread.is_alive() and reached == []  # 50 < 60: still waiting.
+    mark.advance(70)
+    thread.join(timeout=60)
+    assert reached == [70]
+    mark.finish()
+    assert mark.level == 100
+    mark.wait_for(1000)  # Past the end means the end.
+
+
+def test_an_abandoned_watermark_calls_its_waiters_off():
+    mark, errors = Watermark(100), []
+
+    def wait():
+        try:
+            mark.wait_for(100)
+        except SaveCancelled as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    mark.advance(40)
+    mark.abandon(RuntimeError("the copy failed"))
+    thread.join(timeout=60)
+    assert len(errors) == 1 and "the copy failed" in str(errors[0])
+    mark.wait_for(40)  # What was ready stays ready.
