@@ -353,7 +353,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._state is not None:
             if self.delete_checkpoint and completed and not self.preempted_by:
                 # The backup goes: no need to finish writing the last save.
-                self._state.discard_pending()
+                self._raise_write_errors(self._state.discard_pending)
                 self._state.delete_backup()
             else:
                 self._raise_write_errors(self._state.wait)

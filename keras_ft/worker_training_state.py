@@ -19,7 +19,6 @@ from keras_ft.store import (
     Checkpoint,
     CheckpointStore,
     CheckpointWriteError,
-    SaveCancelled,
     wait_for_removals,
 )
 from keras_ft.writer import BackgroundWriter, PendingWrite
@@ -244,16 +243,19 @@ class WorkerTrainingState:
         self._state.prepare(copy=self.task.is_chief)
 
     def discard_pending(self) -> None:
-        """Calls off a background write that has not committed yet.
+        """Calls off the background writes that have not committed yet.
 
-        For a backup about to be deleted: its write stops where it is, and
-        neither it nor its error, if it failed, is kept.
+        For a backup about to be deleted: each write stops where it is and
+        commits nothing.
+
+        Raises:
+            keras_ft.CheckpointWriteError: if one of them had failed before
+                it was called off (a failed write is never silently lost).
         """
         for cancel in self._cancels:
             cancel.set()
         self._cancels = []
-        with contextlib.suppress(SaveCancelled, CheckpointWriteError):
-            self._writer.wait()
+        self._writer.wait()  # Called-off writes end without an error.
 
     def _commit(
         self,

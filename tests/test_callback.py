@@ -707,24 +707,35 @@ def test_disk_full_with_warn_keeps_training_and_retries(small_filesystem, data):
     assert resume.epoch == 5  # The saves after space came back went through.
 
 
-def test_directory_turned_read_only_mid_training_raises_cleanly(small_filesystem, data):
+class RemountReadOnly(keras.callbacks.Callback):
+    def __init__(self, filesystem: str, at_epoch: int):
+        super().__init__()
+        self.filesystem, self.at_epoch = filesystem, at_epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.at_epoch:
+            # A file open for writing (a backup in flight) blocks remount.
+            keras_ft.wait_for_backups()
+            subprocess.run(["mount", "-o", "remount,ro", self.filesystem], check=True)
+
+
+@pytest.mark.parametrize("at_epoch", [1, 2])
+def test_directory_turned_read_only_mid_training_raises_cleanly(
+    small_filesystem, data, at_epoch
+):
+    # At epoch 2 of 3, the failing save is the last one, which train end
+    # calls off as the backup is about to go: its error must still come out.
     backup_dir = os.path.join(small_filesystem, "backup")
-
-    class RemountReadOnly(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            if epoch == 1:
-                # A file open for writing (a backup in flight) blocks remount.
-                keras_ft.wait_for_backups()
-                subprocess.run(
-                    ["mount", "-o", "remount,ro", small_filesystem], check=True
-                )
-
     model = make_model()
-    callbacks = [keras_ft.BackupAndRestore(backup_dir), RemountReadOnly()]
-    with pytest.raises(keras_ft.CheckpointWriteError, match="ckpt-00000001 is intact"):
+    callbacks = [
+        keras_ft.BackupAndRestore(backup_dir),
+        RemountReadOnly(small_filesystem, at_epoch),
+    ]
+    intact = f"ckpt-0000000{at_epoch} is intact"
+    with pytest.raises(keras_ft.CheckpointWriteError, match=intact):
         model.fit(*data, epochs=3, verbose=0, callbacks=callbacks)
     resume = keras_ft.WorkerTrainingState(make_model(), backup_dir).restore()
-    assert resume.epoch == 1
+    assert resume.epoch == at_epoch
 
 
 def test_auto_save_freq_saves_within_the_budget_and_says_how_often(
