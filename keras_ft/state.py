@@ -76,6 +76,9 @@ class Snapshot:
         """
         staging = directory if isinstance(directory, Staging) else Staging(directory)
         try:
+            if self.weights.previous is not None:
+                # One file at a time keeps the disk writing sequentially.
+                self.weights.previous.wait_for(self.weights.previous.total)
             staging.write_file(
                 WEIGHTS_FILE,
                 self.weights.chunks,

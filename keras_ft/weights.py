@@ -22,12 +22,14 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import mmap
 import os
 import sys
 import tempfile
 import threading
+import weakref
 from typing import Any
 
 import h5py
@@ -84,6 +86,8 @@ class CapturedWeights:
     chunks: list[Any]
     filled: Watermark | None = None
     written: Watermark | None = None
+    # The previous capture's `written`: its write goes to disk first.
+    previous: Watermark | None = None
     _fill: Any = dataclasses.field(default=None, repr=False)
 
     @property
@@ -165,6 +169,7 @@ class WeightsLayout:
             [memoryview(self._image)[: self._size]],
             filled,
             written,
+            previous,
             functools.partial(self._fill, values, previous, filled),
         )
         if fill:
@@ -443,6 +448,12 @@ def load(model: keras.Model, path: str, layout: WeightsLayout | None = None) -> 
         # Copy-on-write: a loader that changes a value in place changes only
         # its own pages, never the checkpoint.
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        # A backend may keep using the mapped values (JAX can alias host
+        # memory): a shared lock for as long as the mapping lives keeps the
+        # store from overwriting the file when it recycles the checkpoint.
+        held = os.dup(f.fileno())
+        fcntl.flock(held, fcntl.LOCK_SH)
+        weakref.finalize(mapped, os.close, held)
     if layout is not None and layout.model is model and layout.load_from(mapped):
         return
     groups = _contiguous_datasets(path, size)

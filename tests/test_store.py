@@ -198,7 +198,61 @@ def test_retention_keeps_the_newest_n(tmp_path):
         store.save(write_payload(bytes([i])), {"i": i})
     assert [c.sequence for c in store.checkpoints()] == [4, 5]
     store_module.wait_for_removals()  # Deleted ones go in the background.
+    # No spare is kept of checkpoints this small: nothing to reuse.
     assert sorted(os.listdir(tmp_path)) == ["ckpt-00000004", "ckpt-00000005"]
+
+
+def write_big(content: bytes):
+    def write(staging):
+        staging.write_file("big.bin", [content])
+
+    return write
+
+
+def inode(path: str) -> int:
+    return os.stat(path).st_ino
+
+
+def test_a_checkpoint_let_go_lends_its_big_file_to_the_next_save(tmp_path):
+    store = CheckpointStore(str(tmp_path), KeepLast(1))
+    contents = [os.urandom(3 << 20) for _ in range(3)]
+    first = store.save(write_big(contents[0]), {})
+    first_inode = inode(first.file("big.bin"))
+    store.save(write_big(contents[1]), {})  # First is now the spare,
+    third = store.save(write_big(contents[2]), {})  # written over here.
+    assert inode(third.file("big.bin")) == first_inode
+    with open(third.file("big.bin"), "rb") as f:
+        assert f.read() == contents[2]
+    store.verify(third)
+    store_module.wait_for_removals()
+    names = sorted(os.listdir(tmp_path))
+    assert names[1:] == [third.name] and names[0].startswith(".spare-")
+
+
+def test_a_smaller_file_written_over_a_spare_is_cut_to_size(tmp_path):
+    store = CheckpointStore(str(tmp_path), KeepLast(1))
+    store.save(write_big(os.urandom(4 << 20)), {})
+    store.save(write_big(os.urandom(4 << 20)), {})
+    smaller = os.urandom((2 << 20) + 5)
+    checkpoint = store.save(write_big(smaller), {})
+    with open(checkpoint.file("big.bin"), "rb") as f:
+        assert f.read() == smaller
+    store.verify(checkpoint)
+
+
+def test_a_file_a_reader_holds_is_never_written_over(tmp_path):
+    import fcntl
+
+    store = CheckpointStore(str(tmp_path), KeepLast(1))
+    original = os.urandom(3 << 20)
+    first = store.save(write_big(original), {})
+    with open(first.file("big.bin"), "rb") as reader:
+        fcntl.flock(reader.fileno(), fcntl.LOCK_SH)  # As a loader holds it.
+        for _ in range(3):
+            newest = store.save(write_big(os.urandom(3 << 20)), {})
+            assert inode(newest.file("big.bin")) != os.fstat(reader.fileno()).st_ino
+        assert reader.read() == original
+    store.verify(newest)
 
 
 def test_failed_write_leaves_previous_checkpoint_and_no_staging(tmp_path):
@@ -254,9 +308,9 @@ _WRITER = textwrap.dedent(
         i += 1
         data = os.urandom(4 * 1024 * 1024)
         def write(d):
-            for name in ("a.bin", "b.bin"):
-                with open(os.path.join(d, name), "wb") as f:
-                    f.write(data)
+            d.write_file("a.bin", [data])  # Over the spare's, from the third on.
+            with open(os.path.join(d, "b.bin"), "wb") as f:
+                f.write(data)
         store.save(write, {"i": i})
     """
 )
