@@ -6,9 +6,10 @@ Measures, side by side in one run, on TensorFlow and JAX (one process each):
    default); and keras-ft with `save_freq="auto"` over a longer run;
 2. `fit()` time of a ~50M-parameter MLP saving every epoch: no callback,
    Keras' own, keras-ft;
-3. save and restore throughput against raw write+fsync and raw read of the
-   same number of bytes on the same disk (reads start from a cold page
-   cache: the files' cached pages are dropped first);
+3. save and restore throughput against raw write+fsync of the same number
+   of bytes on the same disk and raw read of the checkpoint's own files
+   (reads start from a cold page cache: the files' cached pages are
+   dropped first);
 4. peak extra resident memory during a first asynchronous save.
 
 The variants of a measurement run interleaved (one fit of each, then the
@@ -145,10 +146,11 @@ def peak_extra_rss(fn) -> int:
     return max(peak[0], rss_bytes()) - before
 
 
-def interleaved(variants: dict, rounds: int) -> dict[str, list[float]]:
+def interleaved(variants: dict, rounds: int, settle=None) -> dict[str, list[float]]:
     """Seconds of each variant's run, one of each per round.
 
     A run that returns a number reports its own time; others are timed.
+    `settle`, if given, runs untimed before each run.
     """
     times: dict[str, list[float]] = {name: [] for name in variants}
     for round_ in range(rounds):
@@ -156,6 +158,8 @@ def interleaved(variants: dict, rounds: int) -> dict[str, list[float]]:
         # machine's speed favours no variant.
         order = list(variants.items())
         for name, run in order if round_ % 2 == 0 else order[::-1]:
+            if settle is not None:
+                settle()
             start = time.perf_counter()
             reported = run()
             elapsed = time.perf_counter() - start
@@ -271,10 +275,18 @@ def measure(args) -> dict:
                 "raw direct write": lambda: raw_direct_write(direct_path, direct_block),
                 "keras save": keras_cb._save_model,
                 "restore": cold(lambda: files_below(chief), state.restore),
-                "raw read": cold([raw_path], lambda: raw_read(raw_path)),
+                # The checkpoint's own files: the same bytes in the same
+                # places on disk as the restore reads.
+                "raw read": cold(
+                    lambda: files_below(chief),
+                    lambda: [raw_read(path) for path in files_below(chief)],
+                ),
                 "keras restore": cold(keras_files, keras_cb._load_model),
             },
             args.repeats,
+            # The previous variant's dirty pages (Keras' save has no fsync)
+            # would otherwise be written back during the next one.
+            settle=os.sync,
         )
         result["bytes"] = ft_bytes
         result["io"] = io_times

@@ -69,10 +69,19 @@ def for_assign(array: np.ndarray) -> Any:
 
     On TensorFlow, a tensor with its own copy of the values, made in one
     copy (Keras converts an array by copying it, then copying the copy again
-    if that is unaligned). Elsewhere `array` itself: JAX may keep using its
-    memory, PyTorch copies it into the variable.
+    if that is unaligned). On JAX, a JAX array sharing `array`'s memory
+    (`assign()` keeps it as is; Keras' own conversion would copy). Elsewhere
+    `array` itself: PyTorch copies it into the variable.
     """
-    if keras.backend.backend() != "tensorflow":
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        # No copy: fresh pages cost more to fault in here than the disk
+        # takes to read them. The file stays share-locked (not recycled)
+        # while arrays alias it; training replaces every one of them.
+        return jax.device_put(array, may_alias=True)
+    if backend != "tensorflow":
         return array
     import tensorflow as tf
 

@@ -13,6 +13,7 @@ where a checkpoint lives: `CheckpointStore` hands it a directory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 import warnings
@@ -22,7 +23,7 @@ import keras
 import numpy as np
 
 from keras_ft import arrays, rng, weights
-from keras_ft.store import Staging
+from keras_ft.store import ReadProgress, Staging
 
 WEIGHTS_FILE = "model.weights.h5"
 STATE_FORMAT_VERSION = 1
@@ -168,11 +169,38 @@ class TrainingState:
             "variables": self.variable_specs(),
         }
 
-    def apply(self, directory: str, metadata: dict) -> ResumePoint:
+    def read_ahead(
+        self, directory: str, progress: ReadProgress | None = None
+    ) -> weights.ReadWeights | None:
+        """Reads a checkpoint's weights for `apply()`, without loading them.
+
+        Safe on a checkpoint not yet verified: nothing is changed. `None`
+        when the model is not built yet or the file is not one this model's
+        layout wrote; `apply()` then reads the file itself. With `progress`
+        (of the checkpoint's verification), reads only what it has read.
+        """
+        if not self.model.built:
+            return None
+        return weights.read(
+            self.model,
+            os.path.join(directory, WEIGHTS_FILE),
+            self._weights,
+            None
+            if progress is None
+            else functools.partial(progress.wait_for, WEIGHTS_FILE),
+        )
+
+    def apply(
+        self,
+        directory: str,
+        metadata: dict,
+        prepared: weights.ReadWeights | None = None,
+    ) -> ResumePoint:
         """Loads a checkpoint's variables into the model.
 
         Builds the model and optimizer first if `fit()` has not yet done so,
         and checks that every variable's shape matches before loading any.
+        `prepared` is the checkpoint's weights from `read_ahead()`, if read.
 
         Raises:
             ValueError: if the checkpoint's variables do not fit the model.
@@ -180,7 +208,12 @@ class TrainingState:
         _check_metadata(metadata, directory)
         self._ensure_built(metadata)
         self._check_variables(metadata["variables"], directory)
-        weights.load(self.model, os.path.join(directory, WEIGHTS_FILE), self._weights)
+        weights.load(
+            self.model,
+            os.path.join(directory, WEIGHTS_FILE),
+            self._weights,
+            prepared,
+        )
         extra = arrays.join(
             metadata.get("state", {}),
             arrays.read(os.path.join(directory, arrays.ARRAYS_FILE)),

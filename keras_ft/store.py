@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import mmap
@@ -46,7 +47,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import xxhash
@@ -55,6 +56,8 @@ MANIFEST_FILE = "manifest.json"
 METADATA_FILE = "metadata.json"
 FORMAT_NAME = "keras-ft-checkpoint"
 FORMAT_VERSION = 1
+
+_T = TypeVar("_T")
 
 _CHECKPOINT_NAME = re.compile(r"^ckpt-(\d{8,})$")
 _STAGING_PREFIX = ".staging-"
@@ -115,6 +118,36 @@ class Watermark(Protocol):
     def advance(self, level: int) -> None: ...
 
     def finish(self) -> None: ...
+
+
+class ReadProgress:
+    """How far a checkpoint's verification has read each of its files.
+
+    A reader that follows it (`wait_for()`) finds the bytes it wants in the
+    page cache instead of reading the disk in competition with the checksum.
+    """
+
+    def __init__(self) -> None:
+        self._levels: dict[str, int] = {}
+        self._done = False
+        self._condition = threading.Condition()
+
+    def advance(self, name: str, level: int) -> None:
+        with self._condition:
+            self._levels[name] = level
+            self._condition.notify_all()
+
+    def finish(self) -> None:
+        """Verification is over (whatever its outcome): nobody need wait."""
+        with self._condition:
+            self._done = True
+            self._condition.notify_all()
+
+    def wait_for(self, name: str, level: int) -> None:
+        """Waits until `name`'s first `level` bytes were read, or the end."""
+        with self._condition:
+            while not self._done and self._levels.get(name, 0) < level:
+                self._condition.wait()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,8 +463,14 @@ class CheckpointStore:
                 found.append(Checkpoint(int(match.group(1)), path))
         return sorted(found, key=lambda c: c.sequence)
 
-    def verify(self, checkpoint: Checkpoint) -> dict[str, Any]:
+    def verify(
+        self, checkpoint: Checkpoint, progress: ReadProgress | None = None
+    ) -> dict[str, Any]:
         """Checks every file of `checkpoint` against its manifest.
+
+        Args:
+            checkpoint: The checkpoint to check.
+            progress: Told how far each file has been read, if given.
 
         Returns:
             The checkpoint's metadata dictionary.
@@ -455,7 +494,7 @@ class CheckpointStore:
         if not isinstance(files, dict) or METADATA_FILE not in files:
             raise CorruptCheckpointError(checkpoint.path, "manifest lists no files")
         for name, expected in files.items():
-            _verify_file(checkpoint, name, expected)
+            _verify_file(checkpoint, name, expected, progress)
         metadata = _read_json(checkpoint, METADATA_FILE)
         if not isinstance(metadata, dict):
             raise CorruptCheckpointError(checkpoint.path, "metadata is not an object")
@@ -472,16 +511,48 @@ class CheckpointStore:
         Raises:
             NoGoodCheckpointError: if checkpoints exist but none verifies.
         """
+        found = self.latest_good_read(lambda checkpoint, progress: None)
+        return None if found is None else found[:2]
+
+    def latest_good_read(
+        self, read: Callable[[Checkpoint, ReadProgress], _T]
+    ) -> tuple[Checkpoint, dict[str, Any], _T] | None:
+        """`latest_good()`, reading each candidate while it is verified.
+
+        `read(checkpoint, progress)` runs in the calling thread while another
+        thread checks the checkpoint's files, so that reading and
+        checksumming overlap; following `progress`, it reads only what the
+        checksum has already brought into memory. It must not act on what it
+        reads, which may be damaged: its result is returned only for a
+        checkpoint that verified, and an error it raised is raised only then.
+
+        Returns:
+            `(checkpoint, metadata, read(checkpoint))`, or `None` if there is
+            no checkpoint.
+
+        Raises:
+            NoGoodCheckpointError: if checkpoints exist but none verifies.
+        """
         candidates = self.checkpoints()
         problems = []
         for checkpoint in reversed(candidates):
+            progress = ReadProgress()
+            verifying = _verifier().submit(self._verify_telling, checkpoint, progress)
             try:
-                return checkpoint, self.verify(checkpoint)
+                result, error = read(checkpoint, progress), None
+            except Exception as e:  # Raised below if the checkpoint is good.
+                result, error = None, e
+            try:
+                metadata = verifying.result()
             except CorruptCheckpointError as e:
                 problems.append(str(e))
                 warnings.warn(
                     f"{e}. Falling back to the previous checkpoint.", stacklevel=2
                 )
+                continue
+            if error is not None:
+                raise error
+            return checkpoint, metadata, result
         if candidates:
             raise NoGoodCheckpointError(
                 f"None of the {len(candidates)} checkpoints in {self.directory} "
@@ -490,6 +561,14 @@ class CheckpointStore:
                 + "\nMove the directory away to start training from scratch."
             )
         return None
+
+    def _verify_telling(
+        self, checkpoint: Checkpoint, progress: ReadProgress
+    ) -> dict[str, Any]:
+        try:
+            return self.verify(checkpoint, progress)
+        finally:
+            progress.finish()
 
     # Writing.
 
@@ -647,6 +726,11 @@ _removals: set[Future] = set()
 _removals_lock = threading.Lock()
 
 
+@functools.cache
+def _verifier() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix="keras-ft-verify")
+
+
 def _remove_in_background(path: str) -> None:
     global _remover
     with _removals_lock:
@@ -714,7 +798,12 @@ def _read_json(checkpoint: Checkpoint, name: str) -> Any:
         ) from None
 
 
-def _verify_file(checkpoint: Checkpoint, name: Any, expected: Any) -> None:
+def _verify_file(
+    checkpoint: Checkpoint,
+    name: Any,
+    expected: Any,
+    progress: ReadProgress | None = None,
+) -> None:
     if (
         not isinstance(name, str)
         or name in ("", ".", "..")
@@ -748,7 +837,8 @@ def _verify_file(checkpoint: Checkpoint, name: Any, expected: Any) -> None:
             f"{name} has {size} bytes, the manifest says {expected['size']} "
             "(truncated or overwritten)",
         )
-    if _file_digest(path, algorithm) != expected[algorithm]:
+    read = None if progress is None else functools.partial(progress.advance, name)
+    if _file_digest(path, algorithm, read) != expected[algorithm]:
         raise CorruptCheckpointError(
             checkpoint.path,
             f"{name} does not match its {_DIGEST_NAMES[algorithm]} checksum",
@@ -762,7 +852,10 @@ def _fsync_and_digest(path: str) -> dict[str, Any]:
     return {"size": os.path.getsize(path), _DIGEST: _file_digest(path, _DIGEST)}
 
 
-def _file_digest(path: str, algorithm: str) -> str:
+def _file_digest(
+    path: str, algorithm: str, read: Callable[[int], None] | None = None
+) -> str:
+    """The file's checksum; `read(n)` is told when its first n bytes were read."""
     digest = _DIGESTS[algorithm]()
     with open(path, "rb") as f:
         # So that the file is not recycled while it is read (see the module).
@@ -775,7 +868,13 @@ def _file_digest(path: str, algorithm: str) -> str:
         # runs, and the pages stay cached for the loader that comes next.
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             mapped.madvise(mmap.MADV_SEQUENTIAL)
-            digest.update(mapped)
+            if read is None:
+                digest.update(mapped)
+            else:
+                with memoryview(mapped) as view:
+                    for start in range(0, size, _CHUNK):
+                        digest.update(view[start : start + _CHUNK])
+                        read(min(start + _CHUNK, size))
     return digest.hexdigest()
 
 

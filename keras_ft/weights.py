@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import h5py
@@ -255,38 +256,63 @@ class WeightsLayout:
     def load_from(self, contents: Any) -> bool:
         """Loads a weights file's bytes into the model, if this layout wrote it.
 
-        The bytes are not parsed: those outside the values must equal the
-        layout's own, which pins each value's place, shape and type. Each
-        object gets its values through its own `load_own_variables()`.
-
         Returns:
             `False`, having loaded nothing, for a file laid out otherwise
             (for another model structure, by Keras, or with other names).
         """
+        stores = self.values_in(contents)
+        if stores is None:
+            return False
+        _load_stores(stores)
+        return True
+
+    def values_in(
+        self, contents: Any, ready: Callable[[int], None] | None = None
+    ) -> list[tuple[Any, dict]] | None:
+        """A weights file's values, for each object's `load_own_variables()`.
+
+        The bytes are not parsed: those outside the values must equal the
+        layout's own, which pins each value's place, shape and type. The
+        values are in the form the backend's `assign()` takes (on
+        TensorFlow, tensors holding a copy); the model is not touched.
+
+        Args:
+            contents: The file's bytes.
+            ready: Called with an offset, returns once the bytes before it
+                are in memory. The file is read in order of offsets.
+
+        Returns:
+            `(object, store)` pairs, or `None` for a file laid out otherwise.
+        """
         if self._fingerprint != _fingerprint(self.model):
             self._lay_out()
         if len(contents) != self._size or not self._size:
-            return False
-        if any(contents[o : o + len(gap)] != gap for o, gap in self._gaps):
-            return False
+            return None
         buffer = np.frombuffer(contents, np.uint8)
-        errors: dict[int, tuple[Any, Exception]] = {}
-        for group in self._groups:
-            store = {
-                slot.key: host.for_assign(
-                    np.zeros(slot.shape, slot.dtype)
-                    if slot.offset is None
-                    else _view(buffer, slot)
-                )
-                for slot in group.slots
-            }
-            try:
-                group.saveable.load_own_variables(store)
-            except Exception as e:  # Reported all together, as Keras does.
-                errors[id(group.saveable)] = (group.saveable, e)
-        if errors:
-            saving_lib._raise_loading_failure(errors)
-        return True
+        parts: list[tuple[int, bytes | _Slot]] = [*self._gaps]
+        parts += [(s.offset, s) for s in self._data_slots()]
+        values: dict[_Slot, Any] = {}
+        for offset, part in sorted(parts, key=lambda p: p[0]):
+            size = len(part) if isinstance(part, bytes) else part.nbytes
+            if ready is not None:
+                ready(offset + size)
+            if isinstance(part, bytes):
+                if contents[offset : offset + size] != part:
+                    return None
+            else:
+                values[part] = host.for_assign(_view(buffer, part))
+        return [
+            (
+                group.saveable,
+                {
+                    slot.key: values[slot]
+                    if slot.offset is not None
+                    else host.for_assign(np.zeros(slot.shape, slot.dtype))
+                    for slot in group.slots
+                },
+            )
+            for group in self._groups
+        ]
 
     def _lay_out(self) -> None:
         recorder = _Recorder()
@@ -424,7 +450,80 @@ def write(path: str, weights: CapturedWeights) -> None:
         weights.release()
 
 
-def load(model: keras.Model, path: str, layout: WeightsLayout | None = None) -> None:
+@dataclasses.dataclass
+class ReadWeights:
+    """A weights file's values, read ahead of loading them (see `read()`)."""
+
+    path: str
+    fingerprint: tuple
+    stores: list[tuple[Any, dict]]
+    mapped: Any = dataclasses.field(repr=False)
+
+
+def read(
+    model: keras.Model,
+    path: str,
+    layout: WeightsLayout,
+    ready: Callable[[int], None] | None = None,
+) -> ReadWeights | None:
+    """Reads a file `layout` wrote into values ready for `load()`.
+
+    The model is not touched, so this can run while the file is still being
+    verified, and its result be dropped if verification fails. `ready`
+    is as in `WeightsLayout.values_in()`.
+
+    Returns:
+        The values, or `None` for a file `layout` did not write (or that is
+        missing or empty), which `load()` then reads the slow way.
+    """
+    if layout.model is not model:
+        return None
+    try:
+        mapped = _map(path)
+    except OSError:
+        return None
+    if mapped is None:
+        return None
+    stores = layout.values_in(mapped, ready)
+    if stores is None:
+        return None
+    return ReadWeights(path, _fingerprint(model), stores, mapped)
+
+
+def _load_stores(stores: list[tuple[Any, dict]]) -> None:
+    errors: dict[int, tuple[Any, Exception]] = {}
+    for saveable, store in stores:
+        try:
+            saveable.load_own_variables(store)
+        except Exception as e:  # Reported all together, as Keras does.
+            errors[id(saveable)] = (saveable, e)
+    if errors:
+        saving_lib._raise_loading_failure(errors)
+
+
+def _map(path: str) -> mmap.mmap | None:
+    """`path` mapped copy-on-write and share-locked, or `None` if empty."""
+    with open(path, "rb") as f:
+        if not os.fstat(f.fileno()).st_size:
+            return None
+        # Copy-on-write: a loader that changes a value in place changes only
+        # its own pages, never the checkpoint.
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        # A backend may keep using the mapped values (JAX can alias host
+        # memory): a shared lock for as long as the mapping lives keeps the
+        # store from overwriting the file when it recycles the checkpoint.
+        held = os.dup(f.fileno())
+        fcntl.flock(held, fcntl.LOCK_SH)
+        weakref.finalize(mapped, os.close, held)
+    return mapped
+
+
+def load(
+    model: keras.Model,
+    path: str,
+    layout: WeightsLayout | None = None,
+    values: ReadWeights | None = None,
+) -> None:
     """Loads a `.weights.h5` file into `model`, like `model.load_weights()`.
 
     The file is mapped, not read: each value goes from the page cache to the
@@ -439,23 +538,24 @@ def load(model: keras.Model, path: str, layout: WeightsLayout | None = None) -> 
         model: The model to load into.
         path: The weights file.
         layout: The model's `WeightsLayout`, if it has one. Defaults to `None`.
+        values: The file's values from `read()`, used if they are of
+            `path` and the model still has the variables they were read
+            for. Defaults to `None`.
     """
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if not size:
-            model.load_weights(path)
-            return
-        # Copy-on-write: a loader that changes a value in place changes only
-        # its own pages, never the checkpoint.
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        # A backend may keep using the mapped values (JAX can alias host
-        # memory): a shared lock for as long as the mapping lives keeps the
-        # store from overwriting the file when it recycles the checkpoint.
-        held = os.dup(f.fileno())
-        fcntl.flock(held, fcntl.LOCK_SH)
-        weakref.finalize(mapped, os.close, held)
+    if (
+        values is not None
+        and values.path == path
+        and values.fingerprint == _fingerprint(model)
+    ):
+        _load_stores(values.stores)
+        return
+    mapped = _map(path)
+    if mapped is None:
+        model.load_weights(path)
+        return
     if layout is not None and layout.model is model and layout.load_from(mapped):
         return
+    size = len(mapped)
     groups = _contiguous_datasets(path, size)
     if groups is None:
         model.load_weights(path)

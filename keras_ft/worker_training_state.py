@@ -298,11 +298,16 @@ class WorkerTrainingState:
             ValueError: if the backup does not match the model.
         """
         self._finish_earlier_write()
-        found = self._chief_store.latest_good()
+        # The weights are read while the checkpoint is checksummed.
+        found = self._chief_store.latest_good_read(
+            lambda checkpoint, progress: self._state.read_ahead(
+                checkpoint.path, progress
+            )
+        )
         if found is None:
             return None
-        checkpoint, metadata = found
-        return self._state.apply(checkpoint.path, metadata)
+        checkpoint, metadata, prepared = found
+        return self._state.apply(checkpoint.path, metadata, prepared)
 
     def apply_metrics(self, values: list) -> bool:
         """Sets the model's metric variables to values from `ResumePoint.extra`.

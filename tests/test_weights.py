@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import h5py
 import keras
 import numpy as np
@@ -178,6 +180,48 @@ def test_a_file_written_for_the_same_layout_loads_without_parsing(
     for a, b in zip(weights_of(model), weights_of(fresh), strict=True):
         np.testing.assert_array_equal(a, b)
     assert iterations(fresh) == iterations(model)
+
+
+def test_values_read_ahead_load_only_when_asked(tmp_path, data):
+    model = trained_model(data)
+    path = str(tmp_path / "w.weights.h5")
+    weights.write(path, weights.capture(model))
+    fresh = keras.models.clone_model(model)
+    fresh.compile(keras.optimizers.Adam(name=model.optimizer.name), loss="mse")
+    fresh.optimizer.build(fresh.trainable_variables)
+    before = [np.array(w) for w in weights_of(fresh)]
+    layout = weights.WeightsLayout(fresh)
+    asked = []
+    values = weights.read(fresh, path, layout, asked.append)
+    assert values is not None
+    # Read in file order, up to the end of the last value; nothing loaded.
+    assert asked == sorted(asked) and asked[-1] <= os.path.getsize(path)
+    for a, b in zip(before, weights_of(fresh), strict=True):
+        np.testing.assert_array_equal(a, b)
+    weights.load(fresh, path, layout, values)
+    for a, b in zip(weights_of(model), weights_of(fresh), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert iterations(fresh) == iterations(model)
+
+
+def test_values_read_for_other_variables_are_not_used(tmp_path, data):
+    model = trained_model(data)
+    path = str(tmp_path / "w.weights.h5")
+    weights.write(path, weights.capture(model))
+    fresh = keras.models.clone_model(model)
+    fresh.compile(keras.optimizers.Adam(name=model.optimizer.name), loss="mse")
+    # Read before the optimizer has variables: the file does not fit yet.
+    assert weights.read(fresh, path, weights.WeightsLayout(fresh)) is None
+    fresh.optimizer.build(fresh.trainable_variables)
+    layout = weights.WeightsLayout(fresh)
+    values = weights.read(fresh, path, layout)
+    other = str(tmp_path / "other.weights.h5")
+    weights.write(other, weights.capture(fresh))
+    own = [np.array(w) for w in weights_of(fresh)]
+    weights.load(fresh, other, layout, values)  # Values of another file.
+    for a, b in zip(own, weights_of(fresh), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert iterations(fresh) == 0 < iterations(model)
 
 
 def test_a_file_of_another_layout_is_parsed_and_loads(tmp_path, data, monkeypatch):

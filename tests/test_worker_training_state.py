@@ -46,6 +46,37 @@ def test_custom_loop_backs_up_and_resumes(backup_dir, data):
         np.testing.assert_array_equal(a, b)
 
 
+def test_training_after_a_restore_leaves_the_checkpoint_intact(backup_dir, data):
+    # JAX may train on arrays that alias the checkpoint's mapped file, and
+    # donate them to the step that overwrites them: only a private copy of
+    # the pages may change, never the file.
+    model = make_model()
+    state = WorkerTrainingState(model, backup_dir)
+    train_epochs(model, data, 0, 1, state)
+    before = tree_digest(backup_dir)
+    saved = [np.array(w) for w in weights_of(model)]
+    fresh = make_model()
+    fresh.optimizer.build(fresh.trainable_variables)
+    restored = WorkerTrainingState(fresh, backup_dir)
+    restored.restore()
+    for a, b in zip(saved, weights_of(fresh), strict=True):
+        np.testing.assert_array_equal(a, b)
+    x, y = data
+    for i in range(0, len(x), 16):
+        fresh.train_on_batch(x[i : i + 16], y[i : i + 16])
+    assert iterations(fresh) == 8
+    assert not all(
+        np.array_equal(a, b) for a, b in zip(saved, weights_of(fresh), strict=True)
+    )
+    assert tree_digest(backup_dir) == before
+    # Saves go on (over the restored checkpoint's file once it is let go).
+    restored.back_up(1)
+    restored.back_up(2)
+    restored.wait()
+    resume = WorkerTrainingState(make_model(), backup_dir).restore()
+    assert (resume.epoch, resume.step) == (3, 8)
+
+
 def test_mid_epoch_back_up_records_the_batch(backup_dir, data):
     model = make_model()
     model.train_on_batch(*[a[:16] for a in data])
@@ -155,10 +186,16 @@ def test_fuzzed_newest_checkpoint_always_falls_back_to_the_previous(backup_dir, 
         else:
             with open(path, "ab") as f:
                 f.write(b"\0")
+        fresh = make_model()
+        if rng.random() < 0.5:
+            # With the optimizer's variables, the weights are read while the
+            # checkpoint is checksummed (and dropped when it is damaged).
+            fresh.optimizer.build(fresh.trainable_variables)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            resume = WorkerTrainingState(make_model(), backup_dir).restore()
+            resume = WorkerTrainingState(fresh, backup_dir).restore()
         assert resume.epoch == 1, (name, how)
+        assert iterations(fresh) == 4, (name, how)
         messages = " ".join(str(w.message) for w in caught)
         assert "ckpt-00000002 is damaged" in messages, (name, how)
 
