@@ -200,6 +200,8 @@ class Staging(os.PathLike):
             `SaveCancelled`. Defaults to `None`.
         recycle: A directory of files that `write_file()` may overwrite in
             place of new ones, taking them by name. Defaults to `None`.
+        sync: Whether `write_file()` fsyncs each file. Defaults to `True`;
+            a store's save syncs all of a checkpoint's files together.
     """
 
     def __init__(
@@ -207,10 +209,12 @@ class Staging(os.PathLike):
         path: str,
         cancel: threading.Event | None = None,
         recycle: str | None = None,
+        sync: bool = True,
     ):
         self.path = os.fspath(path)
         self.cancel = cancel
         self.recycle = recycle
+        self.sync = sync
         self.digests: dict[str, dict[str, Any]] = {}
 
     def __fspath__(self) -> str:
@@ -238,7 +242,13 @@ class Staging(os.PathLike):
         size = sum(memoryview(c).nbytes for c in chunks)
         fd = self._recycled(name, path) if size >= _RECYCLE_MIN else None
         self.digests[name] = write_file(
-            path, chunks, cancel=self.cancel, filled=filled, written=written, fd=fd
+            path,
+            chunks,
+            sync=self.sync,
+            cancel=self.cancel,
+            filled=filled,
+            written=written,
+            fd=fd,
         )
 
     def _recycled(self, name: str, path: str) -> int | None:
@@ -371,19 +381,24 @@ def _write_buffer(
             if filled is not None:
                 filled.wait_for(end)
             piece = view[offset:end]
-            if direct_fd is not None and end <= aligned:
-                try:
-                    _pwrite_all(direct_fd, piece, offset)
-                except OSError as e:
-                    if offset or e.errno != errno.EINVAL:
-                        raise
-                    # The filesystem refused the alignment: no direct I/O.
-                    os.close(direct_fd)
-                    direct_fd, aligned = None, 0
-                    continue
-            else:
-                _pwrite_all(fd, piece, offset)
-            digest.update(piece)
+            # The checksum of a piece is taken while it is written, not
+            # after: on the disk's path, it would slow every save.
+            hashing = _hasher().submit(digest.update, piece)
+            try:
+                if direct_fd is not None and end <= aligned:
+                    try:
+                        _pwrite_all(direct_fd, piece, offset)
+                    except OSError as e:
+                        if offset or e.errno != errno.EINVAL:
+                            raise
+                        # The filesystem refused the alignment: no direct I/O.
+                        os.close(direct_fd)
+                        direct_fd, aligned = None, 0
+                        _pwrite_all(fd, piece, offset)
+                else:
+                    _pwrite_all(fd, piece, offset)
+            finally:
+                hashing.result()  # Before the buffer is let go, on error too.
             offset = end
             if written is not None:
                 written.advance(end)
@@ -604,7 +619,7 @@ class CheckpointStore:
         os.mkdir(staging)
         spare = self._take_spare(staging)
         try:
-            written = Staging(staging, cancel, recycle=spare)
+            written = Staging(staging, cancel, recycle=spare, sync=False)
             write_files(written)
             written.write_file(METADATA_FILE, [_json_bytes(metadata)])
             files = {}
@@ -614,7 +629,7 @@ class CheckpointStore:
                     raise ValueError(
                         f"A checkpoint holds plain files only; {name!r} is not one."
                     )
-                files[name] = written.digests.get(name) or _fsync_and_digest(path)
+                files[name] = written.digests.get(name) or _entry(path)
             body = {
                 "format": FORMAT_NAME,
                 "version": FORMAT_VERSION,
@@ -625,8 +640,11 @@ class CheckpointStore:
                 os.path.join(staging, MANIFEST_FILE),
                 {**body, "digest": _json_digest(body)},
             )
-            _fsync_path(os.path.join(staging, MANIFEST_FILE))
-            _fsync_path(staging)
+            # Every file and the directory reach the disk before the commit;
+            # synced together, the filesystem can flush them in one go.
+            _fsync_together(
+                [os.path.join(staging, n) for n in (*files, MANIFEST_FILE)] + [staging]
+            )
             if after is not None:
                 after()
             written.check_cancelled()
@@ -845,11 +863,25 @@ def _verify_file(
         )
 
 
-def _fsync_and_digest(path: str) -> dict[str, Any]:
-    """The manifest entry of a file written by someone else, fsync'ed."""
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
+def _entry(path: str) -> dict[str, Any]:
+    """The manifest entry of a file written by someone else."""
     return {"size": os.path.getsize(path), _DIGEST: _file_digest(path, _DIGEST)}
+
+
+def _fsync_together(paths: list[str]) -> None:
+    """fsyncs the files (or directories) concurrently; raises the first error."""
+    for done in [_syncer().submit(_fsync_path, p) for p in paths]:
+        done.result()
+
+
+@functools.cache
+def _hasher() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(2, thread_name_prefix="keras-ft-checksum")
+
+
+@functools.cache
+def _syncer() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(4, thread_name_prefix="keras-ft-fsync")
 
 
 def _file_digest(
