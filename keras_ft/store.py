@@ -64,7 +64,7 @@ _STAGING_PREFIX = ".staging-"
 _TRASH_PREFIX = ".trash-"
 _SPARE_PREFIX = ".spare-"
 # Files smaller than this are written anew rather than over a spare's.
-_RECYCLE_MIN = 1024 * 1024
+_RECYCLE_MIN = 256 * 1024
 _CHUNK = 4 * 1024 * 1024
 # Buffers per writev(): Linux takes at most IOV_MAX (1024) at a time.
 _IOV_BATCH = 512
