@@ -383,7 +383,7 @@ def _write_buffer(
             piece = view[offset:end]
             # The checksum of a piece is taken while it is written, not
             # after: on the disk's path, it would slow every save.
-            hashing = _hasher().submit(digest.update, piece)
+            hashing = _submit(_hasher, digest.update, piece)
             try:
                 if direct_fd is not None and end <= aligned:
                     try:
@@ -552,7 +552,7 @@ class CheckpointStore:
         problems = []
         for checkpoint in reversed(candidates):
             progress = ReadProgress()
-            verifying = _verifier().submit(self._verify_telling, checkpoint, progress)
+            verifying = _submit(_verifier, self._verify_telling, checkpoint, progress)
             try:
                 result, error = read(checkpoint, progress), None
             except Exception as e:  # Raised below if the checkpoint is good.
@@ -754,7 +754,7 @@ def _remove_in_background(path: str) -> None:
     with _removals_lock:
         if _remover is None:
             _remover = ThreadPoolExecutor(1, thread_name_prefix="keras-ft-remover")
-        future = _remover.submit(shutil.rmtree, path, ignore_errors=True)
+        future = _submit(lambda: _remover, shutil.rmtree, path, ignore_errors=True)
         _removals.add(future)
     future.add_done_callback(_forget_removal)
 
@@ -870,8 +870,27 @@ def _entry(path: str) -> dict[str, Any]:
 
 def _fsync_together(paths: list[str]) -> None:
     """fsyncs the files (or directories) concurrently; raises the first error."""
-    for done in [_syncer().submit(_fsync_path, p) for p in paths]:
+    for done in [_submit(_syncer, _fsync_path, p) for p in paths]:
         done.result()
+
+
+def _submit(
+    executor: Callable[[], ThreadPoolExecutor], fn: Callable, *args, **kwargs
+) -> Future:
+    """`executor().submit(fn, ...)`, or `fn` run here once the interpreter exits.
+
+    At exit, executors take no new work; a write still committing (which the
+    interpreter waits for) then does the rest of it in its own thread.
+    """
+    try:
+        return executor().submit(fn, *args, **kwargs)
+    except RuntimeError:
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as e:
+            done.set_exception(e)
+        return done
 
 
 @functools.cache

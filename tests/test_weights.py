@@ -161,15 +161,22 @@ def test_load_reports_a_mismatch_as_keras_does(tmp_path, data):
         weights.load(other, path)
 
 
-def test_a_file_written_for_the_same_layout_loads_without_parsing(
-    tmp_path, data, monkeypatch
-):
+def saved_and_clone(tmp_path, data, build_optimizer=True):
+    """A trained model, its weights file, and a clone with the same names."""
     model = trained_model(data)
     path = str(tmp_path / "w.weights.h5")
     weights.write(path, weights.capture(model))
     fresh = keras.models.clone_model(model)  # Same structure and names.
     fresh.compile(keras.optimizers.Adam(name=model.optimizer.name), loss="mse")
-    fresh.optimizer.build(fresh.trainable_variables)
+    if build_optimizer:
+        fresh.optimizer.build(fresh.trainable_variables)
+    return model, path, fresh
+
+
+def test_a_file_written_for_the_same_layout_loads_without_parsing(
+    tmp_path, data, monkeypatch
+):
+    model, path, fresh = saved_and_clone(tmp_path, data)
     layout = weights.WeightsLayout(fresh)
 
     def no_parsing(*args):
@@ -183,12 +190,7 @@ def test_a_file_written_for_the_same_layout_loads_without_parsing(
 
 
 def test_values_read_ahead_load_only_when_asked(tmp_path, data):
-    model = trained_model(data)
-    path = str(tmp_path / "w.weights.h5")
-    weights.write(path, weights.capture(model))
-    fresh = keras.models.clone_model(model)
-    fresh.compile(keras.optimizers.Adam(name=model.optimizer.name), loss="mse")
-    fresh.optimizer.build(fresh.trainable_variables)
+    model, path, fresh = saved_and_clone(tmp_path, data)
     before = [np.array(w) for w in weights_of(fresh)]
     layout = weights.WeightsLayout(fresh)
     asked = []
@@ -205,11 +207,7 @@ def test_values_read_ahead_load_only_when_asked(tmp_path, data):
 
 
 def test_values_read_for_other_variables_are_not_used(tmp_path, data):
-    model = trained_model(data)
-    path = str(tmp_path / "w.weights.h5")
-    weights.write(path, weights.capture(model))
-    fresh = keras.models.clone_model(model)
-    fresh.compile(keras.optimizers.Adam(name=model.optimizer.name), loss="mse")
+    model, path, fresh = saved_and_clone(tmp_path, data, build_optimizer=False)
     # Read before the optimizer has variables: the file does not fit yet.
     assert weights.read(fresh, path, weights.WeightsLayout(fresh)) is None
     fresh.optimizer.build(fresh.trainable_variables)
