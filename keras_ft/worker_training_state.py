@@ -208,6 +208,9 @@ class WorkerTrainingState:
             snapshot.release()  # Never written: the next copy must not wait.
             raise
         self._cancels.append(cancel)
+        # Only the newest `depth` saves can still be in flight (`submit()`
+        # waited for the others): a long run keeps no more events than that.
+        del self._cancels[: -self._writer.depth]
         snapshot.weights.fill()  # On failure, the write sees it and calls off.
         if self.async_save:
             return None

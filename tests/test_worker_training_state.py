@@ -228,6 +228,17 @@ def test_an_async_save_returns_before_its_commit(backup_dir, data, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_long_run_of_async_saves_holds_only_the_saves_in_flight(backup_dir, data):
+    model = make_model()
+    model.fit(*data, epochs=1, verbose=0)
+    state = WorkerTrainingState(model, backup_dir, async_save=True)
+    for epoch in range(6):
+        state.back_up(epoch)
+    # What a save in flight needs (to be called off) is not kept past it.
+    assert len(state._cancels) <= 2
+    assert state.wait().sequence == 6
+
+
 def test_discarding_a_pending_save_commits_nothing(backup_dir, data, monkeypatch):
     gate = held_writes(monkeypatch)
     model = make_model()
