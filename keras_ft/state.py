@@ -194,13 +194,13 @@ class TrainingState:
         self,
         directory: str,
         metadata: dict,
-        prepared: weights.ReadWeights | None = None,
+        values: weights.ReadWeights | None = None,
     ) -> ResumePoint:
         """Loads a checkpoint's variables into the model.
 
         Builds the model and optimizer first if `fit()` has not yet done so,
         and checks that every variable's shape matches before loading any.
-        `prepared` is the checkpoint's weights from `read_ahead()`, if read.
+        `values` are the checkpoint's weights from `read_ahead()`, if read.
 
         Raises:
             ValueError: if the checkpoint's variables do not fit the model.
@@ -212,7 +212,7 @@ class TrainingState:
             self.model,
             os.path.join(directory, WEIGHTS_FILE),
             self._weights,
-            prepared,
+            values,
         )
         extra = arrays.join(
             metadata.get("state", {}),

@@ -739,7 +739,6 @@ class CheckpointStore:
 
 # One thread removes deleted checkpoints; a kill leaves them as `.trash-*`
 # directories, which `remove_leftovers()` clears at the next start.
-_remover: ThreadPoolExecutor | None = None
 _removals: set[Future] = set()
 _removals_lock = threading.Lock()
 
@@ -749,12 +748,14 @@ def _verifier() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(1, thread_name_prefix="keras-ft-verify")
 
 
+@functools.cache
+def _remover() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix="keras-ft-remover")
+
+
 def _remove_in_background(path: str) -> None:
-    global _remover
     with _removals_lock:
-        if _remover is None:
-            _remover = ThreadPoolExecutor(1, thread_name_prefix="keras-ft-remover")
-        future = _submit(lambda: _remover, shutil.rmtree, path, ignore_errors=True)
+        future = _submit(_remover, shutil.rmtree, path, ignore_errors=True)
         _removals.add(future)
     future.add_done_callback(_forget_removal)
 
@@ -919,12 +920,10 @@ def _file_digest(
         # runs, and the pages stay cached for the loader that comes next.
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             mapped.madvise(mmap.MADV_SEQUENTIAL)
-            if read is None:
-                digest.update(mapped)
-            else:
-                with memoryview(mapped) as view:
-                    for start in range(0, size, _CHUNK):
-                        digest.update(view[start : start + _CHUNK])
+            with memoryview(mapped) as view:
+                for start in range(0, size, _CHUNK):
+                    digest.update(view[start : start + _CHUNK])
+                    if read is not None:
                         read(min(start + _CHUNK, size))
     return digest.hexdigest()
 

@@ -421,17 +421,12 @@ def _copy_pieces(values: list[np.ndarray], pieces: list[_Piece]) -> None:
         np.copyto(destination, values[index].reshape(-1)[lo:hi], casting="no")
 
 
-_helper: concurrent.futures.ThreadPoolExecutor | None = None
-
-
+@functools.cache
 def _copy_helper() -> concurrent.futures.ThreadPoolExecutor | None:
     """A second thread for copies, on a machine with more than one core."""
-    global _helper
-    if _helper is None and (os.cpu_count() or 1) > 1:
-        _helper = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="keras-ft-copy"
-        )
-    return _helper
+    if (os.cpu_count() or 1) < 2:
+        return None
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="keras-ft-copy")
 
 
 def capture(model: keras.Model, copy: bool = True) -> CapturedWeights:

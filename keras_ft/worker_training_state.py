@@ -309,8 +309,8 @@ class WorkerTrainingState:
         )
         if found is None:
             return None
-        checkpoint, metadata, prepared = found
-        return self._state.apply(checkpoint.path, metadata, prepared)
+        checkpoint, metadata, values = found
+        return self._state.apply(checkpoint.path, metadata, values)
 
     def apply_metrics(self, values: list) -> bool:
         """Sets the model's metric variables to values from `ResumePoint.extra`.

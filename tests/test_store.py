@@ -158,6 +158,29 @@ def test_a_read_alongside_verification_follows_it_and_counts_only_if_good(
     assert (checkpoint.sequence, metadata, result) == (1, {"i": 1}, good)
 
 
+def test_verification_tells_how_far_it_has_read_each_file(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    size = 2 * store_module._CHUNK + 5
+    checkpoint = store.save(write_payload(os.urandom(size)), {"i": 1})
+    told = []
+
+    class Recorder(store_module.ReadProgress):
+        def advance(self, name, level):
+            told.append((name, level))
+            super().advance(name, level)
+
+    progress = Recorder()
+    store.verify(checkpoint, progress)
+    chunk = store_module._CHUNK
+    # Piece by piece, in order. (Small files are read whole, unreported.)
+    assert [t for t in told if t[0] == "payload.bin"] == [
+        ("payload.bin", chunk),
+        ("payload.bin", 2 * chunk),
+        ("payload.bin", size),
+    ]
+    progress.wait_for("payload.bin", size)  # Returns: it has all been read.
+
+
 def test_a_read_error_is_raised_only_for_a_good_checkpoint(tmp_path):
     store = CheckpointStore(str(tmp_path))
     store.save(write_payload(b"a" * 100), {"i": 1})
