@@ -13,7 +13,7 @@ from keras_ft.policy import (
     OverheadBudget,
     SaveSchedule,
 )
-from keras_ft.state import ResumePoint, TrainingState
+from keras_ft.state import NonFiniteStateError, ResumePoint, TrainingState
 from keras_ft.store import (
     Checkpoint,
     CheckpointError,
@@ -40,6 +40,7 @@ __all__ = [
     "EveryNSteps",
     "KeepLast",
     "NoGoodCheckpointError",
+    "NonFiniteStateError",
     "OverheadBudget",
     "ResumePoint",
     "SaveSchedule",

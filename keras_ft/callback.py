@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import keras
@@ -24,11 +25,12 @@ from keras_ft.policy import (
     EveryNSeconds,
     EveryNSteps,
     KeepLast,
+    Never,
     OverheadBudget,
     SaveSchedule,
 )
 from keras_ft.preemption import ClusterNotice, PreemptionWatcher, parse_signals
-from keras_ft.state import ResumePoint
+from keras_ft.state import NonFiniteStateError, ResumePoint
 from keras_ft.store import CheckpointWriteError
 from keras_ft.worker_training_state import WorkerTrainingState, validate_backup_dir
 
@@ -54,7 +56,16 @@ class BackupAndRestore(keras.callbacks.Callback):
     are never deleted. The backup is deleted at the end of `fit()` only when
     every epoch ran (so not after `TerminateOnNaN`, an `EarlyStopping` stop or
     an exception), and only if `delete_checkpoint=True`. A save is skipped,
-    with a warning, when the loss is NaN or infinite.
+    with a warning, when the loss is NaN or infinite or a model or optimizer
+    variable holds a NaN or an infinity: a non-finite state is never backed
+    up.
+
+    An epoch is backed up as soon as this callback's `on_epoch_end` runs, so
+    an exception in a later callback does not lose it. If a later callback
+    keeps state across epochs (`EarlyStopping`, `ReduceLROnPlateau`,
+    `ModelCheckpoint`, or one with `get_state()`), a second backup taken once
+    every callback's `on_epoch_end` has run replaces the first, so that their
+    updates of this epoch are included.
 
     Example:
 
@@ -68,9 +79,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         backup_dir: Path of the directory where the backup is stored. It
             should not be shared with another training run.
         save_freq: `"epoch"` to save at the end of every epoch, a positive
-            integer to save every `save_freq` batches, or `"auto"` to save as
+            integer to save every `save_freq` batches, `"auto"` to save as
             often as keeps the time saves hold up training within
-            `overhead_budget`. Defaults to `"epoch"`.
+            `overhead_budget` (keras-ft only), or `False` for no scheduled
+            saves: only the backup taken on a preemption signal (and
+            `save_every_seconds`, if set). Defaults to `"epoch"`.
         double_checkpoint: If `True`, keep at least two backups, as Keras'
             own callback does with this flag. keras-ft keeps two by default
             (`keep=2`). Defaults to `False`.
@@ -136,6 +149,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         # Keras for multi-worker strategies now. No effect on one process.
         install_multi_worker_fixes()
         schedules = [_schedule_from_save_freq(save_freq, overhead_budget)]
+        # An epoch cut short by another callback is backed up where it stopped
+        # only if the user asked for saves beyond preemption ones.
+        self._scheduled = save_freq is not False or save_every_seconds is not None
         if save_every_seconds is not None:
             try:
                 schedules.append(EveryNSeconds(save_every_seconds))
@@ -188,7 +204,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._batches_in_epoch = 0
         self._skip_until = 0
         self._epochs_completed = 0
-        self._warned_non_finite = False
+        self._skipped_non_finite: str | None = None
         self._batch_ends = 0
         self._stop_at: dict | None = None
         self._notice: ClusterNotice | None = None
@@ -228,21 +244,19 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self._notice.clear()
         self._epochs_completed = resume.epoch if resume else 0
         self._pending_epoch_end = None
+        self._skipped_non_finite = None
         # Read by fit() right after on_train_begin, and cleared again at the
         # first epoch begin so that a later fit() starts where it is told to.
         model._initial_epoch = resume.epoch if resume else None
         if resume and self.verbose:
             saved = datetime.datetime.fromtimestamp(resume.saved_at)
-            where = f"epoch {resume.epoch + 1}/{self.params.get('epochs', '?')}"
-            if resume.batch:
-                where += f", batch {resume.batch + 1}"
             io_utils.print_msg(
                 f"BackupAndRestore: restored {resume.checkpoint} (saved "
-                f"{saved:%Y-%m-%d %H:%M:%S}); resuming at {where}, optimizer "
-                f"step {resume.step}."
+                f"{saved:%Y-%m-%d %H:%M:%S}); resuming at "
+                f"{_resume_position(resume, self.params)}, optimizer step "
+                f"{resume.step}."
             )
         self._schedule.start(time.monotonic())
-        self._warned_non_finite = False
         self._reported_interval: int | None = None
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
@@ -255,6 +269,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if resume is not None:
             # Every other callback's on_train_begin has reset it by now.
             callback_state.apply(self._others, resume.extra.get("callbacks", {}))
+            _warn_if_callbacks_pending(resume)
             _continue_tensorboard_steps(self._others, resume)
             if resume.batch and epoch == resume.epoch:
                 self._continue_epoch(resume)
@@ -301,28 +316,27 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self.preempted_by:
             return  # Backed up at the exact step already.
         steps = self.params.get("steps")
-        cut_short = (
-            not _finite_loss(logs) or bool(steps) and self._batches_in_epoch < steps
-        )
-        if cut_short:
-            if _finite_loss(logs) and self._batches_in_epoch:
+        if steps and self._batches_in_epoch < steps:
+            if self._scheduled and self._batches_in_epoch:
                 # Stopped mid-epoch by another callback: back up where it is.
                 self._save(logs, epoch, self._batches_in_epoch)
             return
+        # Run, whether or not its state can be backed up: a fit() that ran
+        # every epoch is over, diverged or not.
         self._epochs_completed = epoch + 1
         if not self._schedule.on_epoch_end(time.monotonic()):
             return
-        if any(_is_stateful(c) for c in self._later_callbacks()):
-            # Their epoch-end updates are part of this epoch's state: back up
-            # once they have run (see _AfterAllCallbacks).
+        # The epoch is backed up now, whatever a later callback does. Those
+        # that keep state update it in their own on_epoch_end: a second
+        # backup, once they have run, replaces this one (_AfterAllCallbacks).
+        later = [c for c in self._later_callbacks() if _is_stateful(c)]
+        if self._save(logs, epoch, None, pending=later) and later:
             self._pending_epoch_end = (epoch, logs)
-        else:
-            self._save(logs, epoch, None)
 
     def _on_epoch_end_after_all(self, epoch: int, logs: dict | None) -> None:
         pending, self._pending_epoch_end = self._pending_epoch_end, None
         if pending is not None and pending[0] == epoch:
-            self._save(pending[1], epoch, None)
+            self._save(pending[1], epoch, None, replaces_last=True)
 
     def _check_cluster(self, task: TaskSpec) -> None:
         """Refuses save schedules that workers could disagree on."""
@@ -352,6 +366,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         completed = self._epochs_completed >= self.params.get("epochs", 0)
         if self._state is not None:
             if self.delete_checkpoint and completed and not self.preempted_by:
+                if self._skipped_non_finite:
+                    warnings.warn(
+                        f"BackupAndRestore: fit() ran every epoch, but "
+                        f"{self._skipped_non_finite}, so it was not backed up. "
+                        "The backup of the last finite state is deleted, as "
+                        "`delete_checkpoint=True` asks; pass "
+                        "`delete_checkpoint=False` to keep it.",
+                        stacklevel=2,
+                    )
                 # The backup goes: no need to finish writing the last save.
                 self._raise_write_errors(self._state.discard_pending)
                 self._state.delete_backup()
@@ -366,24 +389,24 @@ class BackupAndRestore(keras.callbacks.Callback):
         watcher = self._watcher
         name = signum.name
         self._preempted_signum = signum
-        checkpoint = None
+        where = f"epoch {self._epoch + 1}, batch {self._batches_in_epoch}"
+        # A batch being skipped after a restart: the backup we restored from
+        # already holds this point.
+        saved = f"the backup already holds {where}"
         if self._batches_in_epoch > self._skip_until:
-            self._save(logs, self._epoch, self._batches_in_epoch)
-            # The process may be gone soon: this one is committed now.
-            checkpoint = self._raise_write_errors(self._state.wait)
-        # Else a batch being skipped after a restart: the backup we restored
-        # from already holds this point.
+            if self._save(logs, self._epoch, self._batches_in_epoch):
+                # The process may be gone soon: this one is committed now.
+                checkpoint = self._raise_write_errors(self._state.wait)
+                saved = f"backed up {where}"
+                if checkpoint is not None:  # None on a worker: the chief commits.
+                    saved += f" to {checkpoint.path}"
+            else:
+                saved = f"{where} is not finite and was not backed up"
         watcher.done()
         self.preempted_by = name
         model = self.model
         model.stop_training = True
         seconds = watcher.seconds_since_signal if watcher.received else 0.0
-        where = f"epoch {self._epoch + 1}, batch {self._batches_in_epoch}"
-        saved = (
-            f"backed up {where} to {checkpoint.path}"
-            if checkpoint
-            else (f"the backup already holds {where}")
-        )
         if watcher.received is None:  # Another worker got the signal.
             name = f"{name} (worker {self._stop_at['worker']})"
         io_utils.print_msg(
@@ -398,17 +421,24 @@ class BackupAndRestore(keras.callbacks.Callback):
                 stacklevel=2,
             )
 
-    def _save(self, logs: dict | None, epoch: int, batch: int | None) -> None:
+    def _save(
+        self,
+        logs: dict | None,
+        epoch: int,
+        batch: int | None,
+        *,
+        pending: Sequence[keras.callbacks.Callback] = (),
+        replaces_last: bool = False,
+    ) -> bool:
+        """Backs up the state now; returns whether a save was started.
+
+        `pending`: later callbacks whose epoch end has not run yet (noted
+        in the backup, so that a resume from it can say so).
+        """
+        where = f"epoch {epoch + 1}" + (f", batch {batch}" if batch else "")
         if not _finite_loss(logs):
-            if not self._warned_non_finite:
-                warnings.warn(
-                    f"BackupAndRestore: loss is {logs.get('loss')} at epoch "
-                    f"{epoch + 1}; not backing up a diverged model. The last "
-                    "good backup is kept.",
-                    stacklevel=2,
-                )
-                self._warned_non_finite = True
-            return
+            self._skip_non_finite(f"the loss is {logs.get('loss')} at {where}")
+            return False
         # On JAX, reading `self.model` syncs the trainer's state back into
         # the model's variables, which fit() leaves stale mid-epoch.
         self.model  # noqa: B018
@@ -421,10 +451,33 @@ class BackupAndRestore(keras.callbacks.Callback):
                 _with_epoch_recorded(self._others, epoch, logs, batch)
             ),
         }
+        if pending:
+            extra["callbacks_pending"] = [
+                key for key, c in callback_state.keyed(self._others) if c in pending
+            ]
         started = time.monotonic()
-        self._raise_write_errors(lambda: self._state.back_up(epoch, batch, extra))
+        try:
+            self._raise_write_errors(
+                lambda: self._state.back_up(
+                    epoch, batch, extra, replaces_last=replaces_last
+                )
+            )
+        except NonFiniteStateError as e:
+            shown = ", ".join(e.variables[:3])
+            self._skip_non_finite(f"{shown} hold NaN or infinity at {where}")
+            return False
         now = time.monotonic()
         self._schedule.saved(now, cost=now - started)
+        self._skipped_non_finite = None
+        return True
+
+    def _skip_non_finite(self, what: str) -> None:
+        self._skipped_non_finite = what
+        warnings.warn(
+            f"BackupAndRestore: {what}; not backing up a diverged model. The "
+            "last good backup is kept.",
+            stacklevel=3,
+        )
 
     def _report_interval(self) -> None:
         budget = next(
@@ -603,6 +656,8 @@ def _float_logs(logs: dict | None) -> dict[str, float]:
 
 
 def _schedule_from_save_freq(save_freq: Any, overhead_budget: float) -> SaveSchedule:
+    if save_freq is False:
+        return Never()
     if save_freq == "epoch":
         return EveryEpoch()
     if save_freq == "auto":
@@ -610,9 +665,34 @@ def _schedule_from_save_freq(save_freq: Any, overhead_budget: float) -> SaveSche
     if isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0:
         return EveryNSteps(save_freq)
     raise ValueError(
-        "Invalid value for argument `save_freq`. Expected 'epoch', 'auto' or a "
-        f"positive integer number of batches. Received: save_freq={save_freq!r}"
+        "Invalid value for argument `save_freq`. Expected 'epoch', 'auto', a "
+        "positive integer number of batches, or False (only the backup taken "
+        f"on a preemption signal). Received: save_freq={save_freq!r}"
     )
+
+
+def _resume_position(resume: ResumePoint, params: dict) -> str:
+    """Where a resumed fit() continues, as the restore line says it."""
+    epoch = f"epoch {resume.epoch + 1}/{params.get('epochs', '?')}"
+    steps = params.get("steps")
+    if steps and resume.batch >= steps:
+        # Saved after the epoch's last batch, before its on_epoch_end ran.
+        return f"the end of {epoch}"
+    if resume.batch:
+        return f"{epoch}, batch {resume.batch + 1}"
+    return epoch
+
+
+def _warn_if_callbacks_pending(resume: ResumePoint) -> None:
+    pending = resume.extra.get("callbacks_pending")
+    if pending:
+        warnings.warn(
+            f"BackupAndRestore: {resume.checkpoint} was backed up before the "
+            f"on_epoch_end of {', '.join(pending)} ran (training stopped "
+            "there, e.g. a later callback raised). Their state is restored as "
+            f"it was before the end of epoch {resume.epoch}.",
+            stacklevel=3,
+        )
 
 
 def _finite_loss(logs: dict | None) -> bool:

@@ -20,7 +20,7 @@ of that class, so the restarted script must pass the same callbacks.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import keras
@@ -43,7 +43,7 @@ STOCK_ATTRIBUTES: dict[type, tuple[str, ...]] = {
 def capture(callbacks: Iterable[keras.callbacks.Callback]) -> dict[str, Any]:
     """The state of every callback that has one, keyed by class and position."""
     states = {}
-    for key, callback in _keyed(callbacks):
+    for key, callback in keyed(callbacks):
         if _has_protocol(callback):
             states[key] = callback.get_state()
             continue
@@ -59,7 +59,7 @@ def capture(callbacks: Iterable[keras.callbacks.Callback]) -> dict[str, Any]:
 
 def apply(callbacks: Iterable[keras.callbacks.Callback], states: dict) -> None:
     """Gives each callback its saved state; callbacks not in `states` keep theirs."""
-    for key, callback in _keyed(callbacks):
+    for key, callback in keyed(callbacks):
         if key not in states:
             continue
         state = states[key]
@@ -71,7 +71,10 @@ def apply(callbacks: Iterable[keras.callbacks.Callback], states: dict) -> None:
                     setattr(callback, name, state[name])
 
 
-def _keyed(callbacks: Iterable[keras.callbacks.Callback]):
+def keyed(
+    callbacks: Iterable[keras.callbacks.Callback],
+) -> Iterator[tuple[str, keras.callbacks.Callback]]:
+    """Each callback with its key, `"<class name>:<position in its class>"`."""
     seen: dict[str, int] = {}
     for callback in callbacks:
         name = type(callback).__name__

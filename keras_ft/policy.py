@@ -51,6 +51,16 @@ class SaveSchedule:
         """
 
 
+class Never(SaveSchedule):
+    """Never asks for a save: only a preemption signal backs up.
+
+    What `save_freq=False` means, as in Keras' own `BackupAndRestore`.
+    """
+
+    def __repr__(self) -> str:
+        return "Never()"
+
+
 class EveryEpoch(SaveSchedule):
     """Saves at the end of every epoch."""
 

@@ -23,10 +23,28 @@ import keras
 import numpy as np
 
 from keras_ft import arrays, rng, weights
-from keras_ft.store import ReadProgress, Staging
+from keras_ft.store import CheckpointError, ReadProgress, Staging
 
 WEIGHTS_FILE = "model.weights.h5"
 STATE_FORMAT_VERSION = 1
+
+
+class NonFiniteStateError(CheckpointError):
+    """The state to back up holds a NaN or an infinity; nothing was saved.
+
+    Attributes:
+        variables: The weights-file paths of the values that are not finite.
+    """
+
+    def __init__(self, variables: list[str]):
+        self.variables = list(variables)
+        shown = ", ".join(self.variables[:3])
+        more = f" and {len(self.variables) - 3} more" if len(variables) > 3 else ""
+        super().__init__(
+            f"The model's variables are not finite ({shown}{more} hold NaN or "
+            "infinity), so this state was not backed up; the previous backup "
+            "is kept."
+        )
 
 
 @dataclasses.dataclass(frozen=True)

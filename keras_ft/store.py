@@ -593,6 +593,7 @@ class CheckpointStore:
         metadata: dict[str, Any],
         cancel: threading.Event | None = None,
         after: Callable[[], None] | None = None,
+        supersedes: Callable[[], Checkpoint | None] | None = None,
     ) -> Checkpoint:
         """Writes and atomically commits a new checkpoint.
 
@@ -607,6 +608,10 @@ class CheckpointStore:
             after: Called once the files are written and synced, before the
                 checkpoint gets its number and is committed; waits for a save
                 that must commit first. Defaults to `None`.
+            supersedes: Called once this checkpoint is committed; returns
+                the checkpoint it replaces (or `None`), which is deleted
+                before retention runs, so that it takes no older
+                checkpoint's place. Defaults to `None`.
 
         Returns:
             The committed checkpoint.
@@ -662,6 +667,9 @@ class CheckpointStore:
             if spare is not None:  # What of it was not reused.
                 _remove_in_background(spare)
         committed = Checkpoint(sequence, final)
+        replaced = supersedes() if supersedes is not None else None
+        if replaced is not None and os.path.isdir(replaced.path):
+            self.delete(replaced)
         self.prune()
         return committed
 

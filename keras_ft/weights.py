@@ -90,6 +90,8 @@ class CapturedWeights:
     # The previous capture's `written`: its write goes to disk first.
     previous: Watermark | None = None
     _fill: Any = dataclasses.field(default=None, repr=False)
+    # Filled in by the copy: the datasets holding a NaN or an infinity.
+    non_finite: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -167,25 +169,31 @@ class WeightsLayout:
         # Only a capture handed to a writer before it is filled is followed.
         written = self._written = None if fill else Watermark(self._size)
         captured = CapturedWeights(
-            [memoryview(self._image)[: self._size]],
-            filled,
-            written,
-            previous,
-            functools.partial(self._fill, values, previous, filled),
+            [memoryview(self._image)[: self._size]], filled, written, previous
+        )
+        captured._fill = functools.partial(
+            self._fill, values, previous, filled, captured.non_finite
         )
         if fill:
             captured.fill()
         return captured
 
     def _fill(
-        self, values: list[np.ndarray], previous: Watermark | None, filled: Watermark
+        self,
+        values: list[np.ndarray],
+        previous: Watermark | None,
+        filled: Watermark,
+        non_finite: list[str],
     ) -> None:
         """Copies `values` into the buffer in file order, raising `filled`.
 
         Batch by batch: each waits until the previous capture's write has
         passed it, and is copied by this thread and a helper together (the
         training thread waits for the copy anyway; two cores copy faster).
+        Each piece is checked for NaN and infinity while it is in the cache;
+        the names of the datasets that hold one are added to `non_finite`.
         """
+        bad: set[int] = set()
         try:
             for ready, pieces, split in self._copy_batches:
                 if previous is not None:
@@ -193,15 +201,27 @@ class WeightsLayout:
                 helper = _copy_helper() if 0 < split < len(pieces) else None
                 if helper is not None:
                     second = helper.submit(_copy_pieces, values, pieces[split:])
-                    _copy_pieces(values, pieces[:split])
-                    second.result()
+                    bad.update(_copy_pieces(values, pieces[:split]))
+                    bad.update(second.result())
                 else:
-                    _copy_pieces(values, pieces)
+                    bad.update(_copy_pieces(values, pieces))
                 filled.advance(ready)
             filled.finish()
         except BaseException as e:
             filled.abandon(e)
             raise
+        finally:
+            names = self.dataset_names()
+            non_finite.extend(names[i] for i in sorted(bad))
+
+    def dataset_names(self) -> list[str]:
+        """HDF5 paths of the datasets with bytes, in `_data_slots()` order."""
+        return [
+            f"{group.path}/vars/{slot.key}".lstrip("/")
+            for group in self._groups
+            for slot in group.slots
+            if slot.offset is not None
+        ]
 
     def prepare(self, copy: bool = True) -> None:
         """Walks the model now rather than at the first capture; with `copy`,
@@ -416,9 +436,29 @@ def _half(pieces: list[_Piece]) -> int:
     return len(pieces)
 
 
-def _copy_pieces(values: list[np.ndarray], pieces: list[_Piece]) -> None:
+def _copy_pieces(values: list[np.ndarray], pieces: list[_Piece]) -> set[int]:
+    """Copies `pieces`; returns the indices of values a NaN or inf was seen in."""
+    non_finite = set()
     for index, lo, hi, destination in pieces:
         np.copyto(destination, values[index].reshape(-1)[lo:hi], casting="no")
+        if index not in non_finite and not _all_finite(destination):
+            non_finite.add(index)
+    return non_finite
+
+
+def _all_finite(array: np.ndarray) -> bool:
+    """Whether a float array holds no NaN or infinity; other types always do.
+
+    The sum of an array with a NaN or an infinity is not finite, and one
+    pass of summing costs much less than `isfinite()` and its mask; only an
+    overflowing sum of finite values needs the exact check.
+    """
+    if array.dtype.kind != "f" and array.dtype != ml_dtypes.bfloat16:
+        return True
+    accumulate = np.float32 if array.dtype.itemsize < 4 else None
+    if np.isfinite(np.add.reduce(array, dtype=accumulate)):
+        return True
+    return bool(np.isfinite(array).all())
 
 
 @functools.cache

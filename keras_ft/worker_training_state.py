@@ -14,7 +14,7 @@ import keras
 from keras_ft.cluster import TaskSpec, chief_dir, current_task, write_dir
 from keras_ft.lock import DirectoryLock
 from keras_ft.policy import KeepLast
-from keras_ft.state import ResumePoint, Snapshot, TrainingState
+from keras_ft.state import NonFiniteStateError, ResumePoint, Snapshot, TrainingState
 from keras_ft.store import (
     Checkpoint,
     CheckpointStore,
@@ -103,6 +103,8 @@ class WorkerTrainingState:
         key = os.path.realpath(chief_dir(self.backup_dir))
         self._writer = _writers.setdefault(key, BackgroundWriter())
         self._cancels: list[threading.Event] = []  # Of the saves in flight.
+        # The newest save, for a save that replaces it.
+        self._last: tuple[threading.Event, PendingWrite] | None = None
 
     @property
     def model(self) -> keras.Model:
@@ -160,7 +162,12 @@ class WorkerTrainingState:
         self._lock.release()
 
     def back_up(
-        self, epoch: int, batch: int | None = None, extra: dict | None = None
+        self,
+        epoch: int,
+        batch: int | None = None,
+        extra: dict | None = None,
+        *,
+        replaces_last: bool = False,
     ) -> Checkpoint | None:
         """Saves the current state.
 
@@ -171,12 +178,18 @@ class WorkerTrainingState:
             extra: More state to save, a tree of JSON values and NumPy
                 arrays; `restore()` returns it in `ResumePoint.extra`.
                 Defaults to `None`.
+            replaces_last: If `True`, this save supersedes the previous one
+                (same training progress, more state): the previous one is
+                called off if it is still being written, or deleted once
+                this one is committed. Defaults to `False`.
 
         Returns:
             The committed checkpoint on the chief; `None` on other workers,
             and with `async_save` (see `wait()`).
 
         Raises:
+            keras_ft.NonFiniteStateError: if a model or optimizer variable
+                holds a NaN or an infinity; nothing is committed.
             keras_ft.CheckpointWriteError: if this write, or with
                 `async_save` the previous one, failed.
         """
@@ -200,18 +213,26 @@ class WorkerTrainingState:
             epochs_completed, batches_completed, extra, copy=True, fill=False
         )
         cancel = threading.Event()
+        replaced = self._last[1] if replaces_last and self._last else None
+        if replaces_last and self._last:
+            # Called off before this copy waits for its write to pass.
+            self._last[0].set()
         try:
-            self._writer.submit(
-                lambda previous: self._commit(snapshot, cancel, previous)
+            pending = self._writer.submit(
+                lambda previous: self._commit(snapshot, cancel, previous, replaced)
             )
         except BaseException:
             snapshot.release()  # Never written: the next copy must not wait.
             raise
+        self._last = (cancel, pending)
         self._cancels.append(cancel)
         # Only the newest `depth` saves can still be in flight (`submit()`
         # waited for the others): a long run keeps no more events than that.
         del self._cancels[: -self._writer.depth]
         snapshot.weights.fill()  # On failure, the write sees it and calls off.
+        if snapshot.weights.non_finite:
+            cancel.set()  # The write stops where it is and commits nothing.
+            raise NonFiniteStateError(snapshot.weights.non_finite)
         if self.async_save:
             return None
         self._cancels = []
@@ -265,12 +286,20 @@ class WorkerTrainingState:
         snapshot: Snapshot,
         cancel: threading.Event,
         previous: PendingWrite | None,
+        replaced: PendingWrite | None = None,
     ) -> Checkpoint:
         # Commits keep the order of the saves: the one before goes first.
         after = previous.join if previous is not None else None
+        supersedes = None
+        if replaced is not None:
+
+            def supersedes() -> Checkpoint | None:
+                replaced.join()
+                return replaced.value
+
         try:
             return self._chief_store.save(
-                snapshot.write, snapshot.metadata, cancel, after
+                snapshot.write, snapshot.metadata, cancel, after, supersedes
             )
         except OSError as e:
             committed = self._chief_store.checkpoints()
@@ -345,6 +374,12 @@ class WorkerTrainingState:
 
 def validate_backup_dir(backup_dir: object) -> str:
     """Returns `backup_dir` as a string, or raises a `ValueError` saying why not."""
+    if not backup_dir:
+        # Keras' own sentence first, so code matching its message still works.
+        raise ValueError(
+            "Empty `backup_dir` argument passed. Expected a non-empty path to a "
+            f"directory. Received: backup_dir={backup_dir!r}"
+        )
     if not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir):
         raise ValueError(
             "Invalid value for argument `backup_dir`. Expected a non-empty path "

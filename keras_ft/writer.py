@@ -100,6 +100,16 @@ class PendingWrite:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
+    @property
+    def value(self) -> Any:
+        """The result of a write that has ended without an error, else `None`.
+
+        Unlike `result()`, never waits and never raises.
+        """
+        if self._thread.is_alive() or self._error is not None:
+            return None
+        return self._result
+
     def join(self) -> None:
         """Waits for the write to end, whatever its outcome."""
         self._thread.join()
@@ -125,17 +135,22 @@ class BackgroundWriter:
         self.depth = depth
         self._pending: list[PendingWrite] = []
 
-    def submit(self, write: Callable[[PendingWrite | None], Any]) -> None:
+    def submit(self, write: Callable[[PendingWrite | None], Any]) -> PendingWrite:
         """Starts `write(previous)`, `previous` being the write before it.
 
         `write` should wait for `previous.join()` before it commits, so that
         commits keep the order of the saves. If `depth` writes are in flight,
         first waits for the oldest, raising its error.
+
+        Returns:
+            The write started.
         """
         while len(self._pending) >= self.depth:
             self._pending.pop(0).result()
         previous = self._pending[-1] if self._pending else None
-        self._pending.append(PendingWrite(lambda: write(previous)))
+        pending = PendingWrite(lambda: write(previous))
+        self._pending.append(pending)
+        return pending
 
     def wait(self) -> Any:
         """Waits for every write in flight; returns the newest's result.

@@ -6,6 +6,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 
 import keras
@@ -18,6 +19,7 @@ from conftest import (
     read_events,
     run_training,
     start_training,
+    subprocess_env,
     tree_digest,
     weights_of,
 )
@@ -244,9 +246,11 @@ def test_bad_arguments_are_rejected_by_name(existing_backup, kwargs, message):
 
 
 @pytest.mark.parametrize("bad", ["", None])
-def test_empty_backup_dir_is_rejected(bad):
-    with pytest.raises(ValueError, match="`backup_dir`.*Received: backup_dir="):
+def test_empty_backup_dir_is_rejected_with_keras_wording_first(bad):
+    # Keras' own sentence first: code matching Keras' message keeps working.
+    with pytest.raises(ValueError, match="^Empty `backup_dir` argument passed") as e:
         keras_ft.BackupAndRestore(bad)
+    assert f"Received: backup_dir={bad!r}" in str(e.value)
 
 
 def test_backup_dir_that_is_a_file_is_rejected(tmp_path):
@@ -462,6 +466,16 @@ class CountingCallback(keras.callbacks.Callback):
         self.epochs_seen = state["epochs_seen"]
 
 
+class InterruptAtEpochBegin(keras.callbacks.Callback):
+    def __init__(self, epoch: int):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise RuntimeError("Interrupting!")
+
+
 def test_user_callback_state_survives_a_restart(backup_dir, data):
     counter = CountingCallback()
     model = make_model()
@@ -471,7 +485,7 @@ def test_user_callback_state_survives_a_restart(backup_dir, data):
             epochs=5,
             verbose=0,
             callbacks=[keras_ft.BackupAndRestore(backup_dir), counter,
-                       InterruptAtEpochEnd(3)],
+                       InterruptAtEpochBegin(3)],
         )  # fmt: skip
     assert counter.epochs_seen == 3
     resumed = CountingCallback()
@@ -765,3 +779,274 @@ def test_auto_save_freq_saves_within_the_budget_and_says_how_often(
 def test_bad_overhead_budget_is_rejected(bad, backup_dir):
     with pytest.raises(ValueError, match="`overhead_budget`"):
         keras_ft.BackupAndRestore(backup_dir, save_freq="auto", overhead_budget=bad)
+
+
+# Drop-in fidelity: where Keras' own callback does right, or wrong.
+
+
+def fit_probed(backup_dir, data, epochs=3, extra_callbacks=(), **kwargs):
+    probe = StepsAtFirstBatch()
+    model = make_model()
+    model.fit(
+        *data,
+        epochs=epochs,
+        batch_size=16,
+        verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(backup_dir, **kwargs), probe,
+                   *extra_callbacks],
+    )  # fmt: skip
+    return model, probe
+
+
+def restored_extra(backup_dir):
+    resume = keras_ft.WorkerTrainingState(make_model(), backup_dir).restore()
+    return resume, resume.extra
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_exception_in_a_later_callback_keeps_the_epochs_backup(
+    backup_dir, data, async_save
+):
+    # The TensorFlow fault-tolerance guide's failure, before a stateful
+    # callback: Keras calls no other callback once one raises.
+    model = make_model()
+    stopper = keras.callbacks.EarlyStopping(monitor="loss", patience=5)
+    with pytest.raises(RuntimeError, match="Interrupting"):
+        model.fit(
+            *data,
+            epochs=5,
+            batch_size=16,
+            verbose=0,
+            callbacks=[keras_ft.BackupAndRestore(backup_dir, async_save=async_save),
+                       InterruptAtEpochEnd(1), stopper],
+        )  # fmt: skip
+    keras_ft.wait_for_backups()
+    resume, extra = restored_extra(backup_dir)
+    assert (resume.epoch, resume.batch, resume.step) == (1, 0, STEPS_PER_EPOCH)
+    assert extra["callbacks_pending"] == ["EarlyStopping:0"]
+    with pytest.warns(UserWarning, match="before the on_epoch_end of EarlyStopping:0"):
+        _, probe = fit_probed(backup_dir, data, epochs=3)
+    assert probe.first_epoch == 1
+    assert probe.step_at_first_batch == STEPS_PER_EPOCH
+
+
+SCRIPT_KILLED_BETWEEN_EPOCH_END_AND_THE_TAIL = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import keras
+from conftest import make_data, make_model
+import keras_ft
+
+class KillAfterTheBackup(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            keras_ft.wait_for_backups()  # What an async save reaches in time.
+            os.kill(os.getpid(), signal.SIGKILL)
+
+make_model().fit(
+    *make_data(), epochs=4, batch_size=16, verbose=0,
+    callbacks=[keras_ft.BackupAndRestore({backup_dir!r}), KillAfterTheBackup(),
+               keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=1)],
+)
+"""
+
+
+def test_sigkill_between_the_epoch_end_and_later_callbacks_keeps_the_epoch(
+    backup_dir,
+):
+    script = SCRIPT_KILLED_BETWEEN_EPOCH_END_AND_THE_TAIL.format(
+        tests=os.path.dirname(os.path.abspath(__file__)), backup_dir=backup_dir
+    )
+    process = subprocess.run(
+        [sys.executable, "-c", script],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert process.returncode == -signal.SIGKILL, process.stderr[-2000:]
+    resume, extra = restored_extra(backup_dir)
+    assert (resume.epoch, resume.batch) == (2, 0)
+    assert extra["callbacks_pending"] == ["ReduceLROnPlateau:0"]
+
+
+class LearningRateAtTrainEnd(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        self.learning_rate = float(
+            keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)
+        )
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_later_callbacks_epoch_end_is_in_the_backup_that_replaces_the_first(
+    backup_dir, data, async_save
+):
+    # ReduceLROnPlateau after the callback lowers the learning rate at every
+    # epoch end (a loss that never improves by 1e9): the backup must hold
+    # the lowered rate and the callback's counters, in one backup per epoch.
+    reduce_lr = keras.callbacks.ReduceLROnPlateau(
+        monitor="loss", factor=0.5, patience=0, min_delta=1e9
+    )
+    counter = CountingCallback()
+    learning_rate = LearningRateAtTrainEnd()
+    model = make_model()
+    model.fit(
+        *data,
+        epochs=3,
+        batch_size=16,
+        verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(backup_dir, delete_checkpoint=False,
+                                             async_save=async_save),
+                   reduce_lr, counter, learning_rate],
+    )  # fmt: skip
+    # keep=2 still means the last two epochs: the replaced first backups of
+    # an epoch took no older backup's place.
+    checkpoints = chief_checkpoints(backup_dir)
+    assert len(checkpoints) == 2
+    stores = CheckpointStore(os.path.join(backup_dir, "chief"))
+    epochs = [stores.verify(c)["epochs_completed"] for c in stores.checkpoints()]
+    assert epochs == [2, 3]
+    restored = make_model()
+    resume = keras_ft.WorkerTrainingState(restored, backup_dir).restore()
+    assert "callbacks_pending" not in resume.extra
+    assert resume.extra["callbacks"]["CountingCallback:0"] == {"epochs_seen": 3}
+    assert resume.extra["callbacks"]["ReduceLROnPlateau:0"]["cooldown_counter"] == 0
+    restored_rate = float(keras.ops.convert_to_numpy(restored.optimizer.learning_rate))
+    assert restored_rate == learning_rate.learning_rate < 1e-2
+
+
+def diverging_model_and_data():
+    # The example of Keras' BackupAndRestore docstring: the loss goes to
+    # inf, then NaN.
+    model = keras.Sequential([keras.Input((20,)), keras.layers.Dense(10)])
+    model.compile(keras.optimizers.SGD(), loss="mse")
+    return model, (np.arange(100).reshape(5, 20).astype("float32"), np.zeros(5))
+
+
+def test_diverged_run_warns_at_every_skip_and_leaves_no_stale_backup(backup_dir):
+    model, (x, y) = diverging_model_and_data()
+    with pytest.warns(UserWarning) as warned:
+        history = model.fit(
+            x, y, epochs=6, batch_size=1, verbose=0,
+            callbacks=[keras_ft.BackupAndRestore(backup_dir)],
+        )  # fmt: skip
+    diverged = [
+        e for e, loss in enumerate(history.history["loss"]) if not np.isfinite(loss)
+    ]
+    assert len(diverged) >= 2 and 0 not in diverged
+    messages = [str(w.message) for w in warned]
+    skipped = [m for m in messages if "not backing up a diverged model" in m]
+    assert skipped == [
+        f"BackupAndRestore: the loss is {history.history['loss'][e]} at epoch "
+        f"{e + 1}; not backing up a diverged model. The last good backup is kept."
+        for e in diverged
+    ]
+    assert any("fit() ran every epoch" in m for m in messages), messages
+    assert chief_checkpoints(backup_dir) == []
+    # A new run on the directory starts afresh, not from the old state.
+    model, (x, y) = diverging_model_and_data()
+    probe = StepsAtFirstBatch()
+    model.fit(
+        x, y, epochs=1, batch_size=1, verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(backup_dir), probe],
+    )  # fmt: skip
+    assert (probe.first_epoch, probe.step_at_first_batch) == (0, 0)
+
+
+class PoisonAtEpochEnd(keras.callbacks.Callback):
+    """Puts a NaN into a variable at an epoch end, the loss staying finite."""
+
+    def __init__(self, epoch: int, variable: str):
+        super().__init__()
+        self.epoch, self.variable = epoch, variable
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch != self.epoch:
+            return
+        if self.variable == "kernel":
+            target = self.model.layers[0].kernel
+        else:  # The first moment of Adam, an optimizer variable.
+            target = self.model.optimizer.variables[2]
+        value = keras.ops.convert_to_numpy(target).copy()
+        value.reshape(-1)[1] = np.nan
+        target.assign(value)
+
+
+@pytest.mark.parametrize("variable", ["kernel", "optimizer"])
+@pytest.mark.parametrize("async_save", [True, False])
+def test_non_finite_weights_with_a_finite_loss_are_never_backed_up(
+    backup_dir, data, variable, async_save
+):
+    model = make_model()
+    with pytest.warns(UserWarning, match="hold NaN or infinity at epoch 2"):
+        model.fit(
+            *data,
+            epochs=2,
+            batch_size=16,
+            verbose=0,
+            callbacks=[PoisonAtEpochEnd(1, variable),
+                       keras_ft.BackupAndRestore(backup_dir, keep=5,
+                                                 async_save=async_save,
+                                                 delete_checkpoint=False)],
+        )  # fmt: skip
+    keras_ft.wait_for_backups()
+    assert len(chief_checkpoints(backup_dir)) == 1
+    restored = make_model()
+    resume = keras_ft.WorkerTrainingState(restored, backup_dir).restore()
+    assert resume.epoch == 1
+    assert all(np.all(np.isfinite(w)) for w in weights_of(restored))
+    optimizer_values = [
+        keras.ops.convert_to_numpy(v) for v in restored.optimizer.variables
+    ]
+    assert all(np.all(np.isfinite(v)) for v in optimizer_values)
+
+
+def test_save_freq_false_saves_only_on_preemption(backup_dir, data):
+    class SignalAtSecondBatchOfSecondEpoch(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if (self.epoch, batch) == (1, 1):
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    callback = keras_ft.BackupAndRestore(
+        backup_dir, save_freq=False, exit_on_preemption=False
+    )
+    model = make_model()
+
+    class StopAtSecondBatch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.stop_training = batch == 1
+
+    # Stopped mid-epoch by another callback: no scheduled save, not even this.
+    stop = StopAtSecondBatch()
+    model.fit(*data, epochs=2, verbose=0, batch_size=16, callbacks=[callback, stop])
+    assert chief_checkpoints(backup_dir) == []
+    signal_at = SignalAtSecondBatchOfSecondEpoch()
+    make_model().fit(
+        *data, epochs=3, verbose=0, batch_size=16, callbacks=[callback, signal_at]
+    )
+    assert callback.preempted_by == "SIGTERM"
+    resume, _ = restored_extra(backup_dir)
+    # The signal came after this callback's batch end: saved at the next one.
+    assert (resume.epoch, resume.batch) == (1, 3)
+
+
+def test_restore_line_after_the_last_batch_says_the_end_of_the_epoch(
+    backup_dir, data, capsys
+):
+    # Saved after the last batch of epoch 2; its on_epoch_end never ran.
+    with pytest.raises(RuntimeError, match="Interrupting"):
+        make_model().fit(
+            *data, epochs=3, batch_size=16, verbose=0,
+            callbacks=[InterruptAtEpochEnd(2),
+                       keras_ft.BackupAndRestore(backup_dir, save_freq=1)],
+        )  # fmt: skip
+    keras_ft.wait_for_backups()
+    capsys.readouterr()
+    model, probe = fit_probed(backup_dir, data, epochs=3)
+    out = capsys.readouterr().out
+    assert "resuming at the end of epoch 2/3, optimizer step 8" in out, out
+    assert "batch 5" not in out
+    assert iterations(model) == 3 * STEPS_PER_EPOCH

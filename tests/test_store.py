@@ -281,6 +281,19 @@ def test_retention_keeps_the_newest_n(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt-00000004", "ckpt-00000005"]
 
 
+def test_a_superseding_checkpoint_takes_no_older_ones_place(tmp_path):
+    store = CheckpointStore(str(tmp_path), KeepLast(2))
+    older = store.save(write_payload(b"older"), {"i": 0})
+    first = store.save(write_payload(b"first"), {"i": 1})
+    replacing = store.save(write_payload(b"more"), {"i": 1}, supersedes=lambda: first)
+    # Deleted before retention ran: the older one is still the fallback.
+    assert store.checkpoints() == [older, replacing]
+    assert store.latest_good() == (replacing, {"i": 1})
+    # A superseded save that never committed: nothing more is deleted.
+    last = store.save(write_payload(b"last"), {"i": 2}, supersedes=lambda: None)
+    assert store.checkpoints() == [replacing, last]
+
+
 def write_big(content: bytes):
     def write(staging):
         staging.write_file("big.bin", [content])

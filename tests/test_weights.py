@@ -6,6 +6,7 @@ import os
 
 import h5py
 import keras
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import iterations, make_model, weights_of
@@ -264,3 +265,27 @@ def test_a_layer_that_saves_other_variables_each_time_is_refused():
     model.compile(keras.optimizers.Adam(), loss="mse")
     with pytest.raises(RuntimeError, match="stores different variables each time"):
         weights.capture(model)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "bfloat16"])
+def test_non_finite_values_are_found_by_the_copy(dtype):
+    dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    finite = np.full(1000, float(ml_dtypes.finfo(dtype).max) / 10, dtype)
+    # The sum overflows (float16 sums in float32); the values are finite.
+    assert weights._all_finite(finite)
+    for bad in (np.nan, np.inf, -np.inf):
+        values = finite.copy()
+        values[997] = bad
+        assert not weights._all_finite(values)
+    assert weights._all_finite(np.arange(10, dtype="int64"))
+
+
+def test_capture_names_the_datasets_that_are_not_finite(data):
+    model = make_model()
+    model.fit(*data, epochs=1, verbose=0)
+    assert weights.capture(model).non_finite == []
+    bias = model.layers[0].bias
+    value = np.array(keras.ops.convert_to_numpy(bias))
+    value[3] = np.nan
+    bias.assign(value)
+    assert weights.capture(model).non_finite == ["layers/dense/vars/1"]

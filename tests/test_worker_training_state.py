@@ -18,7 +18,7 @@ from conftest import (
     weights_of,
 )
 
-from keras_ft import TaskSpec, WorkerTrainingState
+from keras_ft import NonFiniteStateError, TaskSpec, WorkerTrainingState
 from keras_ft.state import Snapshot
 
 
@@ -284,3 +284,45 @@ def test_interpreter_exit_waits_for_the_pending_commit(backup_dir):
     assert [
         c.sequence for c in WorkerTrainingState(make_model(), backup_dir).checkpoints()
     ] == [1]
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_non_finite_state_is_refused_by_name_and_commits_nothing(
+    backup_dir, data, async_save
+):
+    model = make_model()
+    state = WorkerTrainingState(model, backup_dir, async_save=async_save)
+    train_epochs(model, data, 0, 1, state)
+    state.wait()
+    before = tree_digest(backup_dir)
+    kernel = model.layers[1].kernel
+    value = np.array(kernel)
+    value[0, 0] = np.inf
+    kernel.assign(value)
+    with pytest.raises(NonFiniteStateError, match="dense_1/vars/0") as e:
+        state.back_up(1)
+    assert e.value.variables == ["layers/dense_1/vars/0"]
+    state.wait()
+    assert tree_digest(backup_dir) == before
+    assert [c.sequence for c in state.checkpoints()] == [1]
+    # Finite again: saves go on, into the same buffer.
+    value[0, 0] = 0.0
+    kernel.assign(value)
+    state.back_up(1)
+    state.wait()
+    assert [c.sequence for c in state.checkpoints()] == [1, 2]
+
+
+def test_a_save_that_replaces_the_last_one_leaves_one_per_epoch(backup_dir, data):
+    model = make_model()
+    state = WorkerTrainingState(model, backup_dir, async_save=True)
+    train_epochs(model, data, 0, 2, state)
+    state.back_up(1, extra={"more": 1}, replaces_last=True)
+    state.wait()
+    checkpoints = state.checkpoints()
+    assert len(checkpoints) == 2  # The epochs 1 and 2, not epoch 2 twice.
+    resume = WorkerTrainingState(make_model(), backup_dir).restore()
+    assert (resume.epoch, resume.extra["more"]) == (2, 1)
+    older = WorkerTrainingState(make_model(), backup_dir)
+    older._chief_store.delete(checkpoints[-1])
+    assert older.restore().epoch == 1
