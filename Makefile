@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 BACKENDS ?= tensorflow jax torch
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test lint bench fuzz clean
+.PHONY: venv demo test test-compat lint bench fuzz clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ test: venv lint
 	if [ -n "$$failed" ]; then echo "FAILED backends:$$failed"; exit 1; fi; \
 	echo "all backends passed: $(BACKENDS)"
 
+# The core subset on the oldest Keras pyproject.toml declares and on
+# keras-nightly, every backend (see .ci/compat).
+test-compat: venv
+	bash .ci/compat
+
 bench: venv
 	$(PY) benchmarks/save_cost.py
 
@@ -60,4 +65,4 @@ fuzz: venv
 	$(PY) benchmarks/kill_fuzz.py --trials 200 --keras-trials 40 --backend $(BACKEND)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-keras-* build *.egg-info .pytest_cache .ruff_cache

@@ -2,7 +2,7 @@
 
 from keras_ft.callback import BackupAndRestore
 from keras_ft.cluster import TaskSpec, current_task
-from keras_ft.compat import install_multi_worker_fixes
+from keras_ft.compat import CompatibilityWarning, install_multi_worker_fixes
 from keras_ft.lock import DirectoryInUseError
 from keras_ft.policy import (
     AnyOf,
@@ -33,6 +33,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointStore",
     "CheckpointWriteError",
+    "CompatibilityWarning",
     "CorruptCheckpointError",
     "DirectoryInUseError",
     "EveryEpoch",

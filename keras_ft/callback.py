@@ -13,12 +13,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import keras
-from keras.src.utils import io_utils
 
-from keras_ft import callback_state, rng
-from keras_ft.cluster import TaskSpec
-from keras_ft.compat import install_multi_worker_fixes
+from keras_ft import callback_state, compat, rng
+from keras_ft.cluster import TaskSpec, current_task
 from keras_ft.fast_forward import FastForward
+from keras_ft.lock import check_platform
 from keras_ft.policy import (
     AnyOf,
     EveryEpoch,
@@ -144,10 +143,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         async_save: bool = True,
     ):
         super().__init__()
+        check_platform()
         self.backup_dir = validate_backup_dir(backup_dir)
-        # fit() builds the model before any callback runs: fix that part of
-        # Keras for multi-worker strategies now. No effect on one process.
-        install_multi_worker_fixes()
+        if keras.backend.backend() == "tensorflow" and current_task().num_workers > 1:
+            # fit() builds the model before any callback runs: fix that part
+            # of Keras for multi-worker strategies now.
+            compat.install_multi_worker_fixes()
         schedules = [_schedule_from_save_freq(save_freq, overhead_budget)]
         # An epoch cut short by another callback is backed up where it stopped
         # only if the user asked for saves beyond preemption ones.
@@ -203,6 +204,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epoch = 0
         self._batches_in_epoch = 0
         self._skip_until = 0
+        self._skip_epochs_before = 0
         self._epochs_completed = 0
         self._skipped_non_finite: str | None = None
         self._batch_ends = 0
@@ -215,7 +217,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._fast_forward is not None:  # Left by a fit() that raised.
             self._fast_forward.remove()
             self._fast_forward = None
-        callback_list = _calling_callback_list(self)
+        compat.probe()  # Warns once for each internal this Keras lacks.
+        callback_list = compat.calling_callback_list(self)
         self._others = self._join_callback_list(callback_list)
         self._state = WorkerTrainingState(
             model, self.backup_dir, keep=self.keep, async_save=self.async_save
@@ -247,10 +250,16 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._skipped_non_finite = None
         # Read by fit() right after on_train_begin, and cleared again at the
         # first epoch begin so that a later fit() starts where it is told to.
-        model._initial_epoch = resume.epoch if resume else None
+        # A Keras that does not read it runs the completed epochs: they are
+        # read through without training (_skip_epoch).
+        jumped = compat.set_initial_epoch(model, resume.epoch if resume else None)
+        self._skip_epochs_before = 0 if jumped or not resume else resume.epoch
+        if jumped and resume:
+            # Shuffles that follow the data adapter's count of epochs.
+            compat.start_data_at_epoch(resume.epoch)
         if resume and self.verbose:
             saved = datetime.datetime.fromtimestamp(resume.saved_at)
-            io_utils.print_msg(
+            compat.print_msg(
                 f"BackupAndRestore: restored {resume.checkpoint} (saved "
                 f"{saved:%Y-%m-%d %H:%M:%S}); resuming at "
                 f"{_resume_position(resume, self.params)}, optimizer step "
@@ -260,17 +269,27 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._reported_interval: int | None = None
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        model = self.model
-        model._initial_epoch = None
+        compat.set_initial_epoch(self.model, None)
         self._epoch = epoch
         self._batches_in_epoch = 0
         self._skip_until = 0
+        if self._fast_forward is not None:  # Of a whole epoch skipped.
+            self._fast_forward.remove()
+            self._fast_forward = None
+        if epoch < self._skip_epochs_before:
+            self._skip_epoch()
+            return
         resume, self._resume = self._resume, None
         if resume is not None:
-            # Every other callback's on_train_begin has reset it by now.
+            if self._skip_epochs_before and not resume.batch:
+                # The epochs read through drew from the generators: the next
+                # epoch begins with them as they were at the save.
+                rng.apply(resume.extra.get("rng", {}))
+            # Every other callback's on_train_begin has reset it by now (and
+            # their epoch ends of epochs skipped since are undone).
             callback_state.apply(self._others, resume.extra.get("callbacks", {}))
             _warn_if_callbacks_pending(resume)
-            _continue_tensorboard_steps(self._others, resume)
+            compat.continue_tensorboard_steps(self._others, resume.step - resume.batch)
             if resume.batch and epoch == resume.epoch:
                 self._continue_epoch(resume)
         # Before the data pipeline draws this epoch's shuffle, so that a resumed
@@ -313,8 +332,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         return None
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        if self.preempted_by:
-            return  # Backed up at the exact step already.
+        if self.preempted_by or epoch < self._skip_epochs_before:
+            return  # Backed up at the exact step already, or a skipped epoch.
         steps = self.params.get("steps")
         if steps and self._batches_in_epoch < steps:
             if self._scheduled and self._batches_in_epoch:
@@ -357,8 +376,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        model = self.model
-        model._initial_epoch = None
+        compat.set_initial_epoch(self.model, None)
         if self._fast_forward is not None:
             self._fast_forward.remove()
             self._fast_forward = None
@@ -409,7 +427,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         seconds = watcher.seconds_since_signal if watcher.received else 0.0
         if watcher.received is None:  # Another worker got the signal.
             name = f"{name} (worker {self._stop_at['worker']})"
-        io_utils.print_msg(
+        compat.print_msg(
             f"BackupAndRestore: received {name}; {saved} {seconds:.1f} s after "
             "the signal. Stopping training; run the same script again to "
             "resume at this step."
@@ -489,7 +507,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         reported = self._reported_interval
         if reported is None or not reported / 2 <= budget.interval <= reported * 2:
             self._reported_interval = budget.interval
-            io_utils.print_msg(
+            compat.print_msg(
                 f"BackupAndRestore: saving every {budget.interval} steps (a save "
                 f"holds training up {budget.save_cost * 1000:.0f} ms, a step "
                 f"takes {budget.step_time * 1000:.1f} ms; budget "
@@ -508,6 +526,16 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._watcher.uninstall()
             self._state.unlock()
             raise
+
+    def _skip_epoch(self) -> None:
+        """Reads through an epoch completed before the restart, not training.
+
+        Only where this Keras' fit() does not start at the resume epoch.
+        """
+        steps = self.params.get("steps") or sys.maxsize
+        self._skip_until = steps
+        logs = self._resume.extra.get("logs", {}) if self._resume else {}
+        self._fast_forward = FastForward(self.model, steps, logs, on_done=_nothing)
 
     def _continue_epoch(self, resume: ResumePoint) -> None:
         """Sets up the rest of an interrupted epoch to run as it would have."""
@@ -528,7 +556,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 return
             # TensorFlow builds compiled metrics inside the first step; build
             # them now, from the batch in hand, to give them their values.
-            model._symbolic_build(data_batch=batch)
+            compat.build_metrics(model, batch)
             if not self._state.apply_metrics(metrics):
                 warnings.warn(
                     f"BackupAndRestore: the backup holds {len(metrics)} metric "
@@ -591,22 +619,8 @@ class _AfterAllCallbacks(keras.callbacks.Callback):
         self.owner._on_epoch_end_after_all(epoch, logs)
 
 
-def _calling_callback_list(
-    callback: keras.callbacks.Callback,
-) -> keras.callbacks.CallbackList | None:
-    # fit() gives callbacks no handle on each other; the CallbackList that is
-    # calling on_train_begin is a few frames up.
-    frame = sys._getframe(1)
-    for _ in range(6):
-        if frame is None:
-            break
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, keras.callbacks.CallbackList) and any(
-            c is callback for c in owner.callbacks
-        ):
-            return owner
-        frame = frame.f_back
-    return None
+def _nothing() -> None:
+    pass
 
 
 def _is_stateful(callback: keras.callbacks.Callback) -> bool:
@@ -635,14 +649,6 @@ def _with_epoch_recorded(
             callback = updated
         result.append(callback)
     return result
-
-
-def _continue_tensorboard_steps(callbacks: list, resume: ResumePoint) -> None:
-    # TensorBoard counts batch ends from 0 in on_train_begin; make its step
-    # axis continue. Skipped batches will count the difference back up.
-    for callback in callbacks:
-        if isinstance(callback, keras.callbacks.TensorBoard):
-            callback._global_train_batch = resume.step - resume.batch
 
 
 def _float_logs(logs: dict | None) -> dict[str, float]:

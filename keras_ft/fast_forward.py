@@ -20,6 +20,8 @@ from typing import Any
 
 import keras
 
+from keras_ft import compat
+
 
 class FastForward:
     """Makes a model's next `steps` training steps no-ops that consume data.
@@ -69,7 +71,7 @@ class FastForward:
             batches = _pull(args[1], self.steps_per_execution)
         if batches and self.on_first_batch is not None:
             first, self.on_first_batch = self.on_first_batch, None
-            if self.backend == "tensorflow" and reshuffles_each_iteration(args[0]):
+            if self.backend == "tensorflow" and compat.tf_dataset_reshuffles(args[0]):
                 warnings.warn(
                     "BackupAndRestore: the tf.data pipeline reshuffles at every "
                     "iteration (`Dataset.shuffle()`), and a new process cannot "
@@ -87,29 +89,6 @@ class FastForward:
         if self.backend == "jax":
             return self.logs, args[0]
         return self.logs
-
-
-def reshuffles_each_iteration(iterator: Any) -> bool:
-    """Whether a TensorFlow iterator reads a `tf.data` pipeline that reshuffles.
-
-    `Dataset.shuffle()` draws a new order for every new iterator from a seed
-    generator inside the pipeline, which no saved state can set; a restarted
-    process therefore sees the order of the first epoch, not of the one it
-    resumes. (Keras' own pipeline for NumPy arrays shuffles differently.)
-    """
-    pending, seen = [getattr(iterator, "_dataset", None)], set()
-    while pending:
-        dataset = pending.pop()
-        if dataset is None or id(dataset) in seen:
-            continue
-        seen.add(id(dataset))
-        if "Shuffle" in type(dataset).__name__ and getattr(
-            dataset, "_reshuffle_each_iteration", False
-        ):
-            return True
-        pending.append(getattr(dataset, "_input_dataset", None))
-        pending.extend(getattr(dataset, "_datasets", None) or ())
-    return False
 
 
 def _pull(iterator: Any, count: int) -> list:

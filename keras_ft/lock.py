@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import fcntl
 import os
 import socket
+import sys
+
+try:
+    import fcntl
+except ImportError:  # Windows: `import keras_ft` works, a backup does not.
+    fcntl = None
 
 LOCK_FILE = ".lock"
 
@@ -20,6 +25,25 @@ LOCK_FILE = ".lock"
 # end, and the next fit() in the same process (a notebook cell run again)
 # takes its lock over instead of reporting itself as another writer.
 _held: dict[str, DirectoryLock] = {}
+
+
+def check_platform() -> None:
+    """Raises where keras-ft cannot keep its promises.
+
+    A backup needs POSIX file locks (`flock`) and atomic directory renames:
+    Linux (tested) and other POSIX systems such as macOS.
+
+    Raises:
+        RuntimeError: on other platforms (Windows), saying what to use.
+    """
+    if fcntl is None:
+        raise RuntimeError(
+            f"keras-ft needs POSIX file locks (fcntl.flock), which {sys.platform} "
+            "does not have: it runs on Linux and other POSIX systems (macOS). "
+            "On Windows, train under WSL2 or in a Linux container, or use "
+            "`keras.callbacks.BackupAndRestore`, which works here without "
+            "keras-ft's crash-safety guarantees."
+        )
 
 
 class DirectoryInUseError(RuntimeError):

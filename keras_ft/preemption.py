@@ -22,13 +22,14 @@ import contextlib
 import json
 import os
 import signal
-import sys
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from keras_ft import compat
 
 
 def parse_signals(value: Iterable[Any] | None) -> tuple[signal.Signals, ...]:
@@ -94,7 +95,7 @@ class PreemptionWatcher:
             )
             return False
         self.uninstall()  # Still in place if this watcher's last fit() raised.
-        here = sys._getframe()
+        here = compat.current_frame()
         for signum in self.signals:
             _remove_stale_watchers(signum, here)
         self._training = _weak(training)
@@ -137,11 +138,7 @@ class PreemptionWatcher:
         if self._training is None:
             return True
         training = self._training()
-        while training is not None and frame is not None:
-            if any(value is training for value in frame.f_locals.values()):
-                return True
-            frame = frame.f_back
-        return False
+        return training is not None and compat.stack_holds(frame, training)
 
     def _handle(self, signum: int, frame: Any) -> None:
         signum = signal.Signals(signum)

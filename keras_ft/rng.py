@@ -26,6 +26,8 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_ft import compat
+
 
 def capture() -> dict[str, Any]:
     """The current state of every global generator in use."""
@@ -41,9 +43,9 @@ def capture() -> dict[str, Any]:
             "cached_gaussian": float(cached),
         },
     }
-    seed_generator = _keras_global_seed_generator()
-    if seed_generator is not None:
-        state["keras"] = keras.ops.convert_to_numpy(seed_generator.state.value)
+    seed_state = compat.keras_global_seed_state()
+    if seed_state is not None:
+        state["keras"] = keras.ops.convert_to_numpy(seed_state.value)
     if keras.backend.backend() == "torch" and "torch" in sys.modules:
         import torch
 
@@ -74,18 +76,8 @@ def apply(state: dict[str, Any], only: tuple[str, ...] | None = None) -> None:
              n["has_gauss"], n["cached_gaussian"])
         )  # fmt: skip
     if "keras" in state:
-        from keras.src.random.seed_generator import global_seed_generator
-
-        global_seed_generator().state.assign(np.asarray(state["keras"]))
+        compat.set_keras_global_seed_state(np.asarray(state["keras"]))
     if "torch" in state and keras.backend.backend() == "torch":
         import torch
 
         torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], np.uint8)))
-
-
-def _keras_global_seed_generator() -> Any:
-    # Only if something already created it: creating it would draw a seed
-    # from Python's generator and change the stream we are saving.
-    from keras.src.backend.common import global_state
-
-    return global_state.get_global_attribute("global_seed_generator")

@@ -150,8 +150,7 @@ class TrainingState:
         """
         tree = {
             "seed_generators": [
-                keras.ops.convert_to_numpy(g.state.value)
-                for g in _seed_generators(self.model)
+                keras.ops.convert_to_numpy(v) for v in _seed_states(self.model)
             ],
             "metrics": [
                 keras.ops.convert_to_numpy(v) for v in self.model.metrics_variables
@@ -264,17 +263,17 @@ class TrainingState:
         return True
 
     def _apply_seed_generators(self, values: list) -> None:
-        generators = _seed_generators(self.model)
-        if len(values) != len(generators):
+        states = _seed_states(self.model)
+        if len(values) != len(states):
             warnings.warn(
                 f"BackupAndRestore: the backup holds {len(values)} random seed "
-                f"generator states, the model has {len(generators)}; random "
+                f"generator states, the model has {len(states)}; random "
                 "layers will not continue the saved random stream.",
                 stacklevel=2,
             )
             return
-        for generator, value in zip(generators, values, strict=True):
-            generator.state.assign(value)
+        for state, value in zip(states, values, strict=True):
+            state.assign(value)
 
     def optimizer_step(self) -> int:
         optimizer = self.model.optimizer
@@ -344,14 +343,18 @@ class TrainingState:
                 )
 
 
-def _seed_generators(model: keras.Model) -> list:
-    """The seed generators the model's layers own, in a stable order."""
+def _seed_states(model: keras.Model) -> list:
+    """The state variables of the seed generators the model's layers own.
+
+    `model.variables` holds them besides the weights and metric variables,
+    in a stable order (public API: no walk of private attributes).
+    """
+    others = {id(v) for v in model.weights} | {id(v) for v in model.metrics_variables}
     found, seen = [], set()
-    for layer in model._flatten_layers(include_self=True):
-        for generator in getattr(layer, "_seed_generators", ()):
-            if id(generator) not in seen:
-                seen.add(id(generator))
-                found.append(generator)
+    for variable in model.variables:
+        if id(variable) not in others and id(variable) not in seen:
+            seen.add(id(variable))
+            found.append(variable)
     return found
 
 

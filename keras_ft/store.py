@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import fcntl
 import functools
 import hashlib
 import json
@@ -51,6 +50,11 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import xxhash
+
+try:
+    import fcntl
+except ImportError:  # Not POSIX: lock.check_platform() stops a backup first.
+    fcntl = None
 
 MANIFEST_FILE = "manifest.json"
 METADATA_FILE = "metadata.json"

@@ -22,11 +22,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import fcntl
 import functools
 import mmap
 import os
-import sys
 import tempfile
 import threading
 import weakref
@@ -37,12 +35,17 @@ import h5py
 import keras
 import ml_dtypes
 import numpy as np
-from keras.src.optimizers.base_optimizer import BaseOptimizer
-from keras.src.saving import saving_lib
 
-from keras_ft import host
+from keras_ft import compat, host
 from keras_ft.writer import Watermark
 
+try:
+    import fcntl
+except ImportError:  # Not POSIX: lock.check_platform() stops a backup first.
+    fcntl = None
+
+# Keras' optimizers store a copy of each variable (`variable.numpy()`).
+_KERAS_OPTIMIZER_SAVE = keras.optimizers.Optimizer.save_own_variables
 # Big datasets start on a page boundary: aligned copies, aligned views.
 _ALIGN_THRESHOLD = 64 * 1024
 _ALIGN = 4096
@@ -123,6 +126,7 @@ class WeightsLayout:
     def __init__(self, model: keras.Model):
         self.model = model
         self._fingerprint: tuple | None = None
+        self._fast = False  # Laid out by Keras' own walk (not the fallback).
         self._groups: list[_Group] = []
         self._size = 0
         # The file's bytes outside the datasets: (offset, bytes), in order.
@@ -149,12 +153,13 @@ class WeightsLayout:
                 since the next capture's copy of each value waits for it.
                 Defaults to `True`.
         """
-        if self._fingerprint != _fingerprint(self.model):
+        self._ensure_laid_out()
+        values = self._read_values() if self._fast else None
+        if self._fast and values is None:  # Other keys or shapes than planned.
             self._lay_out()
-        values = self._read_values()
-        if values is None:  # A group wrote other keys or shapes than planned.
-            self._lay_out()
-            values = self._read_values()
+            values = self._read_values() if self._fast else None
+        if not self._fast:
+            return _capture_public(self.model)
         if values is None:
             raise RuntimeError(
                 f"The `save_own_variables()` of a layer or optimizer of model "
@@ -229,9 +234,8 @@ class WeightsLayout:
         kernel's work of providing its memory overlaps training rather than
         holding it up (for a 600 MB buffer: 0.15-1 s on the VMs measured).
         The first capture waits for it."""
-        if self._fingerprint != _fingerprint(self.model):
-            self._lay_out()
-        if copy and self._image is None and self._allocating is None:
+        self._ensure_laid_out()
+        if copy and self._fast and self._image is None and self._allocating is None:
             self._allocating = threading.Thread(
                 target=self._allocate, name="keras-ft-allocate", daemon=True
             )
@@ -304,10 +308,9 @@ class WeightsLayout:
         Returns:
             `(object, store)` pairs, or `None` for a file laid out otherwise.
         """
-        if self._fingerprint != _fingerprint(self.model):
-            self._lay_out()
+        self._ensure_laid_out()
         if len(contents) != self._size or not self._size:
-            return None
+            return None  # Also when the fast path is unavailable: no layout.
         buffer = np.frombuffer(contents, np.uint8)
         parts: list[tuple[int, bytes | _Slot]] = [*self._gaps]
         parts += [(s.offset, s) for s in self._data_slots()]
@@ -334,19 +337,28 @@ class WeightsLayout:
             for group in self._groups
         ]
 
+    def _ensure_laid_out(self) -> None:
+        """Walks the model again if its variables, or the path, changed."""
+        if self._fingerprint != _fingerprint(self.model) or (
+            self._fast != compat.available("fast_weights")
+        ):
+            self._lay_out()
+
     def _lay_out(self) -> None:
-        recorder = _Recorder()
-        with _skipsets_cached(), _optimizer_stores_variables(self.model):
-            saving_lib._save_state(
-                self.model,
-                weights_store=recorder,
-                assets_store=None,
-                inner_path="",
-                visited_saveables=set(),
-            )
+        self._groups, self._size, self._gaps, self._fast = [], 0, [], False
+        self._fingerprint = _fingerprint(self.model)
+        self.release()
+        if not compat.usable("fast_weights"):
+            return  # capture() falls back to model.save_weights().
+        try:
+            with _optimizer_stores_variables(self.model):
+                recorded = compat.record_saveables(self.model)
+        except Exception as e:  # An internal that moved never stops a backup.
+            compat.fail("fast_weights", e)
+            return
         groups = [
-            _Group(path, metadata, saveable, slots)
-            for path, metadata, saveable, slots in recorder.groups
+            _Group(path, metadata, saveable, [_slot(key, v) for key, v in stored])
+            for path, metadata, saveable, stored in recorded
         ]
         self._size, self._gaps, offsets = _h5_template(groups)
         for group in groups:
@@ -354,8 +366,7 @@ class WeightsLayout:
                 dataclasses.replace(s, offset=offsets.get((group.path, s.key)))
                 for s in group.slots
             ]
-        self._groups = groups
-        self._fingerprint = _fingerprint(self.model)
+        self._groups, self._fast = groups, True
         self.release()
 
     def _read_values(self) -> list[np.ndarray] | None:
@@ -469,6 +480,27 @@ def _copy_helper() -> concurrent.futures.ThreadPoolExecutor | None:
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="keras-ft-copy")
 
 
+def _capture_public(model: keras.Model) -> CapturedWeights:
+    """The weights file, by `model.save_weights()` into a temporary file.
+
+    The fallback where Keras' saving internals moved: the same file, made
+    in the training thread, its bytes then handed to the writer.
+    """
+    with tempfile.TemporaryDirectory(prefix="keras-ft-save-") as directory:
+        path = os.path.join(directory, "model.weights.h5")
+        model.save_weights(path)
+        with open(path, "rb") as f:
+            captured = CapturedWeights([f.read()])
+    optimizer = model.optimizer
+    variables = list(model.weights) + list(optimizer.variables if optimizer else [])
+    captured.non_finite.extend(
+        v.path
+        for v in variables
+        if not _all_finite(np.asarray(keras.ops.convert_to_numpy(v)).reshape(-1))
+    )
+    return captured
+
+
 def capture(model: keras.Model, copy: bool = True) -> CapturedWeights:
     """The weights file `model.save_weights()` would write, in host memory."""
     return WeightsLayout(model).capture(copy=copy)
@@ -479,8 +511,7 @@ def write(path: str, weights: CapturedWeights) -> None:
     weights.fill()
     try:
         with open(path, "wb") as f:
-            for chunk in weights.chunks:
-                f.write(chunk)
+            f.writelines(weights.chunks)
     finally:
         weights.release()
 
@@ -533,7 +564,7 @@ def _load_stores(stores: list[tuple[Any, dict]]) -> None:
         except Exception as e:  # Reported all together, as Keras does.
             errors[id(saveable)] = (saveable, e)
     if errors:
-        saving_lib._raise_loading_failure(errors)
+        compat.raise_loading_failure(errors)
 
 
 def _map(path: str) -> mmap.mmap | None:
@@ -584,6 +615,9 @@ def load(
     ):
         _load_stores(values.stores)
         return
+    if not compat.usable("fast_weights"):
+        model.load_weights(path)
+        return
     mapped = _map(path)
     if mapped is None:
         model.load_weights(path)
@@ -600,40 +634,7 @@ def load(
         group: {slot.key: _view(buffer, slot) for slot in slots}
         for group, slots in groups.items()
     }
-    errors: dict = {}
-    failed: set = set()
-    with _skipsets_cached():
-        saving_lib._load_state(
-            model,
-            weights_store=_Views(views),
-            assets_store=None,
-            inner_path="",
-            visited_saveables=set(),
-            failed_saveables=failed,
-            error_msgs=errors,
-        )
-    if failed:
-        saving_lib._raise_loading_failure(errors)
-
-
-@contextlib.contextmanager
-def _skipsets_cached():
-    """Remembers, during our walks, which attributes a walk skips.
-
-    Keras means to cache them, but stores them under another key than the
-    one it looks up (Keras 3.15), so every walk builds each set again, and
-    for an optimizer that constructs a new optimizer: ~6 ms a walk on
-    TensorFlow. The sets depend only on the object type.
-    """
-    original = saving_lib.get_attr_skipset
-    saving_lib.get_attr_skipset = _skipset
-    try:
-        yield
-    finally:
-        saving_lib.get_attr_skipset = original
-
-
-_skipset = functools.cache(saving_lib.get_attr_skipset)
+    compat.load_with_keras_walk(model, views, host.for_assign)
 
 
 @contextlib.contextmanager
@@ -646,7 +647,7 @@ def _optimizer_stores_variables(model: keras.Model):
     optimizer = getattr(model, "optimizer", None)
     if (
         optimizer is None
-        or type(optimizer).save_own_variables is not BaseOptimizer.save_own_variables
+        or type(optimizer).save_own_variables is not _KERAS_OPTIMIZER_SAVE
     ):
         yield
         return
@@ -665,7 +666,7 @@ def _optimizer_stores_variables(model: keras.Model):
 
 def _own_variables(saveable: Any) -> dict[str, Any]:
     """What `saveable.save_own_variables()` stores, without copying."""
-    if type(saveable).save_own_variables is BaseOptimizer.save_own_variables:
+    if type(saveable).save_own_variables is _KERAS_OPTIMIZER_SAVE:
         # Keras' optimizer stores `variable.numpy()`, a copy of each.
         return {str(i): v for i, v in enumerate(saveable.variables)}
     store: dict[str, Any] = {}
@@ -687,40 +688,11 @@ def _view(buffer: np.ndarray, slot: _Slot) -> np.ndarray:
     return data.view(slot.dtype).reshape(slot.shape)
 
 
-class _Recorder(saving_lib.H5IOStore):
-    """Stands where `save_weights()` puts its HDF5 store, and takes notes.
-
-    `_save_state` accepts only Keras' own store classes, hence the subclass;
-    none of its file handling is used.
-    """
-
-    def __init__(self) -> None:  # noqa: D107 - no HDF5 file behind it.
-        self.groups: list[tuple[str, dict | None, Any, list[_Slot]]] = []
-
-    def __bool__(self) -> bool:
-        return True
-
-    def make(self, path: str, metadata: dict | None = None) -> _Recorder:
-        # The object about to save into this group is `_save_state`'s
-        # argument; its `save_own_variables()` is what each capture calls.
-        caller = sys._getframe(1).f_locals
-        saveable = caller.get("saveable", caller.get("trackable"))
-        if saveable is None:
-            raise RuntimeError(
-                "keras-ft does not support this Keras version's saving code "
-                f"(keras {keras.__version__}); please report it."
-            )
-        self.groups.append((path, dict(metadata) if metadata else None, saveable, []))
-        return self
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        # Only the shape and type: a value may be a copy (optimizers make
-        # one of each variable), and all of them at once would be a lot.
-        array = host.view(value)
-        self.groups[-1][3].append(_Slot(key, array.shape, array.dtype, None))
-
-    def close(self) -> None:
-        pass
+def _slot(key: str, value: Any) -> _Slot:
+    # Only the shape and type: a value may be a copy (optimizers make one of
+    # each variable), and all of them at once would be a lot.
+    array = host.view(value)
+    return _Slot(key, array.shape, array.dtype, None)
 
 
 def _h5_template(groups: list[_Group]) -> tuple[int, list, dict]:
@@ -821,41 +793,3 @@ def _contiguous_datasets(path: str, size: int) -> dict[str, list[_Slot]] | None:
     except (OSError, ValueError):
         return None
     return groups if plain else None
-
-
-class _Views(saving_lib.H5IOStore):
-    """Serves `load_own_variables()` views of a mapped weights file."""
-
-    def __init__(self, groups: dict[str, dict[str, np.ndarray]]):  # noqa: D107
-        self._groups = groups
-        self._paths = {
-            "/".join(parts[:i])
-            for parts in (g.split("/") for g in groups if g)
-            for i in range(1, len(parts) + 1)
-        }
-        self._current: dict[str, np.ndarray] = {}
-
-    def __bool__(self) -> bool:
-        return True
-
-    def get(self, path: str) -> _Views:
-        self._current = self._groups.get(path, {})
-        return self
-
-    def has_path(self, path: str) -> bool:
-        return path in self._paths
-
-    def close(self) -> None:
-        pass
-
-    def __len__(self) -> int:
-        return len(self._current)
-
-    def keys(self):
-        return self._current.keys()
-
-    def __getitem__(self, key: str) -> Any:
-        return host.for_assign(self._current[key])
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._current

@@ -12,7 +12,7 @@ import warnings
 import keras
 
 from keras_ft.cluster import TaskSpec, chief_dir, current_task, write_dir
-from keras_ft.lock import DirectoryLock
+from keras_ft.lock import DirectoryLock, check_platform
 from keras_ft.policy import KeepLast
 from keras_ft.state import NonFiniteStateError, ResumePoint, Snapshot, TrainingState
 from keras_ft.store import (
@@ -93,6 +93,7 @@ class WorkerTrainingState:
         task: TaskSpec | None = None,
         async_save: bool = False,
     ):
+        check_platform()
         self.backup_dir = validate_backup_dir(backup_dir)
         self.task = task if task is not None else current_task()
         self._retention = KeepLast(keep)

@@ -81,6 +81,7 @@ def interrupted_fit(backup_dir, data, at_epoch=5, epochs=10, **kwargs):
 # The TensorFlow migration guide's scenario.
 
 
+@pytest.mark.compat_core
 def test_interrupted_fit_resumes_at_next_epoch_in_same_process(backup_dir, data):
     interrupted = interrupted_fit(backup_dir, data)
     assert iterations(interrupted) == 5 * STEPS_PER_EPOCH
@@ -102,6 +103,7 @@ def test_interrupted_fit_resumes_at_next_epoch_in_same_process(backup_dir, data)
     assert not os.path.exists(backup_dir)
 
 
+@pytest.mark.compat_core
 def test_interrupted_process_resumes_in_a_new_process(backup_dir):
     code, events, stderr = run_training(backup_dir, "--raise-at-epoch-end", "5")
     assert code != 0 and "Interrupting at the end of epoch 5" in stderr
@@ -178,6 +180,7 @@ def damage(path, how):
         os.remove(path)
 
 
+@pytest.mark.compat_core
 @pytest.mark.parametrize("how", ["truncated", "flipped", "deleted"])
 def test_damaged_newest_backup_falls_back_to_the_previous(backup_dir, data, how):
     interrupted_fit(backup_dir, data, at_epoch=3)
@@ -803,6 +806,7 @@ def restored_extra(backup_dir):
     return resume, resume.extra
 
 
+@pytest.mark.compat_core
 @pytest.mark.parametrize("async_save", [True, False])
 def test_exception_in_a_later_callback_keeps_the_epochs_backup(
     backup_dir, data, async_save

@@ -89,6 +89,7 @@ def test_sigkill_at_an_epoch_boundary_resumes_bitwise_exact(
     check_against_reference(stateful_reference, summary, arrays)
 
 
+@pytest.mark.compat_core
 def test_sigkill_mid_epoch_resumes_bitwise_exact(tmp_path, stateful_reference):
     # Saves after batches 2, 4, 6 of each epoch; killed after batch 5 of
     # epoch 3, so batch 5 is trained again from the save after batch 4.

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+from conftest import subprocess_env
 
 from keras_ft import lock as lock_module
 from keras_ft.lock import DirectoryInUseError, DirectoryLock
@@ -74,3 +75,39 @@ def test_release_remove_leaves_a_live_holders_file(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+NO_POSIX_LOCKS = """
+import sys
+
+sys.modules["fcntl"] = None  # As on Windows: `import fcntl` raises ImportError.
+import keras_ft
+
+for make in (
+    lambda: keras_ft.BackupAndRestore(sys.argv[1]),
+    lambda: keras_ft.WorkerTrainingState(None, sys.argv[1]),
+):
+    try:
+        make()
+    except RuntimeError as e:
+        print("REFUSED", e)
+"""
+
+
+def test_import_works_without_posix_locks_and_a_backup_says_why(tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    result = subprocess.run(
+        [sys.executable, "-c", NO_POSIX_LOCKS, backup_dir],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    refusals = [
+        line for line in result.stdout.splitlines() if line.startswith("REFUSED")
+    ]
+    assert len(refusals) == 2, result.stdout
+    for line in refusals:
+        assert "POSIX file locks" in line and "WSL2" in line
+    assert not os.path.exists(backup_dir)

@@ -1,10 +1,10 @@
 """Fixes that let Keras 3 `model.fit()` run under `MultiWorkerMirroredStrategy`.
 
-Keras 3 (checked on 3.15) fails before the first step when the TensorFlow
-backend trains under a multi-worker `tf.distribute` strategy:
+Keras 3 (checked on 3.10 to 3.16) fails before the first step when the
+TensorFlow backend trains under a multi-worker `tf.distribute` strategy:
 
-1. `TensorFlowTrainer._maybe_symbolic_build` reduces the first per-replica
-   batch with `strategy.reduce(..., axis=None)`, which a collective strategy
+1. The trainer's `_maybe_symbolic_build` reduces the first per-replica batch
+   with `strategy.reduce(..., axis=None)`, which a collective strategy
    cannot do eagerly on a `PerReplica` ("Attempt to convert a value
    (PerReplica:...) with an unsupported type to a Tensor"). The build only
    needs the batch's shapes and dtypes, which this worker's first replica has.
@@ -15,42 +15,82 @@ backend trains under a multi-worker `tf.distribute` strategy:
    replicas only (`axis=None`).
 
 Both replacements call Keras' own code unchanged unless a multi-worker
-collective strategy is active, so single-process training is untouched. On a
-Keras version these fixes were not checked against, a multi-worker run stops
-with an error that says so, unless `KERAS_FT_MULTI_WORKER_FIXES` is set to
-`1` (apply them anyway) or `0` (run Keras as it is).
+collective strategy is active, so single-process training is untouched. The
+trainer class is found by what it is (the class of `keras.Model`'s bases
+that defines `_maybe_symbolic_build` in the TensorFlow trainer's module),
+not by its name, which Keras 3.16 changed. On a Keras version these fixes
+were not checked against, a multi-worker run stops with an error that says
+so, unless `KERAS_FT_MULTI_WORKER_FIXES` is set to `1` (apply them anyway)
+or `0` (run Keras as it is).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import keras
 
+from keras_ft.compat.registry import register, usable
+
 # Keras (major, minor) versions checked to need, and to work with, the fixes.
-CHECKED_KERAS_VERSIONS = ((3, 15),)
+CHECKED_KERAS_VERSIONS = ((3, 10), (3, 11), (3, 12), (3, 13), (3, 14), (3, 15), (3, 16))
 _ENV = "KERAS_FT_MULTI_WORKER_FIXES"
 _installed = False
+
+
+def _tensorflow_trainer() -> tuple[type, Any] | None:
+    """The TensorFlow trainer class `keras.Model` derives from, and its module."""
+    for cls in keras.Model.__mro__:
+        module = sys.modules.get(cls.__module__)
+        if (
+            "_maybe_symbolic_build" in vars(cls)
+            and cls.__module__.endswith("backend.tensorflow.trainer")
+            and callable(getattr(module, "reduce_per_replica", None))
+            and callable(getattr(module, "_collective_all_reduce_multi_worker", None))
+        ):
+            return cls, module
+    return None
+
+
+def _multi_worker_here() -> bool:
+    if keras.backend.backend() != "tensorflow":
+        return False
+    from keras_ft.cluster import current_task
+
+    return current_task().num_workers > 1
+
+
+@register(
+    "multi_worker_fixes",
+    "training under MultiWorkerMirroredStrategy fails inside Keras before "
+    "the first step (Keras #20585)",
+    applies=_multi_worker_here,
+)
+def _check_multi_worker_fixes() -> bool:
+    return _tensorflow_trainer() is not None
 
 
 def install_multi_worker_fixes() -> None:
     """Installs the fixes (idempotent); a no-op off the TensorFlow backend.
 
-    `keras_ft.BackupAndRestore` calls this when it is created. Call it
-    yourself before `fit()` to train under `MultiWorkerMirroredStrategy`
-    without the callback.
+    `keras_ft.BackupAndRestore` calls this when it is created in a process
+    that `TF_CONFIG` or a `tf.distribute` strategy makes one of several
+    workers. Call it yourself before `fit()` to train under
+    `MultiWorkerMirroredStrategy` without the callback.
     """
     global _installed
     if _installed or keras.backend.backend() != "tensorflow":
         return
-    from keras.src.backend.tensorflow import trainer
-
-    original_build = trainer.TensorFlowTrainer._maybe_symbolic_build
-    original_reduce = trainer.reduce_per_replica
+    if not usable("multi_worker_fixes"):
+        return
+    trainer, module = _tensorflow_trainer()
+    original_build = trainer._maybe_symbolic_build
+    original_reduce = module.reduce_per_replica
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        strategy = self._distribute_strategy
+        strategy = getattr(self, "_distribute_strategy", None)
         if iterator is None or strategy is None or not _fix_applies(strategy):
             return original_build(self, iterator=iterator, data_batch=data_batch)
         for _, _, it in iterator:
@@ -68,16 +108,15 @@ def install_multi_worker_fixes() -> None:
             )
         return original_reduce(values, strategy, reduction)
 
-    trainer.TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
-    trainer.reduce_per_replica = reduce_per_replica
+    trainer._maybe_symbolic_build = _maybe_symbolic_build
+    module.reduce_per_replica = reduce_per_replica
     _installed = True
 
 
 def _fix_applies(strategy: Any) -> bool:
     """Whether `strategy` is one Keras mishandles, and the fix may be used."""
-    from keras.src.backend.tensorflow import trainer
-
-    if not trainer._collective_all_reduce_multi_worker(strategy):
+    _, module = _tensorflow_trainer()
+    if not module._collective_all_reduce_multi_worker(strategy):
         return False
     setting = os.environ.get(_ENV, "")
     if setting in ("0", "1"):

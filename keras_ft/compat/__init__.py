@@ -1,0 +1,70 @@
+"""Every use of Keras, TensorFlow, JAX and CPython internals, in one place.
+
+Keras changes its private code every release. Each use of a private name is
+a named function here, with the public-API fallback it has; `registry.py`
+checks once what this installation offers and warns once, naming what is
+lost, for each capability it cannot use. No other module of keras-ft
+touches a private Keras name or walks stack frames.
+"""
+
+from keras_ft.compat.multi_worker import (
+    CHECKED_KERAS_VERSIONS,
+    install_multi_worker_fixes,
+    keras_version,
+)
+from keras_ft.compat.registry import (
+    DISABLE_ENV,
+    CompatibilityWarning,
+    available,
+    disabled,
+    fail,
+    names,
+    probe,
+    usable,
+)
+from keras_ft.compat.saving import (
+    load_with_keras_walk,
+    raise_loading_failure,
+    record_saveables,
+)
+from keras_ft.compat.training import (
+    build_metrics,
+    calling_callback_list,
+    continue_tensorboard_steps,
+    current_frame,
+    keras_global_seed_state,
+    print_msg,
+    set_initial_epoch,
+    set_keras_global_seed_state,
+    stack_holds,
+    start_data_at_epoch,
+    tf_dataset_reshuffles,
+)
+
+__all__ = [
+    "CHECKED_KERAS_VERSIONS",
+    "DISABLE_ENV",
+    "CompatibilityWarning",
+    "available",
+    "build_metrics",
+    "calling_callback_list",
+    "continue_tensorboard_steps",
+    "current_frame",
+    "disabled",
+    "fail",
+    "install_multi_worker_fixes",
+    "keras_global_seed_state",
+    "keras_version",
+    "load_with_keras_walk",
+    "names",
+    "print_msg",
+    "probe",
+    "raise_loading_failure",
+    "record_saveables",
+    "set_initial_epoch",
+    "set_keras_global_seed_state",
+    "stack_holds",
+    "start_data_at_epoch",
+    "tf_dataset_reshuffles",
+    "usable",
+]

@@ -1,0 +1,288 @@
+"""Internals of Keras' `fit()` loop, its callbacks and its random state.
+
+Each function names the internal it uses and falls back to the public
+behaviour when this Keras lacks it (see `registry.py`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any
+
+import keras
+
+from keras_ft.compat.registry import available, fail, register, usable
+
+
+def _code_names(function: Any) -> set[str]:
+    """Names a function's code uses (attributes included), unwrapped."""
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    return set(code.co_names) if code is not None else set()
+
+
+@register(
+    "initial_epoch",
+    "completed epochs are skipped by reading their data without training, "
+    "not jumped over",
+)
+def _check_initial_epoch() -> bool:
+    # fit() reads `self._initial_epoch` after on_train_begin, as Keras' own
+    # BackupAndRestore relies on.
+    return "_initial_epoch" in _code_names(keras.Model.fit)
+
+
+def set_initial_epoch(model: keras.Model, epoch: int | None) -> bool:
+    """Has the running `fit()` start at `epoch` (`None`: as it was told).
+
+    Returns:
+        Whether `fit()` will honour it; if not, the caller skips the epochs.
+    """
+    if epoch is not None and not usable("initial_epoch"):
+        return False
+    if available("initial_epoch"):
+        model._initial_epoch = epoch
+    return True
+
+
+@register(
+    "metrics_build",
+    "the metrics of an interrupted epoch restart at the resumed batch on TensorFlow",
+)
+def _check_metrics_build() -> bool:
+    return callable(getattr(keras.Model, "_symbolic_build", None))
+
+
+def build_metrics(model: keras.Model, batch: Any) -> bool:
+    """Builds the compiled metrics from a data batch, before the first step.
+
+    TensorFlow builds them inside the first training step, too late to give
+    them the values of an interrupted epoch.
+    """
+    if not usable("metrics_build"):
+        return False
+    try:
+        model._symbolic_build(data_batch=batch)
+    except Exception as e:
+        fail("metrics_build", e)
+        return False
+    return True
+
+
+@register(
+    "callback_list",
+    "the state of other callbacks (EarlyStopping, ReduceLROnPlateau, "
+    "ModelCheckpoint, History, get_state()) is not backed up",
+)
+def _check_callback_list() -> bool:
+    return hasattr(sys, "_getframe") and hasattr(keras.callbacks, "CallbackList")
+
+
+def calling_callback_list(
+    callback: keras.callbacks.Callback,
+) -> keras.callbacks.CallbackList | None:
+    """The `CallbackList` calling `callback.on_train_begin()`, if found.
+
+    fit() gives callbacks no handle on each other; it is a few frames up.
+    """
+    if not usable("callback_list"):
+        return None
+    frame = sys._getframe(1)
+    for _ in range(6):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.callbacks.CallbackList) and any(
+            c is callback for c in owner.callbacks
+        ):
+            return owner
+        frame = frame.f_back
+    return None  # Called by hand, outside fit().
+
+
+def _adapter_counts_epochs() -> bool:
+    # Keras 3.16 shuffles arrays from the data adapter's own count of epochs,
+    # which every fit() starts at 0; earlier releases draw from NumPy's global
+    # generator, which the backup holds.
+    from keras.src.trainers.data_adapters import array_data_adapter
+
+    adapter = array_data_adapter.ArrayDataAdapter
+    return "_epoch" in _code_names(adapter.__init__)
+
+
+@register(
+    "data_epoch",
+    "a fit() resumed at a later epoch shuffles arrays in the order of its own "
+    "first epoch, not of the epoch it resumes (not bitwise-exact)",
+    applies=_adapter_counts_epochs,
+)
+def _check_data_epoch() -> bool:
+    return hasattr(sys, "_getframe") and _adapter_counts_epochs()
+
+
+def start_data_at_epoch(epoch: int) -> None:
+    """Has the running `fit()`'s data adapter count `epoch` epochs as done.
+
+    Call from `on_train_begin`: `fit()`'s `epoch_iterator` is a local a few
+    frames up. Adapters that keep no count (a generator, a PyDataset,
+    `tf.data`, arrays before Keras 3.16) are left alone.
+    """
+    if not epoch or not available("data_epoch"):
+        return
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            break
+        adapter = getattr(frame.f_locals.get("epoch_iterator"), "data_adapter", None)
+        if adapter is not None:
+            if isinstance(getattr(adapter, "_epoch", None), int):
+                # Advanced, not set: fit() has already counted an epoch or
+                # not, depending on how it built the model.
+                adapter._epoch += epoch
+            return
+        frame = frame.f_back
+    fail("data_epoch", LookupError("fit() has no local `epoch_iterator`"))
+
+
+@register("tensorboard_steps", "TensorBoard's step axis restarts after a resume")
+def _check_tensorboard_steps() -> bool:
+    board = keras.callbacks.TensorBoard
+    return any(
+        "_global_train_batch" in _code_names(f)
+        for f in vars(board).values()
+        if callable(f)
+    )
+
+
+def continue_tensorboard_steps(callbacks: list, first_step: int) -> None:
+    """Makes TensorBoard callbacks count batches from `first_step`."""
+    boards = [c for c in callbacks if isinstance(c, keras.callbacks.TensorBoard)]
+    if boards and usable("tensorboard_steps"):
+        for board in boards:
+            board._global_train_batch = first_step
+
+
+@register("print_msg", "messages are printed with print(), not Keras' io_utils")
+def _check_print_msg() -> bool:
+    from keras.src.utils import io_utils
+
+    return callable(io_utils.print_msg)
+
+
+def print_msg(message: str) -> None:
+    """Prints as Keras' own callbacks do (stdout, or absl logging)."""
+    if usable("print_msg"):
+        from keras.src.utils import io_utils
+
+        try:
+            io_utils.print_msg(message)
+            return
+        except Exception as e:
+            fail("print_msg", e)
+    print(message, flush=True)
+
+
+@register(
+    "stack_frames",
+    "a preemption handler left by a fit() that raised does not step aside "
+    "by itself (Ctrl-C then still asks for a backup until the next fit())",
+)
+def _check_stack_frames() -> bool:
+    return hasattr(sys, "_getframe") and hasattr(sys._getframe(), "f_locals")
+
+
+def current_frame() -> Any:
+    """The caller's frame, or `None` where frames cannot be walked."""
+    return sys._getframe(1) if available("stack_frames") else None
+
+
+def stack_holds(frame: Any, obj: Any) -> bool:
+    """Whether `frame` or a frame below it holds `obj` in a local variable.
+
+    `True` when frames cannot be walked: the caller then assumes the
+    training that holds `obj` is still running.
+    """
+    if not usable("stack_frames"):
+        return True
+    while frame is not None:
+        if any(value is obj for value in frame.f_locals.values()):
+            return True
+        frame = frame.f_back
+    return False
+
+
+@register(
+    "tf_data_reshuffle",
+    "no warning is given when a tf.data pipeline that reshuffles each epoch "
+    "is resumed mid-epoch (its batches then come in another order)",
+    applies=lambda: keras.backend.backend() == "tensorflow",
+)
+def _check_tf_data_reshuffle() -> bool:
+    import tensorflow as tf
+
+    shuffled = tf.data.Dataset.range(2).shuffle(2)
+    return hasattr(shuffled, "_reshuffle_each_iteration") and hasattr(
+        shuffled, "_input_dataset"
+    )
+
+
+def tf_dataset_reshuffles(iterator: Any) -> bool:
+    """Whether a TensorFlow iterator reads a `tf.data` pipeline that reshuffles.
+
+    `Dataset.shuffle()` draws a new order for every new iterator from a seed
+    generator inside the pipeline, which no saved state can set; a restarted
+    process therefore sees the order of the first epoch, not of the one it
+    resumes. (Keras' own pipeline for NumPy arrays shuffles differently.)
+    """
+    if not usable("tf_data_reshuffle"):
+        return False
+    pending, seen = [getattr(iterator, "_dataset", None)], set()
+    while pending:
+        dataset = pending.pop()
+        if dataset is None or id(dataset) in seen:
+            continue
+        seen.add(id(dataset))
+        if "Shuffle" in type(dataset).__name__ and getattr(
+            dataset, "_reshuffle_each_iteration", False
+        ):
+            return True
+        pending.append(getattr(dataset, "_input_dataset", None))
+        pending.extend(getattr(dataset, "_datasets", None) or ())
+    return False
+
+
+@register(
+    "keras_global_rng",
+    "Keras' global random generator (keras.random calls without a seed "
+    "generator) does not continue its stream after a resume",
+)
+def _check_keras_global_rng() -> bool:
+    from keras.src.backend.common import global_state
+    from keras.src.random import seed_generator
+
+    return callable(global_state.get_global_attribute) and callable(
+        seed_generator.global_seed_generator
+    )
+
+
+def keras_global_seed_state() -> Any:
+    """The state variable of Keras' global `SeedGenerator`, if it exists.
+
+    Only if something already created it: creating it would draw a seed from
+    Python's generator and change the stream being saved.
+    """
+    if not usable("keras_global_rng"):
+        return None
+    from keras.src.backend.common import global_state
+
+    generator = global_state.get_global_attribute("global_seed_generator")
+    return None if generator is None else generator.state
+
+
+def set_keras_global_seed_state(value: Any) -> None:
+    """Sets the state of Keras' global `SeedGenerator`, creating it if need be."""
+    if not usable("keras_global_rng"):
+        return
+    from keras.src.random.seed_generator import global_seed_generator
+
+    global_seed_generator().state.assign(value)

@@ -1,0 +1,163 @@
+"""The compatibility layer: what this Keras offers, and life without it."""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from conftest import STEPS_PER_EPOCH, iterations, make_model, weights_of
+
+import keras_ft
+from keras_ft import compat
+from keras_ft.compat import registry
+
+EPOCHS = 4
+
+
+@pytest.fixture(autouse=True)
+def _fresh_registry(monkeypatch):
+    """Each test starts with no capability failed or warned about."""
+    monkeypatch.setattr(registry, "_failed", {})
+    monkeypatch.setattr(registry, "_warned", set())
+
+
+class InterruptAtEpochEnd(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            raise RuntimeError("Interrupting!")
+
+
+class FirstEpoch(keras.callbacks.Callback):
+    """The epoch of the first batch that trains (a skipped one does not)."""
+
+    def on_train_begin(self, logs=None):
+        self.epoch, self.step = None, iterations(self.model)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch is None and iterations(self.model) > self.step:
+            self.epoch = self.current
+
+
+def interrupted_and_resumed(backup_dir, data):
+    """Weights after a fit() interrupted at the end of epoch 2 and resumed."""
+    keras.utils.set_random_seed(0)
+    model = make_model()
+    callbacks = [
+        keras_ft.BackupAndRestore(backup_dir),
+        keras.callbacks.EarlyStopping(monitor="loss", patience=100),
+    ]
+    with pytest.raises(RuntimeError, match="Interrupting"):
+        model.fit(*data, epochs=EPOCHS, batch_size=16, shuffle=False, verbose=0,
+                  callbacks=[*callbacks, InterruptAtEpochEnd()])  # fmt: skip
+    keras_ft.wait_for_backups()
+    model, first = make_model(), FirstEpoch()
+    model.fit(*data, epochs=EPOCHS, batch_size=16, shuffle=False, verbose=0,
+              callbacks=[keras_ft.BackupAndRestore(backup_dir), first])  # fmt: skip
+    assert first.epoch == 2
+    assert iterations(model) == EPOCHS * STEPS_PER_EPOCH
+    return weights_of(model)
+
+
+def test_this_keras_offers_every_capability():
+    found = compat.probe(warn=False)
+    assert found and all(found.values()), found
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_module):
+    backup_dir = str(tmp_path_factory.mktemp("reference") / "backup")
+    return interrupted_and_resumed(backup_dir, data_module)
+
+
+@pytest.fixture(scope="module")
+def data_module():
+    from conftest import make_data
+
+    return make_data()
+
+
+@pytest.mark.parametrize("name", compat.names())
+def test_without_a_capability_backups_still_work_and_it_is_named(
+    name, tmp_path, data_module, reference
+):
+    applies = name in compat.probe(warn=False)
+    with compat.disabled(name), warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        resumed = interrupted_and_resumed(str(tmp_path / "backup"), data_module)
+    named = [
+        str(w.message)
+        for w in warned
+        if issubclass(w.category, keras_ft.CompatibilityWarning)
+        and f"capability {name!r}" in str(w.message)
+    ]
+    if applies:
+        assert len(named) == 1, [str(w.message) for w in warned]
+        assert "turned off" in named[0] and "still work" in named[0]
+    # The same training, to the bit: only speed or side features are lost.
+    for a, b in zip(reference, resumed, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_an_internal_that_raises_falls_back_for_the_rest_of_the_run(
+    monkeypatch, tmp_path, data_module, reference
+):
+    def moved(model):
+        raise AttributeError("module 'saving_lib' has no attribute '_save_state'")
+
+    monkeypatch.setattr(compat, "record_saveables", moved)
+    with pytest.warns(keras_ft.CompatibilityWarning, match="using it raised"):
+        resumed = interrupted_and_resumed(str(tmp_path / "backup"), data_module)
+    assert not compat.available("fast_weights")
+    for a, b in zip(reference, resumed, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_turned_off_by_environment(monkeypatch):
+    monkeypatch.setenv(compat.DISABLE_ENV, "tensorboard_steps, print_msg")
+    assert not compat.available("tensorboard_steps")
+    assert not compat.available("print_msg")
+    assert compat.available("fast_weights")
+    monkeypatch.setenv(compat.DISABLE_ENV, "all")
+    assert not any(compat.available(n) for n in compat.names())
+
+
+def test_unknown_capability_is_a_clear_error():
+    with (
+        pytest.raises(ValueError, match="Unknown keras-ft capabilities"),
+        compat.disabled("no_such_thing"),
+    ):
+        pass
+
+
+@pytest.mark.compat_core
+@pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow", reason="the TensorFlow trainer"
+)
+def test_the_tensorflow_trainer_is_found_by_what_it_is_not_its_name():
+    # Keras 3.16 renamed TensorFlowTrainer to Trainer.
+    from keras_ft.compat import multi_worker
+
+    trainer, module = multi_worker._tensorflow_trainer()
+    assert issubclass(keras.Model, trainer)
+    assert callable(module.reduce_per_replica)
+    assert compat.available("multi_worker_fixes")
+
+
+def test_a_missing_capability_warns_once_per_process(tmp_path, data_module):
+    with (
+        compat.disabled("tensorboard_steps"),
+        warnings.catch_warnings(record=True) as warned,
+    ):
+        warnings.simplefilter("always")
+        for run in range(2):
+            make_model().fit(
+                *data_module, epochs=1, verbose=0,
+                callbacks=[keras_ft.BackupAndRestore(str(tmp_path / str(run)))],
+            )  # fmt: skip
+    named = [w for w in warned if "'tensorboard_steps'" in str(w.message)]
+    assert len(named) == 1
