@@ -198,7 +198,7 @@ def committed(backup_dir: str) -> list[str]:
 
 def newest_committed_step(backup_dir: str) -> int | None:
     sys.path.insert(0, os.path.dirname(EXAMPLES_DIR))
-    from keras_ft.store import CheckpointStore  # Needs no backend.
+    from keras_ft.checkpoint.store import CheckpointStore  # Needs no backend.
 
     found = CheckpointStore(os.path.join(backup_dir, "chief")).latest_good()
     return None if found is None else found[1]["step"]

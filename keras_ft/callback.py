@@ -14,11 +14,13 @@ from typing import Any
 
 import keras
 
-from keras_ft import callback_state, compat, rng
-from keras_ft.cluster import TaskSpec, current_task
-from keras_ft.fast_forward import FastForward
-from keras_ft.lock import check_platform
-from keras_ft.policy import (
+from keras_ft import compat
+from keras_ft.checkpoint.lock import check_platform
+from keras_ft.checkpoint.store import CheckpointWriteError
+from keras_ft.distribute.cluster import TaskSpec, current_task
+from keras_ft.state import NonFiniteStateError, ResumePoint, rng
+from keras_ft.training import callback_state
+from keras_ft.training.policy import (
     AnyOf,
     EveryEpoch,
     EveryNSeconds,
@@ -28,9 +30,8 @@ from keras_ft.policy import (
     OverheadBudget,
     SaveSchedule,
 )
-from keras_ft.preemption import ClusterNotice, PreemptionWatcher, parse_signals
-from keras_ft.state import NonFiniteStateError, ResumePoint
-from keras_ft.store import CheckpointWriteError
+from keras_ft.training.preemption import ClusterNotice, PreemptionWatcher, parse_signals
+from keras_ft.training.resume import FastForward
 from keras_ft.worker_training_state import WorkerTrainingState, validate_backup_dir
 
 

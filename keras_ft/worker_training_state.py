@@ -11,17 +11,17 @@ import warnings
 
 import keras
 
-from keras_ft.cluster import TaskSpec, chief_dir, current_task, write_dir
-from keras_ft.lock import DirectoryLock, check_platform
-from keras_ft.policy import KeepLast
-from keras_ft.state import NonFiniteStateError, ResumePoint, Snapshot, TrainingState
-from keras_ft.store import (
+from keras_ft.checkpoint.lock import DirectoryLock, check_platform
+from keras_ft.checkpoint.store import (
     Checkpoint,
     CheckpointStore,
     CheckpointWriteError,
     wait_for_removals,
 )
-from keras_ft.writer import BackgroundWriter, PendingWrite
+from keras_ft.distribute.cluster import TaskSpec, chief_dir, current_task, write_dir
+from keras_ft.state import NonFiniteStateError, ResumePoint, Snapshot, TrainingState
+from keras_ft.threads import BackgroundWriter, PendingWrite
+from keras_ft.training.policy import KeepLast
 
 # One writer per chief directory in this process, shared by every
 # WorkerTrainingState on it: a fit() that raised may leave a write in flight,
@@ -349,10 +349,6 @@ class WorkerTrainingState:
             Whether the model's metric variables matched and were set.
         """
         return self._state.apply_metrics(values)
-
-    def discard(self, checkpoint: Checkpoint) -> None:
-        """Deletes a committed checkpoint that a newer one supersedes."""
-        self._chief_store.delete(checkpoint)
 
     def checkpoints(self) -> list[Checkpoint]:
         """The committed checkpoints, oldest first."""

@@ -6,7 +6,7 @@ import h5py
 import numpy as np
 import pytest
 
-from keras_ft import arrays
+from keras_ft.state import arrays
 
 
 def test_split_write_read_join_round_trip(tmp_path):

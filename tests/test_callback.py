@@ -25,7 +25,7 @@ from conftest import (
 )
 
 import keras_ft
-from keras_ft.store import CheckpointStore
+from keras_ft.checkpoint.store import CheckpointStore
 
 
 class InterruptAtEpochEnd(keras.callbacks.Callback):

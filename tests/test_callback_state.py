@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from keras_ft import callback_state
+from keras_ft.training import callback_state
 
 
 class Counter(keras.callbacks.Callback):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from keras_ft.cluster import TaskSpec, chief_dir, current_task, write_dir
+from keras_ft.distribute.cluster import TaskSpec, chief_dir, current_task, write_dir
 
 
 def tf_config(cluster, task_type, index):

@@ -6,7 +6,7 @@ import keras
 import numpy as np
 from conftest import STEPS_PER_EPOCH, iterations, make_model, weights_of
 
-from keras_ft.fast_forward import FastForward
+from keras_ft.training.resume import FastForward
 
 
 class SkipFirst(keras.callbacks.Callback):

@@ -11,8 +11,8 @@ import textwrap
 import pytest
 from conftest import subprocess_env
 
-from keras_ft import lock as lock_module
-from keras_ft.lock import DirectoryInUseError, DirectoryLock
+from keras_ft.checkpoint import lock as lock_module
+from keras_ft.checkpoint.lock import DirectoryInUseError, DirectoryLock
 
 # Loads lock.py alone, so the child starts in milliseconds.
 _HOLDER = textwrap.dedent(

@@ -17,7 +17,7 @@ import pytest
 from conftest import TESTS_DIR, make_model, subprocess_env
 
 import keras_ft
-from keras_ft.store import CheckpointStore
+from keras_ft.checkpoint.store import CheckpointStore
 
 HARNESS = os.path.join(os.path.dirname(TESTS_DIR), "examples", "local_cluster.py")
 EPOCHS, STEPS_PER_EPOCH = 3, 8  # 128 samples, global batch 16.

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from keras_ft.policy import (
+from keras_ft.checkpoint.store import Checkpoint
+from keras_ft.training.policy import (
     AnyOf,
     EveryEpoch,
     EveryNSeconds,
@@ -12,7 +13,6 @@ from keras_ft.policy import (
     KeepLast,
     OverheadBudget,
 )
-from keras_ft.store import Checkpoint
 
 
 def saves_on_batches(schedule, steps_per_call, times):

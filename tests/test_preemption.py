@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from keras_ft.preemption import ClusterNotice, PreemptionWatcher, parse_signals
+from keras_ft.training.preemption import ClusterNotice, PreemptionWatcher, parse_signals
 
 
 def test_parse_signals_accepts_names_and_numbers():

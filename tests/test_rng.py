@@ -7,7 +7,7 @@ import random
 import keras
 import numpy as np
 
-from keras_ft import arrays, rng
+from keras_ft.state import arrays, rng
 
 
 def draws():

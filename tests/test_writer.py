@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from keras_ft.store import SaveCancelled
-from keras_ft.writer import BackgroundWriter, Watermark
+from keras_ft.checkpoint.store import SaveCancelled
+from keras_ft.threads import BackgroundWriter, Watermark
 
 
 def held_write(name, gate, log, result=None):

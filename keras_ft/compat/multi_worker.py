@@ -57,7 +57,7 @@ def _tensorflow_trainer() -> tuple[type, Any] | None:
 def _multi_worker_here() -> bool:
     if keras.backend.backend() != "tensorflow":
         return False
-    from keras_ft.cluster import current_task
+    from keras_ft.distribute.cluster import current_task
 
     return current_task().num_workers > 1
 

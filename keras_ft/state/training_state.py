@@ -22,8 +22,8 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_ft import arrays, rng, weights
-from keras_ft.store import CheckpointError, ReadProgress, Staging
+from keras_ft.checkpoint.store import CheckpointError, ReadProgress, Staging
+from keras_ft.state import arrays, rng, weights
 
 WEIGHTS_FILE = "model.weights.h5"
 STATE_FORMAT_VERSION = 1
@@ -82,10 +82,6 @@ class Snapshot:
     weights: weights.CapturedWeights
     metadata: dict
     arrays: dict[str, np.ndarray]
-
-    @property
-    def nbytes(self) -> int:
-        return self.weights.nbytes + sum(a.nbytes for a in self.arrays.values())
 
     def write(self, directory: str | Staging) -> None:
         """Writes the checkpoint's data files into `directory`.
@@ -167,10 +163,6 @@ class TrainingState:
         """Walks the model now rather than at the first snapshot; with `copy`,
         also allocates the memory that copied snapshots reuse."""
         self._weights.prepare(copy=copy)
-
-    def release(self) -> None:
-        """Frees the host memory that copied snapshots reuse."""
-        self._weights.release()
 
     def metadata(self, epochs_completed: int, batches_completed: int) -> dict:
         """The JSON metadata of a save taken now, without the state tree."""

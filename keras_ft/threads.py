@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from keras_ft.store import SaveCancelled
+from keras_ft.checkpoint.store import SaveCancelled
 
 
 class Watermark:

@@ -11,7 +11,7 @@ older checkpoint is used instead.
 Checksums are XXH3-128: a torn write or a flipped bit changes it, and it runs
 at memory speed (a SHA-256 of a checkpoint took longer than writing it). Big
 files are handed over as buffers and checksummed on their way to disk, never
-read back; manifests of earlier releases, with SHA-256, still verify.
+read back.
 
 A checkpoint that retention lets go is not always deleted: the first becomes
 the store's spare, and the next save overwrites its big files in place rather
@@ -78,13 +78,10 @@ _IOV_BATCH = 512
 _DIRECT_MIN = 8 * 1024 * 1024
 _PIECE = 8 * 1024 * 1024
 _PAGE = 4096
-# The checksum a manifest records, and the ones it may record.
+# The checksum a manifest records for each file.
 _DIGEST = "xxh3_128"
-_DIGESTS: dict[str, Callable[[], Any]] = {
-    "xxh3_128": xxhash.xxh3_128,
-    "sha256": hashlib.sha256,  # Manifests of keras-ft 0.1.
-}
-_DIGEST_NAMES = {"xxh3_128": "XXH3-128", "sha256": "SHA-256"}
+_DIGESTS: dict[str, Callable[[], Any]] = {"xxh3_128": xxhash.xxh3_128}
+_DIGEST_NAMES = {"xxh3_128": "XXH3-128"}
 # A manifest or metadata file larger than this is not one we wrote.
 _MAX_JSON_BYTES = 64 * 1024 * 1024
 
@@ -115,7 +112,7 @@ class SaveCancelled(CheckpointError):
 
 
 class Watermark(Protocol):
-    """How far a buffer is ready (see `keras_ft.writer.Watermark`)."""
+    """How far a buffer is ready (see `keras_ft.threads.Watermark`)."""
 
     def wait_for(self, level: int) -> None: ...
 

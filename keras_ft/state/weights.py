@@ -36,8 +36,9 @@ import keras
 import ml_dtypes
 import numpy as np
 
-from keras_ft import compat, host
-from keras_ft.writer import Watermark
+from keras_ft import backend as host
+from keras_ft import compat
+from keras_ft.threads import Watermark
 
 try:
     import fcntl
@@ -95,10 +96,6 @@ class CapturedWeights:
     _fill: Any = dataclasses.field(default=None, repr=False)
     # Filled in by the copy: the datasets holding a NaN or an infinity.
     non_finite: list[str] = dataclasses.field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(memoryview(c).nbytes for c in self.chunks)
 
     def fill(self) -> None:
         """Copies the variables into the buffer (in this thread), if not yet."""
@@ -271,11 +268,6 @@ class WeightsLayout:
             self._allocating.join()
             self._allocating = None
         self._image, self._copy_batches, self._written = None, [], None
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the weights file."""
-        return self._size
 
     def load_from(self, contents: Any) -> bool:
         """Loads a weights file's bytes into the model, if this layout wrote it.

@@ -12,7 +12,7 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from keras_ft.store import Checkpoint
+from keras_ft.checkpoint.store import Checkpoint
 
 
 class SaveSchedule:

@@ -1,0 +1,1 @@
+"""Who writes in a cluster: this process's role and its directories."""
