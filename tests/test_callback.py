@@ -640,7 +640,7 @@ def test_ctrl_c_after_a_fit_that_raised_is_a_keyboard_interrupt(backup_dir, data
         )  # fmt: skip
         assert callback.preempted_by == "SIGTERM" and iterations(model) == 3
     finally:
-        callback._watcher.done()  # Whatever happened, no delayed exit.
+        callback._preemption.watcher.done()  # Whatever happened, no delayed exit.
 
 
 def test_second_trainer_on_the_same_directory_is_refused(backup_dir, data):

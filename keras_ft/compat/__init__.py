@@ -10,6 +10,7 @@ touches a private Keras name or walks stack frames.
 from keras_ft.compat.multi_worker import (
     CHECKED_KERAS_VERSIONS,
     install_multi_worker_fixes,
+    install_multi_worker_fixes_if_needed,
     keras_version,
 )
 from keras_ft.compat.registry import (
@@ -53,6 +54,7 @@ __all__ = [
     "disabled",
     "fail",
     "install_multi_worker_fixes",
+    "install_multi_worker_fixes_if_needed",
     "keras_global_seed_state",
     "keras_version",
     "load_with_keras_walk",

@@ -72,6 +72,12 @@ def _check_multi_worker_fixes() -> bool:
     return _tensorflow_trainer() is not None
 
 
+def install_multi_worker_fixes_if_needed() -> None:
+    """Installs the fixes in a process that is one of several TF workers."""
+    if _multi_worker_here():
+        install_multi_worker_fixes()
+
+
 def install_multi_worker_fixes() -> None:
     """Installs the fixes (idempotent); a no-op off the TensorFlow backend.
 

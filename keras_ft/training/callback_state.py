@@ -20,7 +20,7 @@ of that class, so the restarted script must pass the same callbacks.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import keras
@@ -94,3 +94,98 @@ def _stock_attributes(callback: Any) -> tuple[str, ...]:
         if isinstance(callback, cls):
             return attributes
     return ()
+
+
+def is_stateful(callback: keras.callbacks.Callback) -> bool:
+    """Whether `callback` keeps state across epochs that a backup carries.
+
+    History is left out: `with_epoch_recorded()` fills in the epoch it has
+    not yet seen.
+    """
+    return not isinstance(callback, keras.callbacks.History) and bool(
+        capture([callback])
+    )
+
+
+def with_epoch_recorded(
+    callbacks: list, epoch: int, logs: dict | None, batch: int | None
+) -> list:
+    """The callbacks, with a History that has not yet seen `epoch` brought up."""
+    if batch is not None:
+        return callbacks
+    result = []
+    for callback in callbacks:
+        if isinstance(callback, keras.callbacks.History) and epoch not in getattr(
+            callback, "epoch", [epoch]
+        ):
+            updated = keras.callbacks.History()
+            updated.epoch = [*callback.epoch, epoch]
+            updated.history = {k: list(v) for k, v in callback.history.items()}
+            for key, value in (logs or {}).items():
+                updated.history.setdefault(key, []).append(value)
+            callback = updated
+        result.append(callback)
+    return result
+
+
+class FitCallbacks:
+    """The other callbacks of one `fit()`, and a hook after the last of them.
+
+    fit() gives callbacks no handle on each other; `compat` finds the
+    `CallbackList`. A hook added at its end runs `after_all(epoch, logs)`
+    once every callback's `on_epoch_end` has run: the point where an epoch
+    is really over.
+
+    Args:
+        owner: The callback asking.
+        callback_list: This fit()'s `CallbackList`, or `None` if not found.
+        after_all: Called at the end of each epoch, after every callback.
+    """
+
+    def __init__(
+        self,
+        owner: keras.callbacks.Callback,
+        callback_list: keras.callbacks.CallbackList | None,
+        after_all: Callable[[int, dict | None], None],
+    ):
+        self.owner = owner
+        self.others: list[keras.callbacks.Callback] = []
+        self._later: list[keras.callbacks.Callback] = []
+        if callback_list is None:
+            return
+        callbacks = callback_list.callbacks
+        mine = [c for c in callbacks if isinstance(c, _AfterAll) and c.owner is owner]
+        self.others = [
+            c for c in callbacks if c is not owner and not isinstance(c, _AfterAll)
+        ]
+        if owner in callbacks:
+            later = callbacks[callbacks.index(owner) + 1 :]
+            self._later = [c for c in later if c in self.others]
+        # A new list, not an append: CallbackList is iterating the old one.
+        callback_list.callbacks = [c for c in callbacks if c not in mine] + [
+            _AfterAll(owner, after_all)
+        ]
+
+    def later_stateful(self) -> list[keras.callbacks.Callback]:
+        """The stateful callbacks whose on_epoch_end runs after the owner's."""
+        return [c for c in self._later if is_stateful(c)]
+
+    def keys(self, callbacks: list[keras.callbacks.Callback]) -> list[str]:
+        """The state keys of `callbacks` (see `keyed()`)."""
+        return [key for key, c in keyed(self.others) if c in callbacks]
+
+
+class _AfterAll(keras.callbacks.Callback):
+    """Runs last in the CallbackList."""
+
+    def __init__(
+        self,
+        owner: keras.callbacks.Callback,
+        after_all: Callable[[int, dict | None], None],
+    ):
+        super().__init__()
+        self.owner = owner
+        self.after_all = after_all
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self.after_all(epoch, logs)

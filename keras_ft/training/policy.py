@@ -300,3 +300,68 @@ class KeepLast:
 
     def __repr__(self) -> str:
         return f"KeepLast({self.n})"
+
+
+def schedule_from_arguments(
+    save_freq: str | int | bool,
+    overhead_budget: float,
+    save_every_seconds: float | None,
+) -> AnyOf:
+    """The schedule `BackupAndRestore`'s arguments ask for, validated.
+
+    Raises:
+        ValueError: naming the argument, the value and what it may be.
+    """
+    if save_freq is False:
+        schedules: list[SaveSchedule] = [Never()]
+    elif save_freq == "epoch":
+        schedules = [EveryEpoch()]
+    elif save_freq == "auto":
+        schedules = [OverheadBudget(overhead_budget)]
+    elif (
+        isinstance(save_freq, int) and not isinstance(save_freq, bool) and save_freq > 0
+    ):
+        schedules = [EveryNSteps(save_freq)]
+    else:
+        raise ValueError(
+            "Invalid value for argument `save_freq`. Expected 'epoch', 'auto', a "
+            "positive integer number of batches, or False (only the backup taken "
+            f"on a preemption signal). Received: save_freq={save_freq!r}"
+        )
+    OverheadBudget(overhead_budget)  # Validated whatever `save_freq` is.
+    if save_every_seconds is not None:
+        try:
+            schedules.append(EveryNSeconds(save_every_seconds))
+        except ValueError:
+            raise ValueError(
+                "Invalid value for argument `save_every_seconds`. Expected a "
+                "positive number of seconds or `None`. Received: "
+                f"save_every_seconds={save_every_seconds!r}"
+            ) from None
+    return AnyOf(*schedules)
+
+
+def check_same_step_on_every_worker(
+    schedule: AnyOf, num_workers: int, save_freq: object, save_every_seconds: object
+) -> None:
+    """Refuses schedules that workers could disagree on.
+
+    Raises:
+        ValueError: with several workers, for a schedule that reads a clock.
+    """
+    if num_workers == 1:
+        return
+    if any(isinstance(s, (EveryNSeconds, OverheadBudget)) for s in schedule.schedules):
+        raise ValueError(
+            f"With {num_workers} workers, every worker must save at the "
+            "same step, so saves cannot depend on each worker's clock. "
+            "Use `save_freq='epoch'` or an integer number of batches "
+            "instead of `save_freq='auto'` or `save_every_seconds`. "
+            f"Received: save_freq={save_freq!r}, "
+            f"save_every_seconds={save_every_seconds!r}"
+        )
+
+
+def budget_of(schedule: AnyOf) -> OverheadBudget | None:
+    """The `OverheadBudget` among a schedule's parts, if any."""
+    return next((s for s in schedule.schedules if isinstance(s, OverheadBudget)), None)

@@ -274,3 +274,80 @@ class ClusterNotice:
         if notice.get("signal") not in signal.Signals.__members__:
             return None
         return notice
+
+
+class Preemption:
+    """When to back up and stop for a signal, on one process or several.
+
+    One process stops at the first batch end after the signal. Several
+    workers stop together at the batch end a `ClusterNotice` names: a save
+    is a collective read of the variables, so a signalled worker cannot
+    save alone.
+
+    Args:
+        signals: The signals that mean "this machine is going away".
+        grace_period: Seconds from the signal to the end of the final backup.
+    """
+
+    def __init__(self, signals: tuple[signal.Signals, ...], grace_period: float):
+        self.watcher = PreemptionWatcher(signals, grace_period)
+        self._notice: ClusterNotice | None = None
+        self._batch_ends = 0
+        self._stop_at: dict | None = None
+
+    def start(
+        self, training: Any, backup_dir: str, num_workers: int, is_chief: bool,
+        resumed_step: int,
+    ) -> None:  # fmt: skip
+        """Installs the handlers for the `fit()` that `training` stands for."""
+        # Keras calls no callback when fit() raises: the handlers check that
+        # this fit's CallbackList is still on the stack when a signal comes.
+        self.watcher.install(training=training)
+        self._batch_ends, self._stop_at, self._notice = 0, None, None
+        if num_workers > 1:
+            self._notice = ClusterNotice(backup_dir, resumed_step)
+            if is_chief:
+                self._notice.clear()
+
+    def stop(self) -> None:
+        """Puts the previous handlers back."""
+        self.watcher.uninstall()
+
+    def at_batch_end(self, worker: int) -> signal.Signals | None:
+        """The signal to back up and stop for at this batch end, if any."""
+        self._batch_ends += 1
+        watcher = self.watcher
+        signalled = watcher.received is not None and not watcher.handled
+        if self._notice is None:  # One process: stop at once.
+            return watcher.received if signalled else None
+        if self._stop_at is None:
+            if signalled:
+                self._stop_at = self._notice.publish(
+                    self._batch_ends + 1, watcher.received, worker
+                )
+            else:
+                self._stop_at = self._notice.read()
+        if self._stop_at and self._batch_ends >= self._stop_at["batch_end"]:
+            return signal.Signals[self._stop_at["signal"]]
+        return None
+
+    def report(self, signum: signal.Signals, saved: str) -> str:
+        """Marks the stop done; returns the line that says so. Warns if the
+        final backup took longer than the grace period."""
+        watcher = self.watcher
+        watcher.done()
+        name = signum.name
+        if watcher.received is None:  # Another worker got the signal.
+            name = f"{name} (worker {self._stop_at['worker']})"
+        seconds = watcher.seconds_since_signal if watcher.received else 0.0
+        if seconds > watcher.grace_period:
+            warnings.warn(
+                f"BackupAndRestore: the final backup took {seconds:.1f} s, more "
+                f"than the grace period of {watcher.grace_period:g} s.",
+                stacklevel=3,
+            )
+        return (
+            f"BackupAndRestore: received {name}; {saved} {seconds:.1f} s after "
+            "the signal. Stopping training; run the same script again to "
+            "resume at this step."
+        )

@@ -1,4 +1,4 @@
-"""Skip the batches of an interrupted epoch that were already trained.
+"""Resuming inside `fit()`: skip what was trained, restore what was reset.
 
 `fit()` restarts an epoch at its first batch. To continue at batch `k`, the
 model's `train_function` is replaced for the first `k` steps by one that takes
@@ -14,6 +14,7 @@ back the real one. This is the only place that knows how each backend's
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,8 @@ from typing import Any
 import keras
 
 from keras_ft import compat
+from keras_ft.state import ResumePoint, rng
+from keras_ft.training import callback_state
 
 
 class FastForward:
@@ -99,3 +102,145 @@ def _pull(iterator: Any, count: int) -> list:
         except StopIteration:
             break
     return batches
+
+
+class Resumption:
+    """Carries a restored training state through the `fit()` that resumes it.
+
+    At each epoch begin it says how many of the epoch's batches were trained
+    before the restart and sets up skipping them: the rest of the
+    interrupted epoch (`FastForward`, with the random state and metrics of
+    the save), or whole epochs where this Keras' `fit()` does not start at
+    the resume epoch. At the resume epoch it gives the other callbacks their
+    saved state (their `on_train_begin` has reset it by then).
+
+    Args:
+        model: The model being fitted.
+        point: Where training resumes.
+        apply_metrics: Sets the model's metric variables to saved values;
+            returns whether they matched.
+        jumped: Whether `fit()` starts at `point.epoch`; if not, the
+            completed epochs before it are read through without training.
+    """
+
+    def __init__(
+        self,
+        model: keras.Model,
+        point: ResumePoint,
+        apply_metrics: Callable[[list], bool],
+        jumped: bool,
+    ):
+        self.model = model
+        self.point = point
+        self.apply_metrics = apply_metrics
+        self.skip_epochs_before = 0 if jumped else point.epoch
+        self.started = False  # The resume epoch has begun.
+        self._fast_forward: FastForward | None = None
+
+    def skips_epoch(self, epoch: int) -> bool:
+        """Whether `epoch` is one completed before the restart, read through."""
+        return epoch < self.skip_epochs_before
+
+    def begin_epoch(self, epoch: int, steps: int | None, callbacks: list) -> int:
+        """Sets up `epoch`; returns how many of its batches are skipped."""
+        self.remove()
+        point = self.point
+        if self.skips_epoch(epoch):
+            steps = steps or sys.maxsize
+            self._fast_forward = FastForward(
+                self.model, steps, point.extra.get("logs", {}), on_done=_nothing
+            )
+            return steps
+        if self.started:
+            return 0
+        self.started = True
+        if self.skip_epochs_before and not point.batch:
+            # The epochs read through drew from the generators: the next
+            # epoch begins with them as they were at the save.
+            rng.apply(point.extra.get("rng", {}))
+        # Every other callback's on_train_begin has reset it by now (and
+        # their epoch ends of epochs skipped since are undone).
+        callback_state.apply(callbacks, point.extra.get("callbacks", {}))
+        _warn_if_callbacks_pending(point)
+        compat.continue_tensorboard_steps(callbacks, point.step - point.batch)
+        if point.batch and epoch == point.epoch:
+            self._continue_epoch()
+            return point.batch
+        return 0
+
+    def remove(self) -> None:
+        """Gives the model its real `train_function` back, if skipping."""
+        if self._fast_forward is not None:
+            self._fast_forward.remove()
+            self._fast_forward = None
+
+    def _continue_epoch(self) -> None:
+        """Sets up the rest of an interrupted epoch to run as it would have."""
+        point, model = self.point, self.model
+        extra = point.extra
+        if "epoch_begin_rng" in extra:
+            # The data pipeline shuffles with these when iteration starts, and
+            # replays every later draw as the skipped batches go through it.
+            rng.apply(extra["epoch_begin_rng"])
+        # So that the epoch's mean loss and metrics come out as they would
+        # have; fit() reset them just before on_epoch_begin.
+        metrics = extra.get("metrics", [])
+        metrics_set = self.apply_metrics(metrics)
+
+        def first_batch(batch: Any) -> None:
+            if metrics_set:
+                return
+            # TensorFlow builds compiled metrics inside the first step; build
+            # them now, from the batch in hand, to give them their values.
+            compat.build_metrics(model, batch)
+            if not self.apply_metrics(metrics):
+                warnings.warn(
+                    f"BackupAndRestore: the backup holds {len(metrics)} metric "
+                    f"variables, the model {len(model.metrics_variables)}; the "
+                    "metrics of the resumed epoch start afresh.",
+                    stacklevel=2,
+                )
+
+        def skipped_all() -> None:
+            # The skipped batches went through the same pipeline and callbacks
+            # as before and replayed their draws since the epoch began, maybe
+            # on a prefetching thread that a reset now would race with. The
+            # training steps did not run: their generators jump to the save.
+            self._fast_forward = None
+            rng.apply(extra.get("rng", {}), only=rng.MODEL_SIDE)
+
+        self._fast_forward = FastForward(
+            model,
+            point.batch,
+            extra.get("logs", {}),
+            on_done=skipped_all,
+            on_first_batch=first_batch,
+        )
+
+
+def position(point: ResumePoint, params: dict) -> str:
+    """Where a resumed fit() continues, as the restore line says it."""
+    epoch = f"epoch {point.epoch + 1}/{params.get('epochs', '?')}"
+    steps = params.get("steps")
+    if steps and point.batch >= steps:
+        # Saved after the epoch's last batch, before its on_epoch_end ran.
+        return f"the end of {epoch}"
+    if point.batch:
+        return f"{epoch}, batch {point.batch + 1}"
+    return epoch
+
+
+def _warn_if_callbacks_pending(point: ResumePoint) -> None:
+    pending = point.extra.get("callbacks_pending")
+    if pending:
+        warnings.warn(
+            f"BackupAndRestore: {point.checkpoint} was backed up before the "
+            f"on_epoch_end of {', '.join(pending)} ran (training stopped "
+            "there, e.g. a later callback raised). Their state is restored as "
+            f"it was before the end of epoch {point.epoch}.",
+            stacklevel=4,
+        )
+
+
+def _nothing() -> None:
+    pass
