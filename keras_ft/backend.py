@@ -1,7 +1,11 @@
-"""Between backend tensors and NumPy arrays, with as few copies as can be.
+"""What differs between the TensorFlow, JAX and PyTorch backends.
 
-The one place that knows how each backend hands out and takes in host
-memory. On the CPU, TensorFlow's tensors, JAX's arrays and PyTorch's tensors
+How each backend's `fit()` loop calls `train_function` (`skipped_step`),
+its global random generator beyond Python's and NumPy's (`generator_state`),
+and how it hands out and takes in host memory, with as few copies as can be:
+the rest of keras-ft is backend-agnostic.
+
+Host memory. On the CPU, TensorFlow's tensors, JAX's arrays and PyTorch's tensors
 can all be viewed as NumPy arrays in place (`view`); `keras.ops.
 convert_to_numpy()` copies instead (and a TensorFlow variable's `numpy()`
 copies once more). A view is only valid until the backend updates the
@@ -13,10 +17,61 @@ on TensorFlow.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import keras
 import numpy as np
+
+
+def skipped_step(args: tuple, logs: dict, count: int) -> tuple[Any, list, Any]:
+    """What a no-op `train_function(*args)` must pull and return.
+
+    - TensorFlow: `train_function(iterator)`, the function pulls the batches;
+    - JAX: `train_function(state, iterator)` returns `(logs, state)`;
+    - PyTorch: `train_function(data)`, the loop has already pulled the batch.
+
+    Returns:
+        `(result, batches pulled, the iterator pulled from or None)`.
+    """
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        return logs, _pull(args[0], count), args[0]
+    if backend == "jax":
+        return (logs, args[0]), _pull(args[1], count), args[1]
+    return logs, [], None
+
+
+def _pull(iterator: Any, count: int) -> list:
+    batches = []
+    for _ in range(count):
+        try:
+            batches.append(next(iterator))
+        except StopIteration:
+            break
+    return batches
+
+
+def generator_state() -> np.ndarray | None:
+    """The state of the backend's own global generator (PyTorch's), if any.
+
+    An unseeded Dropout on the torch backend draws from it, and so does a
+    `RandomSampler` shuffling arrays.
+    """
+    if keras.backend.backend() != "torch" or "torch" not in sys.modules:
+        return None
+    import torch
+
+    return torch.get_rng_state().numpy().copy()
+
+
+def set_generator_state(state: np.ndarray) -> None:
+    """Sets what `generator_state()` returned."""
+    if keras.backend.backend() == "torch":
+        import torch
+
+        torch.set_rng_state(torch.from_numpy(np.asarray(state, np.uint8)))
+
 
 # The alignment TensorFlow's CPU kernels require of a tensor's data.
 _TF_ALIGNMENT = 64

@@ -1,4 +1,12 @@
-"""Background threads that write checkpoints, and how far a buffer is ready.
+"""Every background thread of keras-ft, and how far a buffer is ready.
+
+Writers: one thread per save in flight (`BackgroundWriter`). Helpers, each a
+small pool made on first use: checksums of pieces being written (2), fsyncs
+of a checkpoint's files (4), verification of a checkpoint being read (1),
+removal of deleted checkpoints (1), the second half of a snapshot's copy (1,
+on a machine with more than one core). They are separate so that no kind of
+work queues behind another: a write's checksum never waits for the previous
+save's fsyncs.
 
 The training thread hands over a write and goes on training. Writes overlap
 by at most one stage: the next save's data may go to disk while the previous
@@ -16,11 +24,15 @@ and the next copy follows the writer out of it.
 
 from __future__ import annotations
 
+import functools
+import os
+import shutil
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from keras_ft.checkpoint.store import SaveCancelled
+from keras_ft.checkpoint.errors import SaveCancelled
 
 
 class Watermark:
@@ -178,3 +190,92 @@ class BackgroundWriter:
         """Raises the error of a write that has ended, without waiting."""
         while self._pending and self._pending[0].done:
             self._pending.pop(0).result()
+
+
+def submit(
+    executor: Callable[[], ThreadPoolExecutor], fn: Callable, *args, **kwargs
+) -> Future:
+    """`executor().submit(fn, ...)`, or `fn` run here once the interpreter exits.
+
+    At exit, executors take no new work; a write still committing (which the
+    interpreter waits for) then does the rest of it in its own thread.
+    """
+    try:
+        return executor().submit(fn, *args, **kwargs)
+    except RuntimeError:
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as e:
+            done.set_exception(e)
+        return done
+
+
+@functools.cache
+def hasher() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(2, thread_name_prefix="keras-ft-checksum")
+
+
+@functools.cache
+def syncer() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(4, thread_name_prefix="keras-ft-fsync")
+
+
+@functools.cache
+def verifier() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix="keras-ft-verify")
+
+
+@functools.cache
+def remover() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix="keras-ft-remover")
+
+
+@functools.cache
+def copy_helper() -> ThreadPoolExecutor | None:
+    """A second thread for copies, on a machine with more than one core."""
+    if (os.cpu_count() or 1) < 2:
+        return None
+    return ThreadPoolExecutor(1, thread_name_prefix="keras-ft-copy")
+
+
+def start_daemon(target: Callable[[], Any], name: str) -> threading.Thread:
+    """Runs `target` in a daemon thread (work nobody must wait for at exit)."""
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def call_later(seconds: float, function: Callable[[], Any]) -> threading.Timer:
+    """Calls `function` in a daemon thread after `seconds`, unless cancelled."""
+    timer = threading.Timer(seconds, function)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+# Deleted checkpoints are removed by one thread; a kill leaves them as
+# `.trash-*` directories, which the store clears at the next start.
+_removals: set[Future] = set()
+_removals_lock = threading.Lock()
+
+
+def remove_in_background(path: str) -> None:
+    """Removes the directory `path` in the remover's thread."""
+    with _removals_lock:
+        future = submit(remover, shutil.rmtree, path, ignore_errors=True)
+        _removals.add(future)
+    future.add_done_callback(_forget_removal)
+
+
+def _forget_removal(future: Future) -> None:
+    with _removals_lock:
+        _removals.discard(future)
+
+
+def wait_for_removals() -> None:
+    """Waits until the directories removed so far are gone from disk."""
+    with _removals_lock:
+        pending = list(_removals)
+    for future in pending:
+        future.result()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import tempfile
@@ -11,16 +12,20 @@ import warnings
 
 import keras
 
+from keras_ft.checkpoint.errors import CheckpointWriteError
+from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.lock import DirectoryLock, check_platform
-from keras_ft.checkpoint.store import (
-    Checkpoint,
-    CheckpointStore,
-    CheckpointWriteError,
-    wait_for_removals,
-)
+from keras_ft.checkpoint.store import Checkpoint, CheckpointStore
 from keras_ft.distribute.cluster import TaskSpec, chief_dir, current_task, write_dir
-from keras_ft.state import NonFiniteStateError, ResumePoint, Snapshot, TrainingState
-from keras_ft.threads import BackgroundWriter, PendingWrite
+from keras_ft.state import (
+    WEIGHTS_FILE,
+    NonFiniteStateError,
+    ResumePoint,
+    Snapshot,
+    TrainingState,
+    arrays,
+)
+from keras_ft.threads import BackgroundWriter, PendingWrite, wait_for_removals
 from keras_ft.training.policy import KeepLast
 
 # One writer per chief directory in this process, shared by every
@@ -203,7 +208,9 @@ class WorkerTrainingState:
             )
             temp_dir = write_dir(self.backup_dir, self.task)
             try:
-                CheckpointStore(temp_dir).save(snapshot.write, snapshot.metadata)
+                CheckpointStore(temp_dir).save(
+                    functools.partial(write_snapshot, snapshot), snapshot.metadata
+                )
             finally:
                 shutil.rmtree(temp_dir, ignore_errors=True)
             return None
@@ -300,7 +307,11 @@ class WorkerTrainingState:
 
         try:
             return self._chief_store.save(
-                snapshot.write, snapshot.metadata, cancel, after, supersedes
+                functools.partial(write_snapshot, snapshot),
+                snapshot.metadata,
+                cancel,
+                after,
+                supersedes,
             )
         except OSError as e:
             committed = self._chief_store.checkpoints()
@@ -367,6 +378,29 @@ class WorkerTrainingState:
             shutil.rmtree(write_dir(self.backup_dir, self.task), ignore_errors=True)
         with contextlib.suppress(OSError):
             os.rmdir(self.backup_dir)
+
+
+def write_snapshot(snapshot: Snapshot, directory: str | Staging) -> None:
+    """Writes a snapshot's files into a checkpoint's staging `directory`.
+
+    A copy still being made (`snapshot(fill=False)`) is written as it
+    fills, and its buffer is released piece by piece as it is written.
+    """
+    staging = directory if isinstance(directory, Staging) else Staging(directory)
+    captured = snapshot.weights
+    try:
+        if captured.previous is not None:
+            # One file at a time keeps the disk writing sequentially.
+            captured.previous.wait_for(captured.previous.total)
+        staging.write_file(
+            WEIGHTS_FILE,
+            captured.chunks,
+            filled=captured.filled,
+            written=captured.written,
+        )
+    finally:
+        snapshot.release()
+    staging.write_file(arrays.ARRAYS_FILE, [arrays.to_bytes(snapshot.arrays)])
 
 
 def validate_backup_dir(backup_dir: object) -> str:

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from conftest import tree_digest
 
+from keras_ft import threads
+from keras_ft.checkpoint import files
 from keras_ft.checkpoint import store as store_module
 from keras_ft.checkpoint.store import (
     CheckpointStore,
@@ -136,7 +138,7 @@ def test_a_read_alongside_verification_follows_it_and_counts_only_if_good(
     tmp_path,
 ):
     store = CheckpointStore(str(tmp_path))
-    size = 3 * store_module._CHUNK + 123  # Checksummed in four pieces.
+    size = 3 * files._CHUNK + 123  # Checksummed in four pieces.
     good = os.urandom(size)
     store.save(write_payload(good), {"i": 1})
     newest = store.save(write_payload(os.urandom(size)), {"i": 2})
@@ -145,7 +147,7 @@ def test_a_read_alongside_verification_follows_it_and_counts_only_if_good(
 
     def read(checkpoint, progress):
         # Each piece waits for the checksum to have read it.
-        for end in range(store_module._CHUNK, size + store_module._CHUNK, 1 << 22):
+        for end in range(files._CHUNK, size + files._CHUNK, 1 << 22):
             progress.wait_for("payload.bin", min(end, size))
         seen.append(checkpoint.sequence)
         return payload(checkpoint)
@@ -159,18 +161,18 @@ def test_a_read_alongside_verification_follows_it_and_counts_only_if_good(
 
 def test_verification_tells_how_far_it_has_read_each_file(tmp_path):
     store = CheckpointStore(str(tmp_path))
-    size = 2 * store_module._CHUNK + 5
+    size = 2 * files._CHUNK + 5
     checkpoint = store.save(write_payload(os.urandom(size)), {"i": 1})
     told = []
 
-    class Recorder(store_module.ReadProgress):
+    class Recorder(files.ReadProgress):
         def advance(self, name, level):
             told.append((name, level))
             super().advance(name, level)
 
     progress = Recorder()
     store.verify(checkpoint, progress)
-    chunk = store_module._CHUNK
+    chunk = files._CHUNK
     # Piece by piece, in order. (Small files are read whole, unreported.)
     assert [t for t in told if t[0] == "payload.bin"] == [
         ("payload.bin", chunk),
@@ -258,7 +260,7 @@ def test_retention_keeps_the_newest_n(tmp_path):
     for i in range(5):
         store.save(write_payload(bytes([i])), {"i": i})
     assert [c.sequence for c in store.checkpoints()] == [4, 5]
-    store_module.wait_for_removals()  # Deleted ones go in the background.
+    threads.wait_for_removals()  # Deleted ones go in the background.
     # No spare is kept of checkpoints this small: nothing to reuse.
     assert sorted(os.listdir(tmp_path)) == ["ckpt-00000004", "ckpt-00000005"]
 
@@ -298,7 +300,7 @@ def test_a_checkpoint_let_go_lends_its_big_file_to_the_next_save(tmp_path):
     with open(third.file("big.bin"), "rb") as f:
         assert f.read() == contents[2]
     store.verify(third)
-    store_module.wait_for_removals()
+    threads.wait_for_removals()
     names = sorted(os.listdir(tmp_path))
     assert names[1:] == [third.name] and names[0].startswith(".spare-")
 
@@ -360,21 +362,19 @@ def test_clear_removes_the_directory_when_empty(tmp_path):
     assert not os.path.exists(tmp_path / "chief")
 
 
-# The child loads store.py on its own (it imports no Keras), so it starts in
-# milliseconds and the test can afford many kills.
+# The child imports keras_ft.checkpoint, which needs no Keras, so it starts
+# in milliseconds and the test can afford many kills.
 _WRITER = textwrap.dedent(
     """
-    import importlib.util, os, sys
-    spec = importlib.util.spec_from_file_location("store", sys.argv[1])
-    store_module = importlib.util.module_from_spec(spec)
-    sys.modules["store"] = store_module
-    spec.loader.exec_module(store_module)
+    import os, sys
+    from keras_ft.checkpoint import store as store_module
+    assert "keras" not in sys.modules
 
     class KeepTwo:
         def select_for_deletion(self, checkpoints):
             return list(checkpoints[:-2])
 
-    store = store_module.CheckpointStore(sys.argv[2], KeepTwo())
+    store = store_module.CheckpointStore(sys.argv[1], KeepTwo())
     store.remove_leftovers()
     print("ready", flush=True)
     i = 0
@@ -395,7 +395,7 @@ def test_sigkill_at_random_moments_always_leaves_a_verifiable_checkpoint(tmp_pat
     rng = random.Random(1234)
     for _ in range(25):
         child = subprocess.Popen(
-            [sys.executable, "-c", _WRITER, store_module.__file__, directory],
+            [sys.executable, "-c", _WRITER, directory],
             stdout=subprocess.PIPE,
             text=True,
         )

@@ -12,7 +12,18 @@ import pytest
 from conftest import iterations, make_model, weights_of
 from keras.src.saving import saving_lib
 
-from keras_ft.state import weights
+from keras_ft.state import weights_copy, weights_layout, weights_load
+
+
+def write(path, captured):
+    """Writes a captured weights file as the checkpoint writer would."""
+    captured.fill()
+    try:
+        with open(path, "wb") as f:
+            for chunk in captured.chunks:
+                f.write(chunk)
+    finally:
+        captured.release()
 
 
 def layout(path):
@@ -54,7 +65,7 @@ def trained_model(data):
 def test_written_file_has_keras_own_layout(tmp_path, data):
     model = trained_model(data)
     model.save_weights(str(tmp_path / "keras.weights.h5"))
-    weights.write(str(tmp_path / "ours.weights.h5"), weights.capture(model))
+    write(str(tmp_path / "ours.weights.h5"), weights_layout.capture(model))
     assert layout(str(tmp_path / "ours.weights.h5")) == layout(
         str(tmp_path / "keras.weights.h5")
     )
@@ -62,10 +73,10 @@ def test_written_file_has_keras_own_layout(tmp_path, data):
 
 def test_written_file_loads_with_load_weights(tmp_path, data):
     model = trained_model(data)
-    captured = weights.capture(model)
+    captured = weights_layout.capture(model)
     assert sum(memoryview(c).nbytes for c in captured.chunks) > 0
     path = str(tmp_path / "ours.weights.h5")
-    weights.write(path, captured)
+    write(path, captured)
     fresh = keras.models.clone_model(model)
     fresh.compile(keras.optimizers.Adam(), loss="mse")
     fresh.optimizer.build(fresh.trainable_variables)
@@ -80,15 +91,15 @@ def file_bytes(captured) -> bytes:
 
 def test_capture_without_copy_writes_the_same_file(tmp_path, data):
     model = trained_model(data)
-    assert file_bytes(weights.capture(model, copy=False)) == file_bytes(
-        weights.capture(model, copy=True)
+    assert file_bytes(weights_layout.capture(model, copy=False)) == file_bytes(
+        weights_layout.capture(model, copy=True)
     )
 
 
 def test_capture_is_a_copy_not_a_view(data):
     model = make_model()
     model.fit(*data, epochs=1, verbose=0)
-    layout = weights.WeightsLayout(model)
+    layout = weights_layout.WeightsLayout(model)
     captured = layout.capture()
     before = file_bytes(captured)
     model.fit(*data, epochs=1, verbose=0)  # Changes every variable.
@@ -109,13 +120,13 @@ def test_the_model_is_walked_once_until_its_variables_change(
 
     monkeypatch.setattr(saving_lib, "_save_state", counting)
     model = make_model()  # Its optimizer has no variables before fit().
-    layout = weights.WeightsLayout(model)
+    layout = weights_layout.WeightsLayout(model)
     layout.capture()
     layout.capture()
     assert len(walks) == 1
     model.fit(*data, epochs=1, verbose=0)
     path = str(tmp_path / "w.weights.h5")
-    weights.write(path, layout.capture())
+    write(path, layout.capture())
     assert len(walks) == 2
     fresh = make_model()
     fresh.optimizer.build(fresh.trainable_variables)
@@ -131,7 +142,7 @@ def test_load_reads_keras_own_file_in_place(tmp_path, data, monkeypatch):
     fresh.compile(keras.optimizers.Adam(), loss="mse")
     fresh.optimizer.build(fresh.trainable_variables)
     monkeypatch.setattr(fresh, "load_weights", None)  # Not the slow path.
-    weights.load(fresh, path)
+    weights_load.load(fresh, path)
     for a, b in zip(weights_of(model), weights_of(fresh), strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -139,7 +150,7 @@ def test_load_reads_keras_own_file_in_place(tmp_path, data, monkeypatch):
 def test_load_falls_back_to_keras_for_compressed_datasets(tmp_path, data):
     model = trained_model(data)
     path = str(tmp_path / "compressed.weights.h5")
-    weights.write(path, weights.capture(model))
+    write(path, weights_layout.capture(model))
     with h5py.File(path, "a") as f:
         kernel = f["layers/dense/vars/0"][()]
         del f["layers/dense/vars/0"]
@@ -147,7 +158,7 @@ def test_load_falls_back_to_keras_for_compressed_datasets(tmp_path, data):
     fresh = keras.models.clone_model(model)
     fresh.compile(keras.optimizers.Adam(), loss="mse")
     fresh.optimizer.build(fresh.trainable_variables)
-    weights.load(fresh, path)
+    weights_load.load(fresh, path)
     np.testing.assert_array_equal(weights_of(fresh)[0], weights_of(model)[0])
 
 
@@ -155,18 +166,18 @@ def test_load_reports_a_mismatch_as_keras_does(tmp_path, data):
     model = make_model(units=8)
     model.fit(*data, epochs=1, verbose=0)
     path = str(tmp_path / "w.weights.h5")
-    weights.write(path, weights.capture(model))
+    write(path, weights_layout.capture(model))
     other = make_model(units=16)
     other.optimizer.build(other.trainable_variables)
     with pytest.raises(ValueError, match="shape"):
-        weights.load(other, path)
+        weights_load.load(other, path)
 
 
 def saved_and_clone(tmp_path, data, build_optimizer=True):
     """A trained model, its weights file, and a clone with the same names."""
     model = trained_model(data)
     path = str(tmp_path / "w.weights.h5")
-    weights.write(path, weights.capture(model))
+    write(path, weights_layout.capture(model))
     fresh = keras.models.clone_model(model)  # Same structure and names.
     fresh.compile(keras.optimizers.Adam(name=model.optimizer.name), loss="mse")
     if build_optimizer:
@@ -178,13 +189,13 @@ def test_a_file_written_for_the_same_layout_loads_without_parsing(
     tmp_path, data, monkeypatch
 ):
     model, path, fresh = saved_and_clone(tmp_path, data)
-    layout = weights.WeightsLayout(fresh)
+    layout = weights_layout.WeightsLayout(fresh)
 
     def no_parsing(*args):
         raise AssertionError("the file was parsed")
 
-    monkeypatch.setattr(weights, "_contiguous_datasets", no_parsing)
-    weights.load(fresh, path, layout)
+    monkeypatch.setattr(weights_load, "_contiguous_datasets", no_parsing)
+    weights_load.load(fresh, path, layout)
     for a, b in zip(weights_of(model), weights_of(fresh), strict=True):
         np.testing.assert_array_equal(a, b)
     assert iterations(fresh) == iterations(model)
@@ -193,15 +204,15 @@ def test_a_file_written_for_the_same_layout_loads_without_parsing(
 def test_values_read_ahead_load_only_when_asked(tmp_path, data):
     model, path, fresh = saved_and_clone(tmp_path, data)
     before = [np.array(w) for w in weights_of(fresh)]
-    layout = weights.WeightsLayout(fresh)
+    layout = weights_layout.WeightsLayout(fresh)
     asked = []
-    values = weights.read(fresh, path, layout, asked.append)
+    values = weights_load.read(fresh, path, layout, asked.append)
     assert values is not None
     # Read in file order, up to the end of the last value; nothing loaded.
     assert asked == sorted(asked) and asked[-1] <= os.path.getsize(path)
     for a, b in zip(before, weights_of(fresh), strict=True):
         np.testing.assert_array_equal(a, b)
-    weights.load(fresh, path, layout, values)
+    weights_load.load(fresh, path, layout, values)
     for a, b in zip(weights_of(model), weights_of(fresh), strict=True):
         np.testing.assert_array_equal(a, b)
     assert iterations(fresh) == iterations(model)
@@ -210,14 +221,14 @@ def test_values_read_ahead_load_only_when_asked(tmp_path, data):
 def test_values_read_for_other_variables_are_not_used(tmp_path, data):
     model, path, fresh = saved_and_clone(tmp_path, data, build_optimizer=False)
     # Read before the optimizer has variables: the file does not fit yet.
-    assert weights.read(fresh, path, weights.WeightsLayout(fresh)) is None
+    assert weights_load.read(fresh, path, weights_layout.WeightsLayout(fresh)) is None
     fresh.optimizer.build(fresh.trainable_variables)
-    layout = weights.WeightsLayout(fresh)
-    values = weights.read(fresh, path, layout)
+    layout = weights_layout.WeightsLayout(fresh)
+    values = weights_load.read(fresh, path, layout)
     other = str(tmp_path / "other.weights.h5")
-    weights.write(other, weights.capture(fresh))
+    write(other, weights_layout.capture(fresh))
     own = [np.array(w) for w in weights_of(fresh)]
-    weights.load(fresh, other, layout, values)  # Values of another file.
+    weights_load.load(fresh, other, layout, values)  # Values of another file.
     for a, b in zip(own, weights_of(fresh), strict=True):
         np.testing.assert_array_equal(a, b)
     assert iterations(fresh) == 0 < iterations(model)
@@ -227,15 +238,17 @@ def test_a_file_of_another_layout_is_parsed_and_loads(tmp_path, data, monkeypatc
     model = make_model()
     model.fit(*data, epochs=1, verbose=0)
     path = str(tmp_path / "w.weights.h5")
-    weights.write(path, weights.capture(model))
+    write(path, weights_layout.capture(model))
     fresh = make_model()  # New layer names: the bytes around the values differ.
     fresh.optimizer.build(fresh.trainable_variables)
     parsed = []
-    original = weights._contiguous_datasets
+    original = weights_load._contiguous_datasets
     monkeypatch.setattr(
-        weights, "_contiguous_datasets", lambda *a: parsed.append(1) or original(*a)
+        weights_load,
+        "_contiguous_datasets",
+        lambda *a: parsed.append(1) or original(*a),
     )
-    weights.load(fresh, path, weights.WeightsLayout(fresh))
+    weights_load.load(fresh, path, weights_layout.WeightsLayout(fresh))
     assert parsed
     for a, b in zip(weights_of(model), weights_of(fresh), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -245,7 +258,7 @@ def test_walks_leave_keras_own_functions_in_place(data):
     original = saving_lib.get_attr_skipset
     model = make_model()
     model.fit(*data, epochs=1, verbose=0)
-    weights.capture(model)
+    weights_layout.capture(model)
     assert saving_lib.get_attr_skipset is original
 
 
@@ -264,7 +277,7 @@ def test_a_layer_that_saves_other_variables_each_time_is_refused():
     model = keras.Sequential([keras.Input((4,)), Unstable(), keras.layers.Dense(1)])
     model.compile(keras.optimizers.Adam(), loss="mse")
     with pytest.raises(RuntimeError, match="stores different variables each time"):
-        weights.capture(model)
+        weights_layout.capture(model)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "bfloat16"])
@@ -272,20 +285,20 @@ def test_non_finite_values_are_found_by_the_copy(dtype):
     dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
     finite = np.full(1000, float(ml_dtypes.finfo(dtype).max) / 10, dtype)
     # The sum overflows (float16 sums in float32); the values are finite.
-    assert weights._all_finite(finite)
+    assert weights_copy.all_finite(finite)
     for bad in (np.nan, np.inf, -np.inf):
         values = finite.copy()
         values[997] = bad
-        assert not weights._all_finite(values)
-    assert weights._all_finite(np.arange(10, dtype="int64"))
+        assert not weights_copy.all_finite(values)
+    assert weights_copy.all_finite(np.arange(10, dtype="int64"))
 
 
 def test_capture_names_the_datasets_that_are_not_finite(data):
     model = make_model()
     model.fit(*data, epochs=1, verbose=0)
-    assert weights.capture(model).non_finite == []
+    assert weights_layout.capture(model).non_finite == []
     bias = model.layers[0].bias
     value = np.array(keras.ops.convert_to_numpy(bias))
     value[3] = np.nan
     bias.assign(value)
-    assert weights.capture(model).non_finite == ["layers/dense/vars/1"]
+    assert weights_layout.capture(model).non_finite == ["layers/dense/vars/1"]

@@ -18,8 +18,12 @@ from conftest import (
     weights_of,
 )
 
-from keras_ft import NonFiniteStateError, TaskSpec, WorkerTrainingState
-from keras_ft.state import Snapshot
+from keras_ft import (
+    NonFiniteStateError,
+    TaskSpec,
+    WorkerTrainingState,
+    worker_training_state,
+)
 
 
 def train_epochs(model, data, first, last, state):
@@ -103,7 +107,9 @@ def test_delete_backup_removes_a_directory_it_emptied(backup_dir, data):
     assert not os.path.exists(backup_dir)
 
 
-def test_non_chief_writes_a_temporary_directory_and_removes_it(backup_dir, data):
+def test_non_chief_writes_a_temporary_directory_and_removes_it(
+    backup_dir, data, monkeypatch
+):
     chief = WorkerTrainingState(make_model(), backup_dir)
     train_epochs(chief.model, data, 0, 1, chief)
     before = tree_digest(backup_dir)
@@ -113,20 +119,13 @@ def test_non_chief_writes_a_temporary_directory_and_removes_it(backup_dir, data)
         worker_model, backup_dir, task=TaskSpec("worker", 1, 2, False)
     )
     written = []
-    original_snapshot = worker._state.snapshot
+    original_write = worker_training_state.write_snapshot
 
-    def spy(*args, **kwargs):
-        snapshot = original_snapshot(*args, **kwargs)
-        original_write = snapshot.write
+    def spy(snapshot, directory):
+        written.append(directory)
+        original_write(snapshot, directory)
 
-        def write(directory):
-            written.append(directory)
-            original_write(directory)
-
-        snapshot.write = write
-        return snapshot
-
-    worker._state.snapshot = spy
+    monkeypatch.setattr(worker_training_state, "write_snapshot", spy)
     assert worker.back_up(0) is None
     assert written and os.path.join(backup_dir, "workertemp_1") in os.fspath(written[0])
     assert not os.path.exists(os.path.join(backup_dir, "workertemp_1"))
@@ -203,13 +202,13 @@ def test_fuzzed_newest_checkpoint_always_falls_back_to_the_previous(backup_dir, 
 def held_writes(monkeypatch):
     """Makes every snapshot write wait at a gate; returns the gate."""
     gate = threading.Event()
-    original = Snapshot.write
+    original = worker_training_state.write_snapshot
 
-    def write(self, directory):
+    def write(snapshot, directory):
         assert gate.wait(timeout=60)
-        original(self, directory)
+        original(snapshot, directory)
 
-    monkeypatch.setattr(Snapshot, "write", write)
+    monkeypatch.setattr(worker_training_state, "write_snapshot", write)
     return gate
 
 
@@ -255,14 +254,13 @@ _EXIT_WITH_A_WRITE_IN_FLIGHT = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
 from conftest import make_model, make_data
-from keras_ft import WorkerTrainingState
-from keras_ft.state import Snapshot
+from keras_ft import WorkerTrainingState, worker_training_state
 
-original = Snapshot.write
-def slow_write(self, directory):
+original = worker_training_state.write_snapshot
+def slow_write(snapshot, directory):
     time.sleep(1.0)
-    original(self, directory)
-Snapshot.write = slow_write
+    original(snapshot, directory)
+worker_training_state.write_snapshot = slow_write
 
 model = make_model()
 model.fit(*make_data(), epochs=1, verbose=0)

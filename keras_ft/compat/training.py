@@ -234,7 +234,7 @@ def tf_dataset_reshuffles(iterator: Any) -> bool:
     process therefore sees the order of the first epoch, not of the one it
     resumes. (Keras' own pipeline for NumPy arrays shuffles differently.)
     """
-    if not usable("tf_data_reshuffle"):
+    if keras.backend.backend() != "tensorflow" or not usable("tf_data_reshuffle"):
         return False
     pending, seen = [getattr(iterator, "_dataset", None)], set()
     while pending:

@@ -8,6 +8,7 @@ array by a reference, so the tree goes into JSON and the arrays into HDF5;
 
 from __future__ import annotations
 
+import io
 import re
 from typing import Any
 
@@ -53,14 +54,17 @@ def join(tree: Any, arrays: dict[str, np.ndarray]) -> Any:
     return tree
 
 
-def write(path: str, arrays: dict[str, np.ndarray]) -> None:
-    with h5py.File(path, "w") as f:
+def to_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    """The HDF5 file that `read()` reads back, as bytes to be written."""
+    image = io.BytesIO()
+    with h5py.File(image, "w") as f:
         for name, array in arrays.items():
             f.create_dataset(name, data=array)
+    return image.getvalue()
 
 
 def read(path: str) -> dict[str, np.ndarray]:
-    """The arrays `write` wrote; other names are ignored.
+    """The arrays of a file `to_bytes()` made; other names are ignored.
 
     Raises:
         ValueError: for a dataset that is not plain numbers or booleans.

@@ -20,13 +20,12 @@ backend takes `torch.nn.functional.dropout`) and Keras' global generator.
 from __future__ import annotations
 
 import random
-import sys
 from typing import Any
 
 import keras
 import numpy as np
 
-from keras_ft import compat
+from keras_ft import backend, compat
 
 
 def capture() -> dict[str, Any]:
@@ -46,10 +45,9 @@ def capture() -> dict[str, Any]:
     seed_state = compat.keras_global_seed_state()
     if seed_state is not None:
         state["keras"] = keras.ops.convert_to_numpy(seed_state.value)
-    if keras.backend.backend() == "torch" and "torch" in sys.modules:
-        import torch
-
-        state["torch"] = torch.get_rng_state().numpy().copy()
+    torch_state = backend.generator_state()
+    if torch_state is not None:
+        state["torch"] = torch_state
     return state
 
 
@@ -77,7 +75,5 @@ def apply(state: dict[str, Any], only: tuple[str, ...] | None = None) -> None:
         )  # fmt: skip
     if "keras" in state:
         compat.set_keras_global_seed_state(np.asarray(state["keras"]))
-    if "torch" in state and keras.backend.backend() == "torch":
-        import torch
-
-        torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], np.uint8)))
+    if "torch" in state:
+        backend.set_generator_state(state["torch"])

@@ -22,8 +22,11 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_ft.checkpoint.store import CheckpointError, ReadProgress, Staging
-from keras_ft.state import arrays, rng, weights
+from keras_ft.checkpoint.errors import CheckpointError
+from keras_ft.checkpoint.files import ReadProgress
+from keras_ft.state import arrays, rng, weights_load
+from keras_ft.state.weights_copy import CapturedWeights
+from keras_ft.state.weights_layout import WeightsLayout
 
 WEIGHTS_FILE = "model.weights.h5"
 STATE_FORMAT_VERSION = 1
@@ -76,33 +79,13 @@ class Snapshot:
     """One checkpoint's worth of state in host memory, ready to be written.
 
     Taking it is the only part of a save that must run in the training
-    thread; `write()` can run in another if the snapshot is a copy.
+    thread; `keras_ft.worker_training_state.write_snapshot()` writes it, in
+    another thread if the snapshot is a copy.
     """
 
-    weights: weights.CapturedWeights
+    weights: CapturedWeights
     metadata: dict
     arrays: dict[str, np.ndarray]
-
-    def write(self, directory: str | Staging) -> None:
-        """Writes the checkpoint's data files into `directory`.
-
-        A copy still being made (`snapshot(fill=False)`) is written as it
-        fills, and its buffer is released piece by piece as it is written.
-        """
-        staging = directory if isinstance(directory, Staging) else Staging(directory)
-        try:
-            if self.weights.previous is not None:
-                # One file at a time keeps the disk writing sequentially.
-                self.weights.previous.wait_for(self.weights.previous.total)
-            staging.write_file(
-                WEIGHTS_FILE,
-                self.weights.chunks,
-                filled=self.weights.filled,
-                written=self.weights.written,
-            )
-        finally:
-            self.release()
-        arrays.write(os.path.join(staging, arrays.ARRAYS_FILE), self.arrays)
 
     def release(self) -> None:
         """Frees the weights' buffer for the next copy; the write is over."""
@@ -118,7 +101,7 @@ class TrainingState:
 
     def __init__(self, model: keras.Model):
         self.model = model
-        self._weights = weights.WeightsLayout(model)
+        self._weights = WeightsLayout(model)
 
     def snapshot(
         self,
@@ -180,7 +163,7 @@ class TrainingState:
 
     def read_ahead(
         self, directory: str, progress: ReadProgress | None = None
-    ) -> weights.ReadWeights | None:
+    ) -> weights_load.ReadWeights | None:
         """Reads a checkpoint's weights for `apply()`, without loading them.
 
         Safe on a checkpoint not yet verified: nothing is changed. `None`
@@ -190,7 +173,7 @@ class TrainingState:
         """
         if not self.model.built:
             return None
-        return weights.read(
+        return weights_load.read(
             self.model,
             os.path.join(directory, WEIGHTS_FILE),
             self._weights,
@@ -203,7 +186,7 @@ class TrainingState:
         self,
         directory: str,
         metadata: dict,
-        values: weights.ReadWeights | None = None,
+        values: weights_load.ReadWeights | None = None,
     ) -> ResumePoint:
         """Loads a checkpoint's variables into the model.
 
@@ -217,7 +200,7 @@ class TrainingState:
         _check_metadata(metadata, directory)
         self._ensure_built(metadata)
         self._check_variables(metadata["variables"], directory)
-        weights.load(
+        weights_load.load(
             self.model,
             os.path.join(directory, WEIGHTS_FILE),
             self._weights,

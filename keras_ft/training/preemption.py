@@ -29,7 +29,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from keras_ft import compat
+from keras_ft import compat, threads
 
 
 def parse_signals(value: Iterable[Any] | None) -> tuple[signal.Signals, ...]:
@@ -154,9 +154,7 @@ class PreemptionWatcher:
             _deliver(previous, signum, frame)
             return
         self.received, self.received_at = signum, time.monotonic()
-        self._timer = threading.Timer(self.grace_period, self._too_late)
-        self._timer.daemon = True
-        self._timer.start()
+        self._timer = threads.call_later(self.grace_period, self._too_late)
         previous = self._previous.get(signum)
         # Python's own SIGINT handler raises KeyboardInterrupt mid-step, which
         # is exactly what we are preventing; any other handler is chained.

@@ -4,12 +4,8 @@
 model's `train_function` is replaced for the first `k` steps by one that takes
 the batch from the data pipeline (so the pipeline, its shuffling and its
 random draws advance exactly as before) without running the model, then hands
-back the real one. This is the only place that knows how each backend's
-`fit()` loop calls `train_function`:
-
-- TensorFlow: `train_function(iterator)`, the function pulls the batches;
-- JAX: `train_function(state, iterator)` returns `(logs, state)`;
-- PyTorch: `train_function(data)`, the loop has already pulled the batch.
+back the real one (`backend.skipped_step()` knows how each backend's `fit()`
+loop calls `train_function`).
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ from typing import Any
 
 import keras
 
-from keras_ft import compat
+from keras_ft import backend, compat
 from keras_ft.state import ResumePoint, rng
 from keras_ft.training import callback_state
 
@@ -53,7 +49,6 @@ class FastForward:
         self.on_done = on_done
         self.on_first_batch = on_first_batch
         self.original = model.train_function
-        self.backend = keras.backend.backend()
         model.train_function = self._skip
 
     @property
@@ -67,14 +62,12 @@ class FastForward:
 
     def _skip(self, *args: Any) -> Any:
         self.remaining -= self.steps_per_execution
-        batches = []
-        if self.backend == "tensorflow":
-            batches = _pull(args[0], self.steps_per_execution)
-        elif self.backend == "jax":
-            batches = _pull(args[1], self.steps_per_execution)
+        result, batches, iterator = backend.skipped_step(
+            args, self.logs, self.steps_per_execution
+        )
         if batches and self.on_first_batch is not None:
             first, self.on_first_batch = self.on_first_batch, None
-            if self.backend == "tensorflow" and compat.tf_dataset_reshuffles(args[0]):
+            if compat.tf_dataset_reshuffles(iterator):
                 warnings.warn(
                     "BackupAndRestore: the tf.data pipeline reshuffles at every "
                     "iteration (`Dataset.shuffle()`), and a new process cannot "
@@ -89,19 +82,7 @@ class FastForward:
         if self.remaining <= 0:
             self.remove()
             self.on_done()
-        if self.backend == "jax":
-            return self.logs, args[0]
-        return self.logs
-
-
-def _pull(iterator: Any, count: int) -> list:
-    batches = []
-    for _ in range(count):
-        try:
-            batches.append(next(iterator))
-        except StopIteration:
-            break
-    return batches
+        return result
 
 
 class Resumption:

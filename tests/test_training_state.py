@@ -8,6 +8,7 @@ import pytest
 from conftest import iterations, make_model, weights_of
 
 from keras_ft.state import TrainingState
+from keras_ft.worker_training_state import write_snapshot
 
 
 def trained_state(tmp_path, data, units=8):
@@ -16,7 +17,7 @@ def trained_state(tmp_path, data, units=8):
     snapshot = TrainingState(model).snapshot(2, 0)
     directory = tmp_path / "ckpt"
     directory.mkdir()
-    snapshot.write(str(directory))
+    write_snapshot(snapshot, str(directory))
     return model, str(directory), snapshot.metadata
 
 

@@ -1,0 +1,394 @@
+"""A checkpoint file's bytes on their way to disk, and back.
+
+Big files are handed over as buffers and written in one pass, with direct I/O
+where the filesystem allows it, checksummed (XXH3-128: a torn write or a
+flipped bit changes it, and it runs at memory speed) on their way to disk,
+never read back. A file may be written over a spare one in place (its blocks
+reused), taken only if no reader holds a shared `flock` on it.
+
+Nothing here decides what a checkpoint is: `store.py` commits the files.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import stat
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from keras_ft import threads
+from keras_ft.checkpoint.errors import SaveCancelled
+from keras_ft.threads import Watermark
+
+try:
+    import fcntl
+except ImportError:  # Not POSIX: lock.check_platform() stops a backup first.
+    fcntl = None
+
+# Files smaller than this are written anew rather than over a spare's.
+RECYCLE_MIN = 256 * 1024
+_CHUNK = 4 * 1024 * 1024
+# Buffers per writev(): Linux takes at most IOV_MAX (1024) at a time.
+_IOV_BATCH = 512
+# Direct I/O (no page cache) for a big page-aligned buffer. A buffer is
+# written in pieces of _PIECE bytes, each as soon as it is filled, and
+# checksummed as it goes.
+_DIRECT_MIN = 8 * 1024 * 1024
+_PIECE = 8 * 1024 * 1024
+_PAGE = 4096
+# The checksum a manifest records for each file.
+DIGEST = "xxh3_128"
+DIGESTS: dict[str, Callable[[], Any]] = {"xxh3_128": xxhash.xxh3_128}
+DIGEST_NAMES = {"xxh3_128": "XXH3-128"}
+# A manifest or metadata file larger than this is not one we wrote.
+
+
+class ReadProgress:
+    """How far a checkpoint's verification has read each of its files.
+
+    A reader that follows it (`wait_for()`) finds the bytes it wants in the
+    page cache instead of reading the disk in competition with the checksum.
+    """
+
+    def __init__(self) -> None:
+        self._levels: dict[str, int] = {}
+        self._done = False
+        self._condition = threading.Condition()
+
+    def advance(self, name: str, level: int) -> None:
+        with self._condition:
+            self._levels[name] = level
+            self._condition.notify_all()
+
+    def finish(self) -> None:
+        """Verification is over (whatever its outcome): nobody need wait."""
+        with self._condition:
+            self._done = True
+            self._condition.notify_all()
+
+    def wait_for(self, name: str, level: int) -> None:
+        """Waits until `name`'s first `level` bytes were read, or the end."""
+        with self._condition:
+            while not self._done and self._levels.get(name, 0) < level:
+                self._condition.wait()
+
+
+class Staging(os.PathLike):
+    """The directory a checkpoint is written into before its commit.
+
+    It is a path (`os.path.join(staging, name)` works), so any library can
+    write a file into it; the store checksums such files before the commit.
+    `write_file()` is the fast way for big files: the buffers go to disk in
+    one pass, with the checksum taken on the way.
+
+    Args:
+        path: The directory, which must exist.
+        cancel: An event that, once set, makes `write_file()` stop with
+            `SaveCancelled`. Defaults to `None`.
+        recycle: A directory of files that `write_file()` may overwrite in
+            place of new ones, taking them by name. Defaults to `None`.
+        sync: Whether `write_file()` fsyncs each file. Defaults to `True`;
+            a store's save syncs all of a checkpoint's files together.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        cancel: threading.Event | None = None,
+        recycle: str | None = None,
+        sync: bool = True,
+    ):
+        self.path = os.fspath(path)
+        self.cancel = cancel
+        self.recycle = recycle
+        self.sync = sync
+        self.digests: dict[str, dict[str, Any]] = {}
+
+    def __fspath__(self) -> str:
+        return self.path
+
+    def __repr__(self) -> str:
+        return f"Staging({self.path!r})"
+
+    def write_file(
+        self,
+        name: str,
+        chunks: Sequence[Any],
+        filled: Watermark | None = None,
+        written: Watermark | None = None,
+    ) -> None:
+        """Writes the buffers `chunks`, one after another, as the file `name`.
+
+        Args:
+            name: The file's name.
+            chunks: Buffers (see `write_file()`).
+            filled: See `write_file()`. Defaults to `None`.
+            written: See `write_file()`. Defaults to `None`.
+        """
+        path = os.path.join(self.path, name)
+        size = sum(memoryview(c).nbytes for c in chunks)
+        fd = self._recycled(name, path) if size >= RECYCLE_MIN else None
+        self.digests[name] = write_file(
+            path,
+            chunks,
+            sync=self.sync,
+            cancel=self.cancel,
+            filled=filled,
+            written=written,
+            fd=fd,
+        )
+
+    def _recycled(self, name: str, path: str) -> int | None:
+        """An open, exclusively locked file of the spare, moved to `path`."""
+        if self.recycle is None:
+            return None
+        old = os.path.join(self.recycle, name)
+        try:
+            fd = os.open(old, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            # A reader that opened it before it stopped being a checkpoint
+            # still holds a shared lock: then leave it to the reader.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            os.rename(old, path)
+        except OSError:
+            os.close(fd)
+            return None
+        return fd
+
+    def check_cancelled(self) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise SaveCancelled(f"The save into {self.path} was called off.")
+
+
+def write_file(
+    path: str,
+    chunks: Sequence[Any],
+    sync: bool = True,
+    cancel: threading.Event | None = None,
+    filled: Watermark | None = None,
+    written: Watermark | None = None,
+    fd: int | None = None,
+) -> dict[str, Any]:
+    """Writes buffers one after another into a new file at `path`.
+
+    The data goes from the buffers to the kernel in calls that release the
+    GIL, and is checksummed on the way rather than read back. A single big
+    page-aligned buffer (a snapshot's copy) is written in pieces with direct
+    I/O where the filesystem allows it: the disk reads it in place, so no CPU
+    time is spent copying it into the page cache, and no cached pages are
+    left behind.
+
+    Args:
+        path: The file to create (or truncate).
+        chunks: Objects supporting the buffer protocol (bytes, memoryviews,
+            C-contiguous NumPy arrays).
+        sync: Whether to fsync the file before returning. Defaults to `True`.
+        cancel: If set while writing, stop with `SaveCancelled`. Defaults to
+            `None`.
+        filled: With a single buffer that another thread is still filling,
+            how far it is ready: each piece is written once it is. Defaults
+            to `None` (all of it is ready).
+        written: Advanced as the bytes of a single buffer leave it (for the
+            thread that fills it next), and finished when this call returns
+            or raises. Defaults to `None`.
+        fd: An open descriptor of an existing file at `path` to overwrite in
+            place (its blocks are reused; it is cut to the new size), which
+            this call closes. Defaults to `None`: a new file.
+
+    Returns:
+        The file's manifest entry: its size and checksum.
+    """
+    try:
+        views = [memoryview(c).cast("B") for c in chunks]
+        views = [v for v in views if v.nbytes]
+        if len(views) > 1 and (filled is not None or written is not None):
+            raise ValueError("`filled` and `written` apply to one buffer only.")
+        digest = DIGESTS[DIGEST]()
+        size = sum(v.nbytes for v in views)
+        overwrite = fd is not None
+        if fd is None:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+            fd = os.open(path, flags, 0o644)
+        try:
+            if len(views) == 1:
+                _write_buffer(path, fd, views[0], digest, cancel, filled, written)
+            else:
+                offset = 0
+                for start in range(0, len(views), _IOV_BATCH):
+                    _check(cancel, path)
+                    batch = views[start : start + _IOV_BATCH]
+                    for view in batch:
+                        digest.update(view)
+                    _pwritev_all(fd, batch, offset)
+                    offset += sum(v.nbytes for v in batch)
+            if written is not None:
+                written.finish()
+            if overwrite:
+                os.ftruncate(fd, size)
+            if sync:
+                # Over a recycled file the size and blocks may not change:
+                # then only the data needs to reach the disk.
+                (os.fdatasync if overwrite else os.fsync)(fd)
+        finally:
+            os.close(fd)
+    finally:
+        if written is not None:
+            written.finish()
+    return {"size": size, DIGEST: digest.hexdigest()}
+
+
+def _write_buffer(
+    path: str,
+    fd: int,
+    view: memoryview,
+    digest: Any,
+    cancel: threading.Event | None,
+    filled: Watermark | None,
+    written: Watermark | None,
+) -> None:
+    """Writes one buffer into the empty file `fd`, piece by piece as it fills.
+
+    Page-aligned, block-sized pieces of a big buffer go through a second,
+    O_DIRECT descriptor when the filesystem takes it (not tmpfs); the rest
+    through `fd` and the page cache.
+    """
+    direct_fd = _open_direct(path, view)
+    aligned = view.nbytes - view.nbytes % _PAGE if direct_fd is not None else 0
+    try:
+        offset = 0
+        while offset < view.nbytes:
+            end = min(offset + _PIECE, view.nbytes)
+            if offset < aligned:
+                end = min(end, aligned)  # The unaligned tail goes on its own.
+            _check(cancel, path)
+            if filled is not None:
+                filled.wait_for(end)
+            piece = view[offset:end]
+            # The checksum of a piece is taken while it is written, not
+            # after: on the disk's path, it would slow every save.
+            hashing = threads.submit(threads.hasher, digest.update, piece)
+            try:
+                if direct_fd is not None and end <= aligned:
+                    try:
+                        _pwrite_all(direct_fd, piece, offset)
+                    except OSError as e:
+                        if offset or e.errno != errno.EINVAL:
+                            raise
+                        # The filesystem refused the alignment: no direct I/O.
+                        os.close(direct_fd)
+                        direct_fd, aligned = None, 0
+                        _pwrite_all(fd, piece, offset)
+                else:
+                    _pwrite_all(fd, piece, offset)
+            finally:
+                hashing.result()  # Before the buffer is let go, on error too.
+            offset = end
+            if written is not None:
+                written.advance(end)
+    finally:
+        if direct_fd is not None:
+            os.close(direct_fd)
+
+
+def _open_direct(path: str, view: memoryview) -> int | None:
+    """An O_DIRECT descriptor of `path` if direct I/O suits `view`."""
+    direct = getattr(os, "O_DIRECT", 0)
+    if (
+        not direct
+        or view.nbytes < _DIRECT_MIN
+        or np.frombuffer(view, np.uint8).ctypes.data % _PAGE
+    ):
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | os.O_CLOEXEC | direct)
+    except OSError:
+        return None
+
+
+def _check(cancel: threading.Event | None, path: str) -> None:
+    if cancel is not None and cancel.is_set():
+        raise SaveCancelled(f"The write of {path} was called off.")
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view.nbytes:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
+    while views:
+        written = os.pwritev(fd, views, offset)
+        offset += written
+        # A regular file takes everything unless the disk fills up, which
+        # raises; a short write (a signal) continues where it stopped.
+        while views and written >= views[0].nbytes:
+            written -= views[0].nbytes
+            views = views[1:]
+        if views and written:
+            views[0] = views[0][written:]
+
+
+def has_big_file(directory: str) -> bool:
+    """Whether a file in `directory` is big enough to be worth reusing."""
+    try:
+        with os.scandir(directory) as entries:
+            return any(
+                e.is_file(follow_symlinks=False) and e.stat().st_size >= RECYCLE_MIN
+                for e in entries
+            )
+    except OSError:
+        return False
+
+
+def entry(path: str) -> dict[str, Any]:
+    """The manifest entry of a file written by someone else."""
+    return {"size": os.path.getsize(path), DIGEST: file_digest(path, DIGEST)}
+
+
+def fsync_together(paths: list[str]) -> None:
+    """fsyncs the files (or directories) concurrently; raises the first error."""
+    for done in [threads.submit(threads.syncer, fsync_path, p) for p in paths]:
+        done.result()
+
+
+def file_digest(
+    path: str, algorithm: str, read: Callable[[int], None] | None = None
+) -> str:
+    """The file's checksum; `read(n)` is told when its first n bytes were read."""
+    digest = DIGESTS[algorithm]()
+    with open(path, "rb") as f:
+        # So that the file is not recycled while it is read (see the module).
+        fcntl.flock(f.fileno(), fcntl.LOCK_SH)
+        size = os.fstat(f.fileno()).st_size
+        if size < _CHUNK:
+            digest.update(f.read())
+            return digest.hexdigest()
+        # Mapped rather than read: the kernel reads ahead while the checksum
+        # runs, and the pages stay cached for the loader that comes next.
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            mapped.madvise(mmap.MADV_SEQUENTIAL)
+            with memoryview(mapped) as view:
+                for start in range(0, size, _CHUNK):
+                    digest.update(view[start : start + _CHUNK])
+                    if read is not None:
+                        read(min(start + _CHUNK, size))
+    return digest.hexdigest()
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

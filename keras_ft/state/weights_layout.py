@@ -1,0 +1,390 @@
+"""Keras' `.weights.h5`, captured from the variables and written at disk speed.
+
+`model.save_weights()` finds what to save by walking every attribute of the
+model, layers and optimizer, copies every variable (twice, for optimizers),
+and writes through h5py while holding the GIL, all in the training thread.
+Here the walk runs once per model structure, and its result is kept as a
+`WeightsLayout`: which object writes each HDF5 group, and at which byte
+offset of the file each value lies, the file's HDF5 structure being laid out
+once with every dataset stored contiguously. A save is then one copy of each
+variable into its place in a file image (`copy=True`, for a write in another
+thread, which can follow the copy piece by piece) or no copy at all
+(`copy=False`), and plain writes of the file's bytes: no walk, no h5py, no
+GIL. The file is the one `save_weights()` writes (same groups,
+attributes, datasets and values) and `model.load_weights()` reads it.
+`load()` maps a file and hands each object views of its values, through its
+own `load_own_variables()`; a file the layout itself wrote (recognised by its
+bytes outside the values) needs neither parsing nor another walk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import h5py
+import keras
+import ml_dtypes
+import numpy as np
+
+from keras_ft import backend as host
+from keras_ft import compat
+from keras_ft.state.weights_copy import (
+    CapturedWeights,
+    CopyBuffer,
+    Slot,
+    all_finite,
+    slot_view,
+)
+
+try:
+    import fcntl
+except ImportError:  # Not POSIX: lock.check_platform() stops a backup first.
+    fcntl = None
+
+# Keras' optimizers store a copy of each variable (`variable.numpy()`).
+_KERAS_OPTIMIZER_SAVE = keras.optimizers.Optimizer.save_own_variables
+# Big datasets start on a page boundary: aligned copies, aligned views.
+_ALIGN_THRESHOLD = 64 * 1024
+_ALIGN = 4096
+# Element types a weights file may hold; anything else is not ours to read.
+_NUMERIC_KINDS = "biuf"
+
+
+@dataclasses.dataclass
+class _Group:
+    """One object's `save_own_variables()`: an HDF5 group `<path>/vars`."""
+
+    path: str
+    metadata: dict | None
+    saveable: Any
+    slots: list[Slot]
+
+
+class WeightsLayout:
+    """What `save_weights()` writes for one model structure, and where.
+
+    Built by one walk of the model (Keras' own traversal, so every layer and
+    optimizer is covered); `capture()` reuses it as long as the model has the
+    same variables, and walks again when they change.
+
+    Args:
+        model: The `keras.Model` whose weights to capture.
+    """
+
+    def __init__(self, model: keras.Model):
+        self.model = model
+        self._fingerprint: tuple | None = None
+        self._fast = False  # Laid out by Keras' own walk (not the fallback).
+        self._groups: list[_Group] = []
+        self._size = 0
+        # The file's bytes outside the datasets: (offset, bytes), in order.
+        self._gaps: list[tuple[int, bytes]] = []
+        self._buffer: CopyBuffer | None = None  # Of this layout, made once.
+
+    def capture(self, copy: bool = True, fill: bool = True) -> CapturedWeights:
+        """The model's weights file as it would be written now.
+
+        Args:
+            copy: If `True`, the values are copied into a buffer this layout
+                owns, so training may go on while it is written. The next
+                `capture(copy=True)` reuses that buffer, so write this one
+                first. If `False`, the chunks are views of the variables,
+                valid until the next training step. Defaults to `True`.
+            fill: With `copy`, whether to copy now. If `False`, the caller
+                calls `fill()` before the variables change, and may hand the
+                capture to a writer first, which then follows the copy; the
+                writer must advance (at the latest, finish) its `written`,
+                since the next capture's copy of each value waits for it.
+                Defaults to `True`.
+        """
+        self._ensure_laid_out()
+        values = self._read_values() if self._fast else None
+        if self._fast and values is None:  # Other keys or shapes than planned.
+            self._lay_out()
+            values = self._read_values() if self._fast else None
+        if not self._fast:
+            return _capture_public(self.model)
+        if values is None:
+            raise RuntimeError(
+                f"The `save_own_variables()` of a layer or optimizer of model "
+                f"{self.model.name!r} stores different variables each time it is "
+                "called, so its weights have no fixed layout. keras-ft needs the "
+                "same keys, shapes and dtypes from one call to the next."
+            )
+        if not copy:
+            return CapturedWeights(self._chunks_around(values))
+        return self._copy_buffer().capture(values, fill)
+
+    def dataset_names(self) -> list[str]:
+        """HDF5 paths of the datasets with bytes, in `_data_slots()` order."""
+        return [
+            f"{group.path}/vars/{slot.key}".lstrip("/")
+            for group in self._groups
+            for slot in group.slots
+            if slot.offset is not None
+        ]
+
+    def prepare(self, copy: bool = True) -> None:
+        """Walks the model now rather than at the first capture; with `copy`,
+        starts allocating the copy buffer in the background (see
+        `CopyBuffer.prepare()`)."""
+        self._ensure_laid_out()
+        if copy and self._fast:
+            self._copy_buffer().prepare()
+
+    def release(self) -> None:
+        """Frees the copy buffer; the next `capture(copy=True)` makes a new one.
+
+        A write still using it keeps it alive until it is done.
+        """
+        if self._buffer is not None:
+            self._buffer.release()
+        self._buffer = None
+
+    def _copy_buffer(self) -> CopyBuffer:
+        if self._buffer is None:
+            self._buffer = CopyBuffer(
+                self._size, self._gaps, self._data_slots(), self.dataset_names()
+            )
+        return self._buffer
+
+    def values_in(
+        self, contents: Any, ready: Callable[[int], None] | None = None
+    ) -> list[tuple[Any, dict]] | None:
+        """A weights file's values, for each object's `load_own_variables()`.
+
+        The bytes are not parsed: those outside the values must equal the
+        layout's own, which pins each value's place, shape and type. The
+        values are in the form the backend's `assign()` takes (on
+        TensorFlow, tensors holding a copy); the model is not touched.
+
+        Args:
+            contents: The file's bytes.
+            ready: Called with an offset, returns once the bytes before it
+                are in memory. The file is read in order of offsets.
+
+        Returns:
+            `(object, store)` pairs, or `None` for a file laid out otherwise.
+        """
+        self._ensure_laid_out()
+        if len(contents) != self._size or not self._size:
+            return None  # Also when the fast path is unavailable: no layout.
+        buffer = np.frombuffer(contents, np.uint8)
+        parts: list[tuple[int, bytes | Slot]] = [*self._gaps]
+        parts += [(s.offset, s) for s in self._data_slots()]
+        values: dict[Slot, Any] = {}
+        for offset, part in sorted(parts, key=lambda p: p[0]):
+            size = len(part) if isinstance(part, bytes) else part.nbytes
+            if ready is not None:
+                ready(offset + size)
+            if isinstance(part, bytes):
+                if contents[offset : offset + size] != part:
+                    return None
+            else:
+                values[part] = host.for_assign(slot_view(buffer, part))
+        return [
+            (
+                group.saveable,
+                {
+                    slot.key: values[slot]
+                    if slot.offset is not None
+                    else host.for_assign(np.zeros(slot.shape, slot.dtype))
+                    for slot in group.slots
+                },
+            )
+            for group in self._groups
+        ]
+
+    def _ensure_laid_out(self) -> None:
+        """Walks the model again if its variables, or the path, changed."""
+        if self._fingerprint != fingerprint(self.model) or (
+            self._fast != compat.available("fast_weights")
+        ):
+            self._lay_out()
+
+    def _lay_out(self) -> None:
+        self._groups, self._size, self._gaps, self._fast = [], 0, [], False
+        self._fingerprint = fingerprint(self.model)
+        self.release()
+        if not compat.usable("fast_weights"):
+            return  # capture() falls back to model.save_weights().
+        try:
+            with _optimizer_stores_variables(self.model):
+                recorded = compat.record_saveables(self.model)
+        except Exception as e:  # An internal that moved never stops a backup.
+            compat.fail("fast_weights", e)
+            return
+        groups = [
+            _Group(path, metadata, saveable, [_slot(key, v) for key, v in stored])
+            for path, metadata, saveable, stored in recorded
+        ]
+        self._size, self._gaps, offsets = _h5_template(groups)
+        for group in groups:
+            group.slots = [
+                dataclasses.replace(s, offset=offsets.get((group.path, s.key)))
+                for s in group.slots
+            ]
+        self._groups, self._fast = groups, True
+        self.release()
+
+    def _read_values(self) -> list[np.ndarray] | None:
+        """Every dataset's current value, in `_data_slots()` order."""
+        values = []
+        for group in self._groups:
+            current = _own_variables(group.saveable)
+            if list(current) != [s.key for s in group.slots]:
+                return None
+            for slot in group.slots:
+                value = host.view(current[slot.key])
+                if value.shape != slot.shape or value.dtype != slot.dtype:
+                    return None
+                if slot.offset is not None:
+                    values.append(value)
+        return values
+
+    def _data_slots(self) -> list[Slot]:
+        return [s for g in self._groups for s in g.slots if s.offset is not None]
+
+    def _chunks_around(self, values: list[np.ndarray]) -> list[Any]:
+        """The file's bytes between the values, and the values, in order."""
+        pieces = [(offset, gap) for offset, gap in self._gaps]
+        for slot, value in zip(self._data_slots(), values, strict=True):
+            # As bytes: the buffer protocol knows no bfloat16.
+            data = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+            pieces.append((slot.offset, data))
+        return [piece for _, piece in sorted(pieces, key=lambda p: p[0])]
+
+
+def _capture_public(model: keras.Model) -> CapturedWeights:
+    """The weights file, by `model.save_weights()` into a temporary file.
+
+    The fallback where Keras' saving internals moved: the same file, made
+    in the training thread, its bytes then handed to the writer.
+    """
+    with tempfile.TemporaryDirectory(prefix="keras-ft-save-") as directory:
+        path = os.path.join(directory, "model.weights.h5")
+        model.save_weights(path)
+        with open(path, "rb") as f:
+            captured = CapturedWeights([f.read()])
+    optimizer = model.optimizer
+    variables = list(model.weights) + list(optimizer.variables if optimizer else [])
+    captured.non_finite.extend(
+        v.path
+        for v in variables
+        if not all_finite(np.asarray(keras.ops.convert_to_numpy(v)).reshape(-1))
+    )
+    return captured
+
+
+def capture(model: keras.Model, copy: bool = True) -> CapturedWeights:
+    """The weights file `model.save_weights()` would write, in host memory."""
+    return WeightsLayout(model).capture(copy=copy)
+
+
+@contextlib.contextmanager
+def _optimizer_stores_variables(model: keras.Model):
+    """Has Keras' optimizer store its variables, not copies, for one walk.
+
+    Its `save_own_variables()` stores `variable.numpy()` of each, a copy of
+    the optimizer's whole state, for a walk that only needs shapes.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if (
+        optimizer is None
+        or type(optimizer).save_own_variables is not _KERAS_OPTIMIZER_SAVE
+    ):
+        yield
+        return
+
+    def save_own_variables(store: Any) -> None:
+        for i, variable in enumerate(optimizer.variables):
+            store[str(i)] = variable
+
+    # Around the optimizer's tracking `__setattr__`: a plain instance attribute.
+    object.__setattr__(optimizer, "save_own_variables", save_own_variables)
+    try:
+        yield
+    finally:
+        object.__delattr__(optimizer, "save_own_variables")
+
+
+def _own_variables(saveable: Any) -> dict[str, Any]:
+    """What `saveable.save_own_variables()` stores, without copying."""
+    if type(saveable).save_own_variables is _KERAS_OPTIMIZER_SAVE:
+        # Keras' optimizer stores `variable.numpy()`, a copy of each.
+        return {str(i): v for i, v in enumerate(saveable.variables)}
+    store: dict[str, Any] = {}
+    saveable.save_own_variables(store)
+    return store
+
+
+def fingerprint(model: keras.Model) -> tuple:
+    optimizer = model.optimizer
+    optimizer_variables = optimizer.variables if optimizer is not None else []
+    return (
+        tuple(id(v) for v in model.weights),
+        tuple(id(v) for v in optimizer_variables),
+    )
+
+
+def _slot(key: str, value: Any) -> Slot:
+    # Only the shape and type: a value may be a copy (optimizers make one of
+    # each variable), and all of them at once would be a lot.
+    array = host.view(value)
+    return Slot(key, array.shape, array.dtype, None)
+
+
+def _h5_template(groups: list[_Group]) -> tuple[int, list, dict]:
+    """Lays out an HDF5 file with every group and dataset, data space reserved.
+
+    Returns:
+        The file's size; its bytes outside the datasets, as `(offset, bytes)`
+        pairs in order; and the byte offset of each `(group, key)` dataset.
+    """
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    offsets, extents = {}, []
+    # A real (sparse) file: the unwritten data space takes no memory or disk.
+    with tempfile.TemporaryDirectory(prefix="keras-ft-layout-") as directory:
+        path = os.path.join(directory, "layout.h5")
+        with h5py.File(
+            path, "w", alignment_threshold=_ALIGN_THRESHOLD, alignment_interval=_ALIGN
+        ) as f:
+            for group in groups:
+                if not group.slots and not group.metadata:
+                    continue  # Keras creates no group for a store left unused.
+                parent = f.require_group(group.path) if group.path else f
+                h5_group = parent.create_group("vars")
+                for key, value in (group.metadata or {}).items():
+                    h5_group.attrs[key] = value
+                for slot in group.slots:
+                    dataset = h5_group.create_dataset(
+                        slot.key, shape=slot.shape, dtype=slot.dtype, dcpl=dcpl
+                    )
+                    if slot.dtype == ml_dtypes.bfloat16:
+                        dataset.attrs["dtype"] = "bfloat16"
+                    if slot.nbytes and dataset.id.get_offset() is None:
+                        # h5py allocates scalars late, whatever the property
+                        # list says; writing zeros allocates them.
+                        dataset[()] = np.zeros(slot.shape, slot.dtype)
+                    if slot.nbytes:
+                        offset = dataset.id.get_offset()
+                        offsets[(group.path, slot.key)] = offset
+                        extents.append((offset, offset + slot.nbytes))
+        # Space reserved for the last datasets may lie past the end written.
+        size = max([os.path.getsize(path)] + [end for _, end in extents])
+        gaps, position = [], 0
+        with open(path, "rb") as f:
+            for start, end in [*sorted(extents), (size, size)]:
+                if start > position:
+                    gap = os.pread(f.fileno(), start - position, position)
+                    gaps.append((position, gap.ljust(start - position, b"\0")))
+                position = end
+    return size, gaps, offsets
