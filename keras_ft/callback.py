@@ -64,6 +64,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     # Killed at epoch 6? Run the same script again: it resumes at epoch 7.
     ```
 
+    The first four arguments are those of Keras' own callback, with the same
+    meaning; the keyword-only ones after them are keras-ft's.
+
     Args:
         backup_dir: Path of the directory where the backup is stored. It
             should not be shared with another training run.
