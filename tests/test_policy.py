@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from keras_ft.checkpoint.store import Checkpoint
+from keras_ft.training import policy
 from keras_ft.training.policy import (
     AnyOf,
     EveryEpoch,
@@ -184,3 +185,21 @@ def test_overhead_budget_leaves_time_between_epochs_out():
 def test_overhead_budget_rejects_bad_values(bad):
     with pytest.raises(ValueError, match="`overhead_budget`.*Received"):
         OverheadBudget(bad)
+
+
+def test_save_freq_false_never_asks_for_a_save():
+    schedule = policy.schedule_from_arguments(False, 0.02, None)
+    schedule.start(0.0)
+    assert not any(schedule.on_batch_end(1, float(t)) for t in range(1000))
+    assert not schedule.on_epoch_end(1000.0)
+    # With a clock as well, only the clock asks.
+    timed = policy.schedule_from_arguments(False, 0.02, 5.0)
+    timed.start(0.0)
+    assert not timed.on_epoch_end(1.0)
+    assert timed.on_batch_end(1, 6.0)
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, "batch", 2.0, None])
+def test_save_freq_is_validated_by_name(bad):
+    with pytest.raises(ValueError, match=f"Received: save_freq={bad!r}"):
+        policy.schedule_from_arguments(bad, 0.02, None)

@@ -151,3 +151,18 @@ def test_an_abandoned_watermark_calls_its_waiters_off():
     thread.join(timeout=60)
     assert len(errors) == 1 and "the copy failed" in str(errors[0])
     mark.wait_for(40)  # What was ready stays ready.
+
+
+def test_a_writes_value_never_waits_or_raises():
+    gate = threading.Event()
+    writer = BackgroundWriter()
+    failing = writer.submit(lambda previous: (gate.wait(timeout=60), 1 / 0))
+    assert failing.value is None  # Still running: no waiting.
+    gate.set()
+    failing.join()
+    assert failing.value is None  # Failed: no result, and no raise.
+    with pytest.raises(ZeroDivisionError):
+        writer.wait()
+    done = writer.submit(lambda previous: "committed")
+    done.join()
+    assert done.value == "committed"
