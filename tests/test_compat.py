@@ -85,7 +85,9 @@ def data_module():
 def test_without_a_capability_backups_still_work_and_it_is_named(
     name, tmp_path, data_module, reference
 ):
-    applies = name in compat.probe(warn=False)
+    if name not in compat.probe(warn=False):
+        # Turning it off here changes nothing: no test to make of it.
+        pytest.skip(f"capability {name!r} does not apply on this backend and Keras")
     with compat.disabled(name), warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
         resumed = interrupted_and_resumed(str(tmp_path / "backup"), data_module)
@@ -95,9 +97,8 @@ def test_without_a_capability_backups_still_work_and_it_is_named(
         if issubclass(w.category, keras_ft.CompatibilityWarning)
         and f"capability {name!r}" in str(w.message)
     ]
-    if applies:
-        assert len(named) == 1, [str(w.message) for w in warned]
-        assert "turned off" in named[0] and "still work" in named[0]
+    assert len(named) == 1, [str(w.message) for w in warned]
+    assert "turned off" in named[0] and "still work" in named[0]
     # The same training, to the bit: only speed or side features are lost.
     for a, b in zip(reference, resumed, strict=True):
         np.testing.assert_array_equal(a, b)
