@@ -1,9 +1,10 @@
 """keras-ft: fault-tolerant Keras 3 `model.fit()`.
 
 The public API: the callback, the class behind it for custom training loops,
-what they return and raise, and a cluster process's role. Names are imported
-on first use, so that `keras_ft.checkpoint` (which needs no Keras) can be
-used on its own without importing Keras.
+what they return and raise, a cluster process's role, the supervisor
+services beside the callback, and reading a backup from another process.
+Names are imported on first use, so that `keras_ft.checkpoint` (which needs
+no Keras) can be used on its own without importing Keras.
 """
 
 from __future__ import annotations
@@ -17,36 +18,54 @@ _WHERE = {
     "BackupAndRestore": "keras_ft.callback",
     "Checkpoint": "keras_ft.checkpoint.store",
     "CheckpointError": "keras_ft.checkpoint.errors",
+    "CheckpointListener": "keras_ft.training.listeners",
     "CheckpointWriteError": "keras_ft.checkpoint.errors",
+    "CommittedCheckpoint": "keras_ft.watching",
     "CompatibilityWarning": "keras_ft.compat",
     "CorruptCheckpointError": "keras_ft.checkpoint.errors",
     "DirectoryInUseError": "keras_ft.checkpoint.lock",
+    "NanGuard": "keras_ft.training.nan_guard",
     "NoGoodCheckpointError": "keras_ft.checkpoint.errors",
     "NonFiniteStateError": "keras_ft.state",
     "ResumePoint": "keras_ft.state",
+    "StepRate": "keras_ft.training.step_rate",
+    "StopAtStep": "keras_ft.training.stops",
+    "StopAtTime": "keras_ft.training.stops",
     "TaskSpec": "keras_ft.distribute.cluster",
+    "WarmStart": "keras_ft.training.warm_start",
     "WorkerTrainingState": "keras_ft.worker_training_state",
     "current_task": "keras_ft.distribute.cluster",
     "install_multi_worker_fixes": "keras_ft.compat",
+    "load_checkpoint": "keras_ft.watching",
     "wait_for_backups": "keras_ft.worker_training_state",
+    "watch": "keras_ft.watching",
 }
 
 __all__ = [
     "BackupAndRestore",
     "Checkpoint",
     "CheckpointError",
+    "CheckpointListener",
     "CheckpointWriteError",
+    "CommittedCheckpoint",
     "CompatibilityWarning",
     "CorruptCheckpointError",
     "DirectoryInUseError",
+    "NanGuard",
     "NoGoodCheckpointError",
     "NonFiniteStateError",
     "ResumePoint",
+    "StepRate",
+    "StopAtStep",
+    "StopAtTime",
     "TaskSpec",
+    "WarmStart",
     "WorkerTrainingState",
     "current_task",
     "install_multi_worker_fixes",
+    "load_checkpoint",
     "wait_for_backups",
+    "watch",
 ]
 
 
@@ -75,4 +94,10 @@ if TYPE_CHECKING:
     from keras_ft.compat import CompatibilityWarning, install_multi_worker_fixes
     from keras_ft.distribute.cluster import TaskSpec, current_task
     from keras_ft.state import NonFiniteStateError, ResumePoint
+    from keras_ft.training.listeners import CheckpointListener
+    from keras_ft.training.nan_guard import NanGuard
+    from keras_ft.training.step_rate import StepRate
+    from keras_ft.training.stops import StopAtStep, StopAtTime
+    from keras_ft.training.warm_start import WarmStart
+    from keras_ft.watching import CommittedCheckpoint, load_checkpoint, watch
     from keras_ft.worker_training_state import WorkerTrainingState, wait_for_backups

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -17,10 +18,13 @@ from keras_ft import compat
 from keras_ft.checkpoint.lock import check_platform
 from keras_ft.checkpoint.store import CheckpointWriteError
 from keras_ft.distribute.cluster import TaskSpec
-from keras_ft.state import NonFiniteStateError, rng
+from keras_ft.state import NonFiniteStateError, ResumePoint, rng
 from keras_ft.training import callback_state, policy, resume
+from keras_ft.training.listeners import CheckpointListener, check_listeners
 from keras_ft.training.policy import KeepLast
 from keras_ft.training.preemption import Preemption, parse_signals
+from keras_ft.training.services import BackupService
+from keras_ft.training.warm_start import WarmStart, warm_start_from
 from keras_ft.worker_training_state import WorkerTrainingState, validate_backup_dir
 
 
@@ -116,6 +120,18 @@ class BackupAndRestore(keras.callbacks.Callback):
             status 128 + the signal's number (`SystemExit`, no traceback), so
             a job scheduler sees it was preempted. With `False`, `fit()`
             returns and `preempted_by` names the signal. Defaults to `True`.
+        warm_start: Weights to start from when there is no backup to resume
+            from: the path of a `.weights.h5` or `.keras` file or of another
+            keras-ft `backup_dir`, or a `keras_ft.WarmStart` that picks
+            layers. A resumed run never applies it again. Defaults to `None`.
+        listeners: `keras_ft.CheckpointListener`s told before each save,
+            after each commit and after a restore. Defaults to `None`.
+
+    Attributes:
+        backup_seconds: Seconds the saves of the current `fit()` have held
+            training up (the part of each save in the training thread).
+        preempted_by: The name of the signal that stopped the last `fit()`,
+            or `None`.
     """
 
     def __init__(
@@ -134,10 +150,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         grace_period: float = 25.0,
         exit_on_preemption: bool = True,
         async_save: bool = True,
+        warm_start: str | os.PathLike | WarmStart | None = None,
+        listeners: Sequence[CheckpointListener] | None = None,
     ):
         super().__init__()
         check_platform()
         self.backup_dir = validate_backup_dir(backup_dir)
+        self.warm_start = warm_start_from(warm_start)
+        self.listeners = check_listeners(listeners)
         # fit() builds the model before any callback runs: fix that part of
         # Keras for multi-worker strategies now.
         compat.install_multi_worker_fixes_if_needed()
@@ -172,6 +192,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.async_save = bool(async_save)
         self.exit_on_preemption = bool(exit_on_preemption)
         self.preempted_by: str | None = None
+        self.backup_seconds = 0.0
         self._preemption = Preemption(
             parse_signals(preemption_signals), float(grace_period)
         )
@@ -187,6 +208,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._skip_until = 0
         self._epochs_completed = 0
         self._skipped_non_finite: str | None = None
+        self._services: list[BackupService] = []
+        self._nothing_to_train: str | None = None
+        self._last_save: tuple[int, int | None] | None = None
 
     # Keras hooks.
 
@@ -201,17 +225,27 @@ class BackupAndRestore(keras.callbacks.Callback):
             self, callback_list, self._on_epoch_end_after_all
         )
         self._state = WorkerTrainingState(
-            model, self.backup_dir, keep=self.keep, async_save=self.async_save
+            model,
+            self.backup_dir,
+            keep=self.keep,
+            async_save=self.async_save,
+            listeners=self.listeners,
         )
         self._check_cluster(self._state.task)
         self._state.check_writable()
         self._state.lock()
         try:
             point = self._state.restore()
+            warmed = None
+            if point is None and self.warm_start is not None:
+                warmed = self.warm_start.apply(model)
             self._state.prepare()
         except BaseException:
             self._state.unlock()
             raise
+        self._bind_services()
+        self.backup_seconds = 0.0
+        self._last_save = None
         task = self._state.task
         self.preempted_by = None
         self._preemption.start(
@@ -221,27 +255,73 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epochs_completed = point.epoch if point else 0
         self._pending_epoch_end = None
         self._skipped_non_finite = None
+        self._nothing_to_train = self._finished(point)
+        if warmed and self.verbose:
+            compat.print_msg(f"BackupAndRestore: no backup to resume from; {warmed}.")
+        if point is not None:
+            self._resume(point)
+        self._schedule.start(time.monotonic())
+        self._reported_interval = None
+
+    def _resume(self, point: ResumePoint) -> None:
+        model = self.model
+        epochs = self.params.get("epochs", 0)
+        start = point
+        if self._nothing_to_train and point.epoch < epochs:
+            # A stop condition is met already: fit() runs no epoch.
+            start = dataclasses.replace(point, epoch=epochs, batch=0)
         # Read by fit() right after on_train_begin, and cleared again at the
         # first epoch begin so that a later fit() starts where it is told to.
         # A Keras that does not read it runs the completed epochs: they are
         # read through without training.
-        jumped = compat.set_initial_epoch(model, point.epoch if point else None)
-        if point is not None:
-            if jumped:  # Shuffles that follow the data adapter's epoch count.
-                compat.start_data_at_epoch(point.epoch)
-            self._resumption = resume.Resumption(
-                model, point, self._state.apply_metrics, jumped
+        jumped = compat.set_initial_epoch(model, start.epoch)
+        if jumped and start is point:  # Shuffles follow the adapter's epoch.
+            compat.start_data_at_epoch(point.epoch)
+        if not jumped and start is not point:
+            model.stop_training = True  # After the first batch, read through.
+        self._resumption = resume.Resumption(
+            model, start, self._state.apply_metrics, jumped
+        )
+        if self.verbose:
+            saved = datetime.datetime.fromtimestamp(point.saved_at)
+            where = (
+                f"resuming at {resume.position(point, self.params)}, optimizer "
+                f"step {point.step}"
             )
-            if self.verbose:
-                saved = datetime.datetime.fromtimestamp(point.saved_at)
-                compat.print_msg(
-                    f"BackupAndRestore: restored {point.checkpoint} (saved "
-                    f"{saved:%Y-%m-%d %H:%M:%S}); resuming at "
-                    f"{resume.position(point, self.params)}, optimizer step "
-                    f"{point.step}."
-                )
-        self._schedule.start(time.monotonic())
-        self._reported_interval = None
+            if self._nothing_to_train:
+                where = f"{self._nothing_to_train}: fit() ends without training"
+            message = (
+                f"BackupAndRestore: restored {point.checkpoint} (saved "
+                f"{saved:%Y-%m-%d %H:%M:%S}); {where}"
+            )
+            if self.warm_start is not None:
+                message += f"; warm start from {self.warm_start.path} not applied"
+            compat.print_msg(message + ".")
+
+    def _bind_services(self) -> None:
+        self._services = [
+            c for c in self._callbacks.others if isinstance(c, BackupService)
+        ]
+        for service in self._services:
+            service.backup = self
+
+    def _finished(self, point: ResumePoint | None) -> str | None:
+        """Why the run restored at `point` has nothing left to train, or None."""
+        if point is None:
+            return None
+        states = point.extra.get("callbacks", {})
+        for key, callback in callback_state.keyed(self._callbacks.others):
+            if isinstance(callback, BackupService):
+                reason = callback.finished(point.step, states.get(key))
+                if reason:
+                    return reason
+        return None
+
+    def _stopped_by_service(self) -> BackupService | None:
+        for service in self._services:
+            if service.stopped is not None:
+                return service
+        return None
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         compat.set_initial_epoch(self.model, None)
@@ -279,15 +359,24 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self.preempted_by or skipped:
             return  # Backed up at the exact step already, or a skipped epoch.
         steps = self.params.get("steps")
+        stopper = self._stopped_by_service()
+        stop_saved = stopper is not None and stopper.backs_up_stop
         if steps and self._batches_in_epoch < steps:
-            if self._scheduled and self._batches_in_epoch:
+            batch = self._batches_in_epoch
+            diverged = stopper is not None and not stop_saved
+            if (
+                (self._scheduled or stop_saved)
+                and not diverged
+                and batch > self._skip_until
+                and self._last_save != (epoch, batch)
+            ):
                 # Stopped mid-epoch by another callback: back up where it is.
-                self._save(logs, epoch, self._batches_in_epoch)
+                self._save(logs, epoch, batch)
             return
         # Run, whether or not its state can be backed up: a fit() that ran
         # every epoch is over, diverged or not.
         self._epochs_completed = epoch + 1
-        if not self._schedule.on_epoch_end(time.monotonic()):
+        if not self._schedule.on_epoch_end(time.monotonic()) and not stop_saved:
             return
         # The epoch is backed up now, whatever a later callback does. Those
         # that keep state update it in their own on_epoch_end: a second
@@ -308,6 +397,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._resumption = None
         self._preemption.stop()
         completed = self._epochs_completed >= self.params.get("epochs", 0)
+        stopper = self._stopped_by_service()
+        if stopper is not None and not stopper.backs_up_stop:
+            completed = False  # Diverged (NanGuard): the last good state stays.
+        for service in self._services:
+            service.backup = None
+        self._services = []
         if self._state is not None:
             if self.delete_checkpoint and completed and not self.preempted_by:
                 if self._skipped_non_finite:
@@ -328,6 +423,18 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._state = None
         if self.preempted_by and self.exit_on_preemption:
             raise SystemExit(128 + int(self._preempted_signum))
+
+    def roll_back(self) -> ResumePoint | None:
+        """Loads the newest committed backup's variables, mid-`fit()`.
+
+        For `keras_ft.NanGuard`: waits for the saves in flight, then loads
+        the model's and optimizer's variables exactly as backed up.
+
+        Returns:
+            The checkpoint loaded, or `None` if nothing is backed up yet.
+        """
+        self.model  # noqa: B018  On JAX, syncs: the next step reads them.
+        return self._raise_write_errors(self._state.roll_back)
 
     # What the hooks do.
 
@@ -401,6 +508,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             return False
         now = time.monotonic()
         self._schedule.saved(now, cost=now - started)
+        self.backup_seconds += now - started
+        self._last_save = (epoch, batch)
         self._skipped_non_finite = None
         return True
 

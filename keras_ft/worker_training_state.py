@@ -26,6 +26,7 @@ from keras_ft.state import (
     arrays,
 )
 from keras_ft.threads import BackgroundWriter, PendingWrite, wait_for_removals
+from keras_ft.training.listeners import CheckpointListener, check_listeners, notify
 from keras_ft.training.policy import KeepLast
 
 # One writer per chief directory in this process, shared by every
@@ -75,6 +76,9 @@ class WorkerTrainingState:
             overlap, piece by piece. Defaults to `False`.
         task: This process's role; detected from the framework if `None`.
             Defaults to `None`.
+        listeners: `keras_ft.CheckpointListener`s told before each save,
+            after each commit and after a restore (on the chief). Defaults
+            to `None`.
 
     Example:
 
@@ -97,9 +101,11 @@ class WorkerTrainingState:
         keep: int = 2,
         task: TaskSpec | None = None,
         async_save: bool = False,
+        listeners: list[CheckpointListener] | None = None,
     ):
         check_platform()
         self.backup_dir = validate_backup_dir(backup_dir)
+        self.listeners = check_listeners(listeners)
         self.task = task if task is not None else current_task()
         self._retention = KeepLast(keep)
         self._state = TrainingState(model)
@@ -214,6 +220,12 @@ class WorkerTrainingState:
             finally:
                 shutil.rmtree(temp_dir, ignore_errors=True)
             return None
+        notify(
+            self.listeners,
+            "before_save",
+            epochs_completed,
+            self._state.optimizer_step(),
+        )
         # The copy goes into the buffer the saves in flight share: each value
         # waits until the save before has written it out, and this save's
         # write follows the copy, so the disk never waits for all of it.
@@ -306,7 +318,7 @@ class WorkerTrainingState:
                 return replaced.value
 
         try:
-            return self._chief_store.save(
+            committed = self._chief_store.save(
                 functools.partial(write_snapshot, snapshot),
                 snapshot.metadata,
                 cancel,
@@ -330,6 +342,15 @@ class WorkerTrainingState:
             ) from e
         finally:
             snapshot.release()  # Also when it failed before writing anything.
+        metadata = snapshot.metadata
+        notify(
+            self.listeners,
+            "after_commit",
+            committed.path,
+            metadata["epochs_completed"],
+            metadata["step"],
+        )
+        return committed
 
     def restore(self) -> ResumePoint | None:
         """Loads the newest good checkpoint into the model.
@@ -351,7 +372,42 @@ class WorkerTrainingState:
         if found is None:
             return None
         checkpoint, metadata, values = found
-        return self._state.apply(checkpoint.path, metadata, values)
+        point = self._state.apply(checkpoint.path, metadata, values)
+        notify(
+            self.listeners, "after_restore", point.checkpoint, point.epoch, point.step
+        )
+        return point
+
+    def roll_back(self) -> ResumePoint | None:
+        """Loads the newest good checkpoint's variables, in the middle of training.
+
+        Waits for the saves in flight to commit first. Only the model's and
+        optimizer's variables are loaded (bitwise as saved): counters,
+        metrics and random generators go on as they are.
+
+        Returns:
+            The checkpoint loaded, or `None` if none was committed yet.
+
+        Raises:
+            keras_ft.CheckpointWriteError: if a save in flight failed.
+            keras_ft.NoGoodCheckpointError: if every checkpoint is damaged.
+        """
+        self.wait()
+        found = self._chief_store.latest_good_read(
+            lambda checkpoint, progress: self._state.read_ahead(
+                checkpoint.path, progress
+            )
+        )
+        if found is None:
+            return None
+        checkpoint, metadata, values = found
+        point = self._state.apply(
+            checkpoint.path, metadata, values, variables_only=True
+        )
+        notify(
+            self.listeners, "after_restore", point.checkpoint, point.epoch, point.step
+        )
+        return point
 
     def apply_metrics(self, values: list) -> bool:
         """Sets the model's metric variables to values from `ResumePoint.extra`.

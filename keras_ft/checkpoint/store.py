@@ -223,24 +223,14 @@ class CheckpointStore:
         candidates = self.checkpoints()
         problems = []
         for checkpoint in reversed(candidates):
-            progress = ReadProgress()
-            verifying = threads.submit(
-                threads.verifier, self._verify_telling, checkpoint, progress
-            )
             try:
-                result, error = read(checkpoint, progress), None
-            except Exception as e:  # Raised below if the checkpoint is good.
-                result, error = None, e
-            try:
-                metadata = verifying.result()
+                metadata, result = self.read(checkpoint, read)
             except CorruptCheckpointError as e:
                 problems.append(str(e))
                 warnings.warn(
                     f"{e}. Falling back to the previous checkpoint.", stacklevel=2
                 )
                 continue
-            if error is not None:
-                raise error
             return checkpoint, metadata, result
         if candidates:
             raise NoGoodCheckpointError(
@@ -250,6 +240,35 @@ class CheckpointStore:
                 + "\nMove the directory away to start training from scratch."
             )
         return None
+
+    def read(
+        self,
+        checkpoint: Checkpoint,
+        read: Callable[[Checkpoint, ReadProgress], _T],
+    ) -> tuple[dict[str, Any], _T]:
+        """Verifies `checkpoint` while `read(checkpoint, progress)` reads it.
+
+        See `latest_good_read()`; `read`'s result or error is handed on
+        only if the checkpoint verifies.
+
+        Returns:
+            `(metadata, read(checkpoint, progress))`.
+
+        Raises:
+            CorruptCheckpointError: if `checkpoint` does not verify.
+        """
+        progress = ReadProgress()
+        verifying = threads.submit(
+            threads.verifier, self._verify_telling, checkpoint, progress
+        )
+        try:
+            result, error = read(checkpoint, progress), None
+        except Exception as e:  # Raised below if the checkpoint is good.
+            result, error = None, e
+        metadata = verifying.result()
+        if error is not None:
+            raise error
+        return metadata, result
 
     def _verify_telling(
         self, checkpoint: Checkpoint, progress: ReadProgress

@@ -187,12 +187,17 @@ class TrainingState:
         directory: str,
         metadata: dict,
         values: weights_load.ReadWeights | None = None,
+        *,
+        variables_only: bool = False,
     ) -> ResumePoint:
         """Loads a checkpoint's variables into the model.
 
         Builds the model and optimizer first if `fit()` has not yet done so,
         and checks that every variable's shape matches before loading any.
         `values` are the checkpoint's weights from `read_ahead()`, if read.
+        With `variables_only`, only the model's and optimizer's variables
+        are loaded (a rollback, an evaluation): not the metrics, the seed
+        generators or the global random generators.
 
         Raises:
             ValueError: if the checkpoint's variables do not fit the model.
@@ -210,9 +215,10 @@ class TrainingState:
             metadata.get("state", {}),
             arrays.read(os.path.join(directory, arrays.ARRAYS_FILE)),
         )
-        self._apply_seed_generators(extra.get("seed_generators", []))
-        self.apply_metrics(extra.get("metrics", []))
-        rng.apply(extra.get("rng", {}))
+        if not variables_only:
+            self._apply_seed_generators(extra.get("seed_generators", []))
+            self.apply_metrics(extra.get("metrics", []))
+            rng.apply(extra.get("rng", {}))
         return ResumePoint(
             epoch=metadata["epochs_completed"],
             batch=metadata["batches_completed"],
@@ -251,7 +257,7 @@ class TrainingState:
             state.assign(value)
 
     def optimizer_step(self) -> int:
-        optimizer = self.model.optimizer
+        optimizer = getattr(self.model, "optimizer", None)
         if optimizer is None or not optimizer.built:
             return 0
         return int(keras.ops.convert_to_numpy(optimizer.iterations))
@@ -266,7 +272,7 @@ class TrainingState:
         ]
 
     def _optimizer_variables(self) -> list:
-        optimizer = self.model.optimizer
+        optimizer = getattr(self.model, "optimizer", None)
         if optimizer is None or not optimizer.built:
             return []
         return list(optimizer.variables)
@@ -285,13 +291,16 @@ class TrainingState:
                 "how to build it. Build the model before calling `fit()`, e.g. "
                 "by calling it on a batch of data."
             )
-        optimizer = model.optimizer
+        optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and not optimizer.built:
             optimizer.build(model.trainable_variables)
 
     def _check_variables(self, saved: list, directory: str) -> None:
         current = self.variable_specs()
-        for group in ("model", "optimizer"):
+        groups = ["model", "optimizer"]
+        if getattr(self.model, "optimizer", None) is None:
+            groups.remove("optimizer")  # A model to evaluate: weights only.
+        for group in groups:
             have = [s for s in current if s[0] == group]
             want = [s for s in saved if s[0] == group]
             for mine, theirs in zip(have, want, strict=False):

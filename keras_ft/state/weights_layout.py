@@ -271,7 +271,7 @@ def _capture_public(model: keras.Model) -> CapturedWeights:
         model.save_weights(path)
         with open(path, "rb") as f:
             captured = CapturedWeights([f.read()])
-    optimizer = model.optimizer
+    optimizer = getattr(model, "optimizer", None)
     variables = list(model.weights) + list(optimizer.variables if optimizer else [])
     captured.non_finite.extend(
         v.path
@@ -324,7 +324,7 @@ def _own_variables(saveable: Any) -> dict[str, Any]:
 
 
 def fingerprint(model: keras.Model) -> tuple:
-    optimizer = model.optimizer
+    optimizer = getattr(model, "optimizer", None)
     optimizer_variables = optimizer.variables if optimizer is not None else []
     return (
         tuple(id(v) for v in model.weights),

@@ -1,0 +1,57 @@
+"""What the supervisor services have in common: a link to the backup.
+
+`fit()` gives a callback no handle on the others. `BackupAndRestore` hands
+itself to every `BackupService` among them at train begin (and takes itself
+back at train end), so that a stop condition can have the exact step backed
+up, a NaN guard can roll back to the newest committed checkpoint, and a step
+rate can report the time saves cost. Without a `BackupAndRestore` in the
+same `fit()`, a service still works as far as it can alone, and says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+
+
+class BackupService(keras.callbacks.Callback):
+    """A callback that works with the `BackupAndRestore` of the same `fit()`.
+
+    Attributes:
+        backup: That `keras_ft.BackupAndRestore`, between its
+            `on_train_begin` and `on_train_end`; otherwise `None`.
+        stopped: Why this service stopped training in the current `fit()`,
+            or `None`. `BackupAndRestore` keeps its backup when a service
+            stopped training, and, if `backs_up_stop` is set, backs up the
+            step where it stopped.
+    """
+
+    # Whether the step where this service stops training is backed up.
+    backs_up_stop = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backup: Any = None
+        self.stopped: str | None = None
+
+    def _stop(self, reason: str) -> None:
+        """Stops training after this batch, saying why."""
+        self.stopped = reason
+        self.model.stop_training = True
+
+    def finished(self, step: int, saved_state: dict | None) -> str | None:
+        """Why a run restored at optimizer step `step` must not train at all.
+
+        `saved_state` is this callback's `get_state()` as it was backed up,
+        if it has one. Returns `None` if training may go on.
+        """
+        return None
+
+
+def optimizer_step(model: keras.Model) -> int:
+    """The optimizer's `iterations`, as now (on JAX, read through a sync)."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or not optimizer.built:
+        return 0
+    return int(keras.ops.convert_to_numpy(optimizer.iterations))

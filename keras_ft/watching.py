@@ -1,0 +1,208 @@
+"""Following a backup from another process: continuous evaluation.
+
+`tf.train.checkpoints_iterator` and TensorLayer's evaluator for keras-ft
+backups: `watch()` yields each checkpoint once it is committed, and
+`load_checkpoint()` loads one into a model. Both only read: a watcher never
+locks, changes or slows down the training that writes the backup (beyond
+the disk reads of checking each checkpoint once), and a checkpoint that the
+trainer's retention deletes under it is passed over.
+
+`watch()` needs no Keras; `load_checkpoint()` imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from keras_ft.checkpoint.errors import CheckpointError, CorruptCheckpointError
+from keras_ft.checkpoint.store import MANIFEST_FILE, Checkpoint, CheckpointStore
+
+if TYPE_CHECKING:
+    import keras
+
+
+@dataclasses.dataclass(frozen=True)
+class CommittedCheckpoint:
+    """A committed checkpoint that verified when it was found.
+
+    Attributes:
+        path: The checkpoint's directory.
+        epoch: Epochs completed at the save (where a resume starts).
+        batch: Batches of the next epoch trained at the save.
+        step: The optimizer's `iterations` at the save.
+        saved_at: When it was saved, in seconds since the epoch.
+        sequence: Its number in the backup; newer ones have larger numbers.
+    """
+
+    path: str
+    epoch: int
+    batch: int
+    step: int
+    saved_at: float
+    sequence: int
+
+
+def watch(
+    backup_dir: str | os.PathLike,
+    timeout: float | None = None,
+    poll_seconds: float = 1.0,
+) -> Iterator[CommittedCheckpoint]:
+    """Yields each checkpoint of a backup as it is committed, oldest first.
+
+    Those already there come first, then each new one, exactly once and in
+    the order they were committed. A partial checkpoint is never seen (only
+    a commit gives one its name), and each is verified against its
+    checksums before it is yielded: a damaged one is skipped with a warning.
+    One the trainer's retention deleted before it could be checked is
+    passed over; keep more (`BackupAndRestore(keep=...)`) if the watcher
+    must see every one.
+
+    Example:
+
+    ```python
+    for checkpoint in keras_ft.watch("/tmp/backup", timeout=600):
+        keras_ft.load_checkpoint(checkpoint, eval_model)
+        print(checkpoint.step, eval_model.evaluate(x_val, y_val))
+    ```
+
+    Args:
+        backup_dir: The `backup_dir` of a `keras_ft.BackupAndRestore`. It
+            need not exist yet.
+        timeout: Seconds to wait for a new checkpoint before the iteration
+            ends; `None` to wait for ever. Defaults to `None`.
+        poll_seconds: How often to look for a new checkpoint. Defaults to
+            `1.0`.
+    """
+    _check_seconds("poll_seconds", poll_seconds, zero=False)
+    if timeout is not None:
+        _check_seconds("timeout", timeout, zero=True)
+    store = CheckpointStore(checkpoints_dir(os.fspath(backup_dir)))
+    last = 0
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        for checkpoint in store.checkpoints():
+            if checkpoint.sequence <= last:
+                continue
+            last = checkpoint.sequence
+            try:
+                metadata = store.verify(checkpoint)
+            except CorruptCheckpointError as e:
+                if os.path.isdir(checkpoint.path):
+                    warnings.warn(f"keras_ft.watch: skipping {e}.", stacklevel=2)
+                continue  # Else deleted by retention while it was checked.
+            yield _committed(checkpoint, metadata)
+            if timeout is not None:
+                deadline = time.monotonic() + timeout
+        if deadline is not None and time.monotonic() >= deadline:
+            return
+        time.sleep(poll_seconds)
+
+
+def load_checkpoint(
+    checkpoint: CommittedCheckpoint | Checkpoint | str | os.PathLike,
+    model: keras.Model,
+) -> CommittedCheckpoint:
+    """Loads a checkpoint's model (and optimizer) variables into `model`.
+
+    The model must be built the same way as the one trained (the same
+    layers; compiled or not: an optimizer's state is loaded only into a
+    model that has one). The checkpoint's checksums are verified while it
+    is read; it is never changed, nor is the backup it belongs to.
+
+    Args:
+        checkpoint: What `watch()` yielded, a checkpoint directory
+            (`<backup_dir>/chief/ckpt-<n>`), or a `backup_dir`, whose newest
+            good checkpoint is loaded.
+        model: The model to load into.
+
+    Returns:
+        The checkpoint loaded.
+
+    Raises:
+        keras_ft.CorruptCheckpointError: if it does not verify.
+        keras_ft.CheckpointError: if it was deleted (e.g. by the trainer's
+            retention) before it could be read, or the backup holds none.
+        ValueError: if it does not fit the model.
+    """
+    from keras_ft.state import TrainingState
+
+    state = TrainingState(model)
+    found = _checkpoint_at(checkpoint)
+    if isinstance(found, CheckpointStore):
+        latest = found.latest_good_read(
+            lambda c, progress: state.read_ahead(c.path, progress)
+        )
+        if latest is None:
+            raise CheckpointError(f"{found.directory} holds no checkpoint to load.")
+        found, metadata, values = latest
+    else:
+        store = CheckpointStore(os.path.dirname(found.path))
+        try:
+            metadata, values = store.read(
+                found, lambda c, progress: state.read_ahead(c.path, progress)
+            )
+        except CorruptCheckpointError:
+            if not os.path.isdir(found.path):
+                raise CheckpointError(
+                    f"{found.path} was deleted before it could be loaded (the "
+                    "trainer's retention let it go). Keep more checkpoints, "
+                    "`BackupAndRestore(keep=...)`, or load each one sooner."
+                ) from None
+            raise
+    state.apply(found.path, metadata, values, variables_only=True)
+    return _committed(found, metadata)
+
+
+def _committed(checkpoint: Checkpoint, metadata: dict[str, Any]) -> CommittedCheckpoint:
+    return CommittedCheckpoint(
+        path=checkpoint.path,
+        epoch=int(metadata.get("epochs_completed", 0)),
+        batch=int(metadata.get("batches_completed", 0)),
+        step=int(metadata.get("step", 0)),
+        saved_at=float(metadata.get("saved_at", 0.0)),
+        sequence=checkpoint.sequence,
+    )
+
+
+def _checkpoint_at(where: Any) -> Checkpoint | CheckpointStore:
+    if isinstance(where, Checkpoint):
+        return where
+    if isinstance(where, CommittedCheckpoint):
+        return Checkpoint(where.sequence, where.path)
+    path = os.fspath(where)
+    if os.path.isfile(os.path.join(path, MANIFEST_FILE)):
+        name = os.path.basename(os.path.normpath(path))
+        sequence = name.rpartition("-")[2]
+        return Checkpoint(int(sequence) if sequence.isdigit() else 0, path)
+    if not os.path.isdir(path):
+        raise CheckpointError(
+            f"{path!r} is neither a keras-ft checkpoint nor a backup directory."
+        )
+    return CheckpointStore(checkpoints_dir(path))
+
+
+def checkpoints_dir(path: str) -> str:
+    """A backup directory's checkpoints: in `chief/`, or in `path` itself."""
+    chief = os.path.join(path, "chief")
+    return chief if os.path.isdir(chief) or not os.path.isdir(path) else path
+
+
+def _check_seconds(name: str, value: Any, zero: bool) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+        or (value == 0 and not zero)
+    ):
+        expected = "a non-negative" if zero else "a positive"
+        raise ValueError(
+            f"Invalid value for argument `{name}`. Expected {expected} number of "
+            f"seconds. Received: {name}={value!r}"
+        )

@@ -1,0 +1,168 @@
+"""NanGuard: roll back bitwise to the last good backup and go on, or stop."""
+
+from __future__ import annotations
+
+import os
+
+import keras
+import numpy as np
+import pytest
+from conftest import BATCH_SIZE, STEPS_PER_EPOCH, iterations, make_model, weights_of
+
+import keras_ft
+
+NAN_BATCH = 2  # Zero-based: the third batch of each epoch is poisoned.
+
+
+def poisoned(data):
+    x, y = data
+    x = x.copy()
+    x[NAN_BATCH * BATCH_SIZE : (NAN_BATCH + 1) * BATCH_SIZE] = np.nan
+    return x, y
+
+
+class RecordRollback(keras_ft.CheckpointListener):
+    """Right after each rollback: the model's variables, and the checkpoint's
+    own, read into a fresh model of the same build."""
+
+    def __init__(self, model):
+        self.model = model
+        self.after: list[list[np.ndarray]] = []
+        self.saved: list[list[np.ndarray]] = []
+
+    def after_restore(self, path, epoch, step):
+        self.after.append(weights_of(self.model) + optimizer_values(self.model))
+        fresh = make_model()
+        fresh.optimizer.build(fresh.trainable_variables)
+        keras_ft.load_checkpoint(path, fresh)
+        self.saved.append(weights_of(fresh) + optimizer_values(fresh))
+
+
+def optimizer_values(model):
+    return [keras.ops.convert_to_numpy(v) for v in model.optimizer.variables]
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_rollback_restores_the_last_backup_bitwise_and_finishes(
+    backup_dir, data, async_save
+):
+    x, y = poisoned(data)
+    model = make_model()
+    record = RecordRollback(model)
+    guard = keras_ft.NanGuard()
+    history = model.fit(
+        x, y, epochs=1, batch_size=BATCH_SIZE, shuffle=False, verbose=0,
+        callbacks=[
+            keras_ft.BackupAndRestore(
+                backup_dir, save_freq=1, keep=10, async_save=async_save,
+                listeners=[record], delete_checkpoint=False,
+            ),
+            guard,
+        ],
+    )  # fmt: skip
+    # The NaN batch came after two good ones: rolled back to step 2.
+    assert [step for _, step in guard.rollbacks] == [2]
+    assert len(record.after) == 1
+    for now, saved in zip(record.after[0], record.saved[0], strict=True):
+        np.testing.assert_array_equal(now, saved)
+    # Then the last batch trained: the fit finished, finite.
+    assert iterations(model) == 3
+    assert all(np.isfinite(w).all() for w in weights_of(model))
+    assert np.isfinite(history.history["loss"]).all()
+    assert guard.stopped is None
+
+
+def test_weights_gone_non_finite_with_a_finite_loss_are_caught(backup_dir, data):
+    """As a NaN batch through a ReLU does on TensorFlow: here, put there."""
+    x, y = data
+
+    class Poison(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == NAN_BATCH:
+                kernel = self.model.trainable_variables[0]
+                value = keras.ops.convert_to_numpy(kernel).copy()
+                value[0, 0] = np.inf
+                kernel.assign(value)
+
+    model = make_model()
+    guard = keras_ft.NanGuard()
+    model.fit(
+        x, y, epochs=1, batch_size=BATCH_SIZE, shuffle=False, verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(backup_dir, save_freq=2), Poison(), guard],
+    )  # fmt: skip
+    assert [step for _, step in guard.rollbacks] == [2]
+    assert iterations(model) == 3
+    assert all(np.isfinite(w).all() for w in weights_of(model))
+
+
+def test_lr_factor_and_skip_batches(backup_dir, data):
+    x, y = poisoned(data)
+    model = make_model()
+    guard = keras_ft.NanGuard(lr_factor=0.5, skip_batches=1)
+    model.fit(
+        x, y, epochs=1, batch_size=BATCH_SIZE, shuffle=False, verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(backup_dir, save_freq=1), guard],
+    )  # fmt: skip
+    # Rolled back to step 2, and the one batch after the NaN one was skipped.
+    assert iterations(model) == 2
+    learning_rate = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
+    assert learning_rate == pytest.approx(1e-2 * 0.5)
+
+
+def test_after_max_rollbacks_it_stops_and_keeps_the_backup(backup_dir, data, capsys):
+    x, y = poisoned(data)
+    model = make_model()
+    guard = keras_ft.NanGuard(max_rollbacks=1)
+    history = model.fit(
+        x, y, epochs=3, batch_size=BATCH_SIZE, shuffle=False, verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(backup_dir, save_freq=1), guard],
+    )  # fmt: skip
+    assert len(guard.rollbacks) == 1
+    assert "max_rollbacks=1" in guard.stopped
+    assert history.epoch == [0, 1]
+    assert "backup of the last good state is kept" in capsys.readouterr().out
+    steps = [c.step for c in keras_ft.watch(backup_dir, timeout=0)]
+    # Epoch 1 ended at step 3 (rolled back once); epoch 2 backed up 2 more.
+    assert steps[-1] == 3 + NAN_BATCH
+
+
+def test_stop_keeps_the_backup_even_after_the_last_epoch(backup_dir, data, capsys):
+    x, y = data
+    x = x.copy()
+    x[-BATCH_SIZE:] = np.nan  # The very last batch of the only epoch.
+    model = make_model()
+    guard = keras_ft.NanGuard(on_nan="stop")
+    model.fit(
+        x, y, epochs=1, batch_size=BATCH_SIZE, shuffle=False, verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(backup_dir, save_freq=1), guard],
+    )  # fmt: skip
+    assert guard.stopped.startswith("NanGuard:")
+    assert os.path.isdir(backup_dir)
+    steps = [c.step for c in keras_ft.watch(backup_dir, timeout=0)]
+    assert steps[-1] == STEPS_PER_EPOCH - 1  # The last finite state.
+
+
+def test_without_a_backup_it_stops(data):
+    x, y = poisoned(data)
+    model = make_model()
+    guard = keras_ft.NanGuard()
+    model.fit(x, y, epochs=2, batch_size=BATCH_SIZE, shuffle=False, verbose=0,
+              callbacks=[guard])  # fmt: skip
+    assert "no keras_ft.BackupAndRestore" in guard.stopped
+    assert iterations(model) == NAN_BATCH + 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"on_nan": "retry"}, "on_nan='retry'"),
+        ({"max_rollbacks": -1}, "max_rollbacks=-1"),
+        ({"skip_batches": 1.5}, "skip_batches=1.5"),
+        ({"lr_factor": 0}, "lr_factor=0"),
+        ({"lr_factor": 2.0}, "lr_factor=2.0"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, message):
+    with pytest.raises(ValueError, match="Invalid value for argument") as raised:
+        keras_ft.NanGuard(**kwargs)
+    assert message in str(raised.value)

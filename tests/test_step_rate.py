@@ -1,0 +1,78 @@
+"""StepRate: steps per second and backup time, in what other callbacks log."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import os
+
+import keras
+import pytest
+from conftest import STEPS_PER_EPOCH, make_model
+
+import keras_ft
+
+
+def test_csv_logger_records_the_rate_and_backup_time(backup_dir, data, tmp_path):
+    x, y = data
+    log = str(tmp_path / "log.csv")
+    seen = []
+
+    class Look(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(dict(logs))
+
+    callback = keras_ft.BackupAndRestore(backup_dir, save_freq=2, async_save=False)
+    history = make_model().fit(
+        x, y, epochs=3, batch_size=16, verbose=0,
+        callbacks=[callback, keras_ft.StepRate(), keras.callbacks.CSVLogger(log),
+                   Look()],
+    )  # fmt: skip
+    with open(log) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 3
+    assert all(float(r["steps_per_second"]) > 0 for r in rows)
+    assert all(float(r["backup_seconds"]) > 0 for r in rows)  # 2 saves an epoch.
+    assert history.history["steps_per_second"] == [
+        pytest.approx(float(r["steps_per_second"])) for r in rows
+    ]
+    # Batch logs: a rate at every batch; backup time only where a save ran.
+    assert len(seen) == 3 * STEPS_PER_EPOCH
+    assert all(s["steps_per_second"] > 0 for s in seen)
+    saved = [s["backup_seconds"] > 0 for s in seen]
+    assert saved == [False, True] * (3 * STEPS_PER_EPOCH // 2)
+    # Sync saves hold training up: the sum is what the callback measured.
+    total = sum(float(r["backup_seconds"]) for r in rows)
+    assert total == pytest.approx(callback.backup_seconds, rel=1e-6)
+
+
+def test_without_a_backup_the_backup_time_is_zero(data):
+    x, y = data
+    history = make_model().fit(
+        x, y, epochs=2, batch_size=16, verbose=0, callbacks=[keras_ft.StepRate()]
+    )
+    assert history.history["backup_seconds"] == [0.0, 0.0]
+    assert all(r > 0 for r in history.history["steps_per_second"])
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow",
+    reason="TensorBoard writes through TensorFlow on every backend; once is enough",
+)
+def test_tensorboard_writes_the_rate(backup_dir, data, tmp_path):
+    import tensorflow as tf
+
+    x, y = data
+    logdir = str(tmp_path / "tb")
+    make_model().fit(
+        x, y, epochs=2, batch_size=16, verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(backup_dir), keras_ft.StepRate(),
+                   keras.callbacks.TensorBoard(logdir, update_freq=1)],
+    )  # fmt: skip
+    tags = set()
+    for path in glob.glob(os.path.join(logdir, "train", "events.*")):
+        for record in tf.data.TFRecordDataset(path):
+            event = tf.compat.v1.Event.FromString(record.numpy())
+            tags.update(v.tag for v in event.summary.value)
+    assert {"epoch_steps_per_second", "epoch_backup_seconds"} <= tags
+    assert {"batch_steps_per_second", "batch_backup_seconds"} <= tags
