@@ -22,7 +22,11 @@ from keras_ft.state import NonFiniteStateError, ResumePoint, rng
 from keras_ft.training import callback_state, policy, resume
 from keras_ft.training.listeners import CheckpointListener, check_listeners
 from keras_ft.training.policy import KeepLast
-from keras_ft.training.preemption import Preemption, parse_signals
+from keras_ft.training.preemption import (
+    Preemption,
+    interrupted_interactively,
+    parse_signals,
+)
 from keras_ft.training.services import BackupService
 from keras_ft.training.warm_start import WarmStart, warm_start_from
 from keras_ft.worker_training_state import WorkerTrainingState, validate_backup_dir
@@ -118,7 +122,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             `False`, `fit()` waits for each commit. Defaults to `True`.
         exit_on_preemption: After the final backup, end the process with exit
             status 128 + the signal's number (`SystemExit`, no traceback), so
-            a job scheduler sees it was preempted. With `False`, `fit()`
+            a job scheduler sees it was preempted. In a notebook or IPython
+            shell, an interrupt (SIGINT) ends the cell with a
+            `KeyboardInterrupt` instead, and the kernel lives on. With `False`, `fit()`
             returns and `preempted_by` names the signal. Defaults to `True`.
         warm_start: Weights to start from when there is no backup to resume
             from: the path of a `.weights.h5` or `.keras` file or of another
@@ -422,6 +428,12 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self._state.unlock()
         self._state = None
         if self.preempted_by and self.exit_on_preemption:
+            if interrupted_interactively(self._preempted_signum):
+                # In a notebook: end the cell the way an interrupt does.
+                raise KeyboardInterrupt(
+                    "BackupAndRestore: training stopped at the interrupt, "
+                    "backed up; run the cell again to continue."
+                )
             raise SystemExit(128 + int(self._preempted_signum))
 
     def roll_back(self) -> ResumePoint | None:

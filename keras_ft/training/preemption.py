@@ -18,10 +18,12 @@ notebook after a failed `fit()` is a plain `KeyboardInterrupt` again.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import json
 import os
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -163,6 +165,17 @@ class PreemptionWatcher:
 
     def _too_late(self) -> None:
         if not self.handled and self.received is not None:
+            if interrupted_interactively(self.received):
+                # A notebook kernel is not ours to end: interrupt the cell.
+                print(
+                    f"BackupAndRestore: no batch ended within the grace period "
+                    f"({self.grace_period:g} s) after the interrupt; stopping "
+                    "without a final backup. The last committed backup is "
+                    "intact: run the cell again to resume from it.",
+                    flush=True,
+                )
+                _thread.interrupt_main()
+                return
             print(
                 f"BackupAndRestore: no batch ended within the grace period "
                 f"({self.grace_period:g} s) after {self.received.name}; exiting "
@@ -170,6 +183,19 @@ class PreemptionWatcher:
                 flush=True,
             )
             os._exit(128 + int(self.received))
+
+
+def interactive() -> bool:
+    """Whether this process runs an IPython shell or a Jupyter kernel."""
+    ipython = sys.modules.get("IPython")
+    get_ipython = getattr(ipython, "get_ipython", None)
+    return callable(get_ipython) and get_ipython() is not None
+
+
+def interrupted_interactively(signum: signal.Signals | None) -> bool:
+    """Whether `signum` is a user's interrupt of a notebook cell or shell line,
+    which should end that cell, not the process."""
+    return signum == signal.SIGINT and interactive()
 
 
 def _weak(obj: Any) -> Callable[[], Any] | None:
@@ -344,8 +370,12 @@ class Preemption:
                 f"than the grace period of {watcher.grace_period:g} s.",
                 stacklevel=3,
             )
+        again = (
+            "run the cell again"
+            if interrupted_interactively(signum)
+            else "run the same script again"
+        )
         return (
             f"BackupAndRestore: received {name}; {saved} {seconds:.1f} s after "
-            "the signal. Stopping training; run the same script again to "
-            "resume at this step."
+            f"the signal. Stopping training; {again} to resume at this step."
         )
