@@ -16,6 +16,7 @@ import keras
 
 from keras_ft import compat
 from keras_ft.checkpoint.lock import check_platform
+from keras_ft.checkpoint.remote import filesystem, is_url
 from keras_ft.checkpoint.store import CheckpointWriteError
 from keras_ft.distribute.cluster import TaskSpec
 from keras_ft.state import NonFiniteStateError, ResumePoint, rng
@@ -76,8 +77,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     meaning; the keyword-only ones after them are keras-ft's.
 
     Args:
-        backup_dir: Path of the directory where the backup is stored. It
-            should not be shared with another training run.
+        backup_dir: Path of the directory where the backup is stored, or an
+            fsspec URL (`s3://bucket/prefix`, `gs://...`, `memory://...`) to
+            keep it in object storage. It should not be shared with another
+            training run.
         save_freq: `"epoch"` to save at the end of every epoch, a positive
             integer to save every `save_freq` batches, `"auto"` to save as
             often as keeps the time saves hold up training within
@@ -132,6 +135,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             layers. A resumed run never applies it again. Defaults to `None`.
         listeners: `keras_ft.CheckpointListener`s told before each save,
             after each commit and after a restore. Defaults to `None`.
+        storage_options: With an fsspec URL as `backup_dir` (`s3://...`,
+            `gs://...`), options for its filesystem, as in pandas and fsspec
+            (credentials, `endpoint_url`, ...); fsspec's own configuration
+            (environment variables, credential files) applies too. Defaults
+            to `None`.
 
     Attributes:
         backup_seconds: Seconds the saves of the current `fit()` have held
@@ -158,10 +166,20 @@ class BackupAndRestore(keras.callbacks.Callback):
         async_save: bool = True,
         warm_start: str | os.PathLike | WarmStart | None = None,
         listeners: Sequence[CheckpointListener] | None = None,
+        storage_options: dict | None = None,
     ):
         super().__init__()
         check_platform()
         self.backup_dir = validate_backup_dir(backup_dir)
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise ValueError(
+                "Invalid value for argument `storage_options`. Expected a dict of "
+                "fsspec filesystem options. Received: "
+                f"storage_options={storage_options!r}"
+            )
+        self.storage_options = storage_options
+        if is_url(self.backup_dir):
+            filesystem(self.backup_dir, storage_options)  # Fails early if missing.
         self.warm_start = warm_start_from(warm_start)
         self.listeners = check_listeners(listeners)
         # fit() builds the model before any callback runs: fix that part of
@@ -236,6 +254,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             keep=self.keep,
             async_save=self.async_save,
             listeners=self.listeners,
+            storage_options=self.storage_options,
         )
         self._check_cluster(self._state.task)
         self._state.check_writable()

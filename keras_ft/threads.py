@@ -232,6 +232,13 @@ def remover() -> ThreadPoolExecutor:
 
 
 @functools.cache
+def transfer() -> ThreadPoolExecutor:
+    """Uploads and downloads of a checkpoint's files to object storage: the
+    network, not the cores, is what they wait on."""
+    return ThreadPoolExecutor(8, thread_name_prefix="keras-ft-transfer")
+
+
+@functools.cache
 def copy_helper() -> ThreadPoolExecutor | None:
     """A second thread for copies, on a machine with more than one core."""
     if (os.cpu_count() or 1) < 2:

@@ -15,12 +15,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import time
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from keras_ft.checkpoint.errors import CheckpointError, CorruptCheckpointError
+from keras_ft.checkpoint.remote import (
+    RemoteCheckpointStore,
+    is_url,
+    local_path,
+    open_store,
+)
 from keras_ft.checkpoint.store import MANIFEST_FILE, Checkpoint, CheckpointStore
 
 if TYPE_CHECKING:
@@ -52,6 +59,7 @@ def watch(
     backup_dir: str | os.PathLike,
     timeout: float | None = None,
     poll_seconds: float = 1.0,
+    storage_options: dict | None = None,
 ) -> Iterator[CommittedCheckpoint]:
     """Yields each checkpoint of a backup as it is committed, oldest first.
 
@@ -78,11 +86,13 @@ def watch(
             ends; `None` to wait for ever. Defaults to `None`.
         poll_seconds: How often to look for a new checkpoint. Defaults to
             `1.0`.
+        storage_options: For a `backup_dir` in object storage (an fsspec
+            URL), options for its filesystem. Defaults to `None`.
     """
     _check_seconds("poll_seconds", poll_seconds, zero=False)
     if timeout is not None:
         _check_seconds("timeout", timeout, zero=True)
-    store = CheckpointStore(checkpoints_dir(os.fspath(backup_dir)))
+    store = open_store(checkpoints_dir(os.fspath(backup_dir)), None, storage_options)
     last = 0
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
@@ -93,7 +103,7 @@ def watch(
             try:
                 metadata = store.verify(checkpoint)
             except CorruptCheckpointError as e:
-                if os.path.isdir(checkpoint.path):
+                if checkpoint in store.checkpoints():
                     warnings.warn(f"keras_ft.watch: skipping {e}.", stacklevel=2)
                 continue  # Else deleted by retention while it was checked.
             yield _committed(checkpoint, metadata)
@@ -107,6 +117,7 @@ def watch(
 def load_checkpoint(
     checkpoint: CommittedCheckpoint | Checkpoint | str | os.PathLike,
     model: keras.Model,
+    storage_options: dict | None = None,
 ) -> CommittedCheckpoint:
     """Loads a checkpoint's model (and optimizer) variables into `model`.
 
@@ -120,6 +131,8 @@ def load_checkpoint(
             (`<backup_dir>/chief/ckpt-<n>`), or a `backup_dir`, whose newest
             good checkpoint is loaded.
         model: The model to load into.
+        storage_options: For a checkpoint in object storage (an fsspec
+            URL), options for its filesystem. Defaults to `None`.
 
     Returns:
         The checkpoint loaded.
@@ -133,30 +146,32 @@ def load_checkpoint(
     from keras_ft.state import TrainingState
 
     state = TrainingState(model)
-    found = _checkpoint_at(checkpoint)
-    if isinstance(found, CheckpointStore):
-        latest = found.latest_good_read(
+    found = _checkpoint_at(checkpoint, storage_options)
+    if not isinstance(found, tuple):  # A backup: its newest good checkpoint.
+        store = found
+        latest = store.latest_good_read(
             lambda c, progress: state.read_ahead(c.path, progress)
         )
         if latest is None:
-            raise CheckpointError(f"{found.directory} holds no checkpoint to load.")
-        found, metadata, values = latest
+            raise CheckpointError(f"{store.directory} holds no checkpoint to load.")
+        local, metadata, values = latest
     else:
-        store = CheckpointStore(os.path.dirname(found.path))
+        store, wanted = found
         try:
-            metadata, values = store.read(
-                found, lambda c, progress: state.read_ahead(c.path, progress)
+            local, metadata, values = store.fetch(
+                wanted, lambda c, progress: state.read_ahead(c.path, progress)
             )
         except CorruptCheckpointError:
-            if not os.path.isdir(found.path):
+            if wanted not in store.checkpoints():
                 raise CheckpointError(
-                    f"{found.path} was deleted before it could be loaded (the "
+                    f"{wanted.path} was deleted before it could be loaded (the "
                     "trainer's retention let it go). Keep more checkpoints, "
                     "`BackupAndRestore(keep=...)`, or load each one sooner."
                 ) from None
             raise
-    state.apply(found.path, metadata, values, variables_only=True)
-    return _committed(found, metadata)
+    state.apply(local.path, metadata, values, variables_only=True)
+    named = Checkpoint(local.sequence, store.url(local))
+    return _committed(named, metadata)
 
 
 def _committed(checkpoint: Checkpoint, metadata: dict[str, Any]) -> CommittedCheckpoint:
@@ -170,16 +185,27 @@ def _committed(checkpoint: Checkpoint, metadata: dict[str, Any]) -> CommittedChe
     )
 
 
-def _checkpoint_at(where: Any) -> Checkpoint | CheckpointStore:
-    if isinstance(where, Checkpoint):
-        return where
+def _checkpoint_at(
+    where: Any, storage_options: dict | None
+) -> tuple[Any, Checkpoint] | Any:
+    """`(store, checkpoint)` for one checkpoint, or the store of a backup."""
     if isinstance(where, CommittedCheckpoint):
-        return Checkpoint(where.sequence, where.path)
-    path = os.fspath(where)
+        where = Checkpoint(where.sequence, where.path)
+    if isinstance(where, Checkpoint):
+        parent, _, name = where.path.rstrip("/").rpartition("/")
+        return open_store(parent, None, storage_options), where
+    path = os.fspath(where).rstrip("/")
+    parent, _, name = path.rpartition("/")
+    match = re.fullmatch(r"ckpt-(\d{8,})", name)
+    if is_url(path):
+        if match:
+            store = RemoteCheckpointStore(parent, None, storage_options)
+            return store, Checkpoint(int(match.group(1)), path)
+        return RemoteCheckpointStore(checkpoints_dir(path), None, storage_options)
+    path = local_path(path)
     if os.path.isfile(os.path.join(path, MANIFEST_FILE)):
-        name = os.path.basename(os.path.normpath(path))
-        sequence = name.rpartition("-")[2]
-        return Checkpoint(int(sequence) if sequence.isdigit() else 0, path)
+        sequence = int(match.group(1)) if match else 0
+        return CheckpointStore(os.path.dirname(path)), Checkpoint(sequence, path)
     if not os.path.isdir(path):
         raise CheckpointError(
             f"{path!r} is neither a keras-ft checkpoint nor a backup directory."
@@ -189,6 +215,9 @@ def _checkpoint_at(where: Any) -> Checkpoint | CheckpointStore:
 
 def checkpoints_dir(path: str) -> str:
     """A backup directory's checkpoints: in `chief/`, or in `path` itself."""
+    if is_url(path):
+        return f"{path.rstrip('/')}/chief"
+    path = local_path(path)
     chief = os.path.join(path, "chief")
     return chief if os.path.isdir(chief) or not os.path.isdir(path) else path
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import hashlib
 import os
 import shutil
 import tempfile
@@ -15,6 +17,12 @@ import keras
 from keras_ft.checkpoint.errors import CheckpointWriteError
 from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.lock import DirectoryLock, check_platform
+from keras_ft.checkpoint.remote import (
+    RemoteCheckpointStore,
+    RemoteLease,
+    is_url,
+    local_path,
+)
 from keras_ft.checkpoint.store import Checkpoint, CheckpointStore
 from keras_ft.distribute.cluster import TaskSpec, chief_dir, current_task, write_dir
 from keras_ft.state import (
@@ -79,6 +87,8 @@ class WorkerTrainingState:
         listeners: `keras_ft.CheckpointListener`s told before each save,
             after each commit and after a restore (on the chief). Defaults
             to `None`.
+        storage_options: With an fsspec URL as `backup_dir`, options for
+            its filesystem (credentials, endpoint). Defaults to `None`.
 
     Example:
 
@@ -102,6 +112,7 @@ class WorkerTrainingState:
         task: TaskSpec | None = None,
         async_save: bool = False,
         listeners: list[CheckpointListener] | None = None,
+        storage_options: dict | None = None,
     ):
         check_platform()
         self.backup_dir = validate_backup_dir(backup_dir)
@@ -109,10 +120,22 @@ class WorkerTrainingState:
         self.task = task if task is not None else current_task()
         self._retention = KeepLast(keep)
         self._state = TrainingState(model)
-        self._chief_store = CheckpointStore(chief_dir(self.backup_dir), self._retention)
-        self._lock = DirectoryLock(chief_dir(self.backup_dir))
+        self.remote = is_url(self.backup_dir)
+        if self.remote:
+            # Object storage: the manifest is the commit, a lease the lock.
+            store = RemoteCheckpointStore(
+                chief_dir(self.backup_dir), self._retention, storage_options
+            )
+            self._chief_store = store
+            self._lock = RemoteLease(store)
+            key = store.directory
+        else:
+            self._chief_store = CheckpointStore(
+                chief_dir(self.backup_dir), self._retention
+            )
+            self._lock = DirectoryLock(chief_dir(self.backup_dir))
+            key = os.path.realpath(chief_dir(self.backup_dir))
         self.async_save = bool(async_save)
-        key = os.path.realpath(chief_dir(self.backup_dir))
         self._writer = _writers.setdefault(key, BackgroundWriter())
         self._cancels: list[threading.Event] = []  # Of the saves in flight.
         # The newest save, for a save that replaces it.
@@ -131,7 +154,11 @@ class WorkerTrainingState:
         Raises:
             ValueError: if the directory cannot be created or written.
         """
-        directory = write_dir(self.backup_dir, self.task)
+        if self.remote and self.task.is_chief:
+            self._chief_store.check_writable()
+            self._finish_earlier_write()
+            return  # Partial uploads are removed once the lease is held.
+        directory = self._write_dir()
         try:
             os.makedirs(directory, exist_ok=True)
             with tempfile.TemporaryFile(dir=directory):
@@ -169,6 +196,17 @@ class WorkerTrainingState:
         """
         if self.task.is_chief:
             self._lock.acquire()
+            if self.remote:  # A writer killed mid-upload left these.
+                self._chief_store.remove_leftovers()
+
+    def _write_dir(self) -> str:
+        """This process's directory for its saves; a local one for a worker
+        of a training that backs up to object storage."""
+        if self.remote and not self.task.is_chief:
+            digest = hashlib.sha1(self.backup_dir.encode()).hexdigest()[:12]
+            local = os.path.join(tempfile.gettempdir(), f"keras-ft-{digest}")
+            return write_dir(local, self.task)
+        return write_dir(self.backup_dir, self.task)
 
     def unlock(self) -> None:
         self._lock.release()
@@ -212,7 +250,7 @@ class WorkerTrainingState:
             snapshot = self._state.snapshot(
                 epochs_completed, batches_completed, extra, copy=False
             )
-            temp_dir = write_dir(self.backup_dir, self.task)
+            temp_dir = self._write_dir()
             try:
                 CheckpointStore(temp_dir).save(
                     functools.partial(write_snapshot, snapshot), snapshot.metadata
@@ -372,11 +410,20 @@ class WorkerTrainingState:
         if found is None:
             return None
         checkpoint, metadata, values = found
-        point = self._state.apply(checkpoint.path, metadata, values)
+        point = self._located(self._state.apply(checkpoint.path, metadata, values))
         notify(
             self.listeners, "after_restore", point.checkpoint, point.epoch, point.step
         )
         return point
+
+    def _located(self, point: ResumePoint) -> ResumePoint:
+        """`point`, naming the checkpoint in the bucket rather than the local
+        copy it was loaded from."""
+        if not self.remote:
+            return point
+        sequence = int(os.path.basename(point.checkpoint).rpartition("-")[2])
+        url = f"{self._chief_store.directory}/ckpt-{sequence:08d}"
+        return dataclasses.replace(point, checkpoint=url)
 
     def roll_back(self) -> ResumePoint | None:
         """Loads the newest good checkpoint's variables, in the middle of training.
@@ -401,8 +448,8 @@ class WorkerTrainingState:
         if found is None:
             return None
         checkpoint, metadata, values = found
-        point = self._state.apply(
-            checkpoint.path, metadata, values, variables_only=True
+        point = self._located(
+            self._state.apply(checkpoint.path, metadata, values, variables_only=True)
         )
         notify(
             self.listeners, "after_restore", point.checkpoint, point.epoch, point.step
@@ -431,9 +478,10 @@ class WorkerTrainingState:
             self._lock.release(remove=True)
             self._chief_store.clear()
         else:
-            shutil.rmtree(write_dir(self.backup_dir, self.task), ignore_errors=True)
-        with contextlib.suppress(OSError):
-            os.rmdir(self.backup_dir)
+            shutil.rmtree(self._write_dir(), ignore_errors=True)
+        if not self.remote:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.backup_dir)
 
 
 def write_snapshot(snapshot: Snapshot, directory: str | Staging) -> None:
@@ -475,6 +523,9 @@ def validate_backup_dir(backup_dir: object) -> str:
     path = os.fspath(backup_dir)
     if not isinstance(path, str):
         path = os.fsdecode(path)
+    if is_url(path):
+        return path.rstrip("/")  # Object storage: checked at train begin.
+    path = local_path(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(
             "Invalid value for argument `backup_dir`: it is an existing file, not "

@@ -166,21 +166,7 @@ class CheckpointStore:
             CorruptCheckpointError: naming what is wrong.
         """
         manifest = _read_json(checkpoint, MANIFEST_FILE)
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-            raise CorruptCheckpointError(checkpoint.path, "manifest has no format tag")
-        if manifest.get("version") != FORMAT_VERSION:
-            raise CorruptCheckpointError(
-                checkpoint.path,
-                f"manifest version {manifest.get('version')!r} is not "
-                f"{FORMAT_VERSION}; written by another keras-ft release?",
-            )
-        body = {k: v for k, v in manifest.items() if k != "digest"}
-        if manifest.get("digest") != _json_digest(body):
-            raise CorruptCheckpointError(checkpoint.path, "manifest digest mismatch")
-        files = manifest.get("files")
-        if not isinstance(files, dict) or METADATA_FILE not in files:
-            raise CorruptCheckpointError(checkpoint.path, "manifest lists no files")
-        for name, expected in files.items():
+        for name, expected in manifest_files(manifest, checkpoint.path).items():
             _verify_file(checkpoint, name, expected, progress)
         metadata = _read_json(checkpoint, METADATA_FILE)
         if not isinstance(metadata, dict):
@@ -269,6 +255,19 @@ class CheckpointStore:
         if error is not None:
             raise error
         return metadata, result
+
+    def fetch(
+        self,
+        checkpoint: Checkpoint,
+        read: Callable[[Checkpoint, ReadProgress], _T],
+    ) -> tuple[Checkpoint, dict[str, Any], _T]:
+        """`read()`, with the checkpoint to load from: here, `checkpoint`
+        itself (a remote store returns a verified local copy)."""
+        return (checkpoint, *self.read(checkpoint, read))
+
+    def url(self, checkpoint: Checkpoint) -> str:
+        """Where `checkpoint` is, as users name it."""
+        return checkpoint.path
 
     def _verify_telling(
         self, checkpoint: Checkpoint, progress: ReadProgress
@@ -403,6 +402,15 @@ class CheckpointStore:
                 os.rename(checkpoint.path, os.path.join(self.directory, name))
                 spare = True
 
+    def leftovers(self) -> list[str]:
+        """Staging, trash and spare directories: partial or deleted saves."""
+        return [
+            os.path.join(self.directory, n)
+            for n in sorted(
+                self._names((_STAGING_PREFIX, _TRASH_PREFIX, _SPARE_PREFIX))
+            )
+        ]
+
     def remove_leftovers(self) -> None:
         """Removes the staging, trash and spare directories a writer left."""
         for name in self._names((_STAGING_PREFIX, _TRASH_PREFIX, _SPARE_PREFIX)):
@@ -442,6 +450,56 @@ class CheckpointStore:
 # directories, which `remove_leftovers()` clears at the next start.
 
 
+def manifest_files(manifest: Any, where: str) -> dict[str, dict[str, Any]]:
+    """A manifest's `{file name: {"size": ..., algorithm: digest}}`, checked.
+
+    Raises:
+        CorruptCheckpointError: naming what is wrong with the manifest.
+    """
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(where, "manifest has no format tag")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            where,
+            f"manifest version {manifest.get('version')!r} is not "
+            f"{FORMAT_VERSION}; written by another keras-ft release?",
+        )
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    if manifest.get("digest") != _json_digest(body):
+        raise CorruptCheckpointError(where, "manifest digest mismatch")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or METADATA_FILE not in files:
+        raise CorruptCheckpointError(where, "manifest lists no files")
+    for name, expected in files.items():
+        if (
+            not isinstance(name, str)
+            or name in ("", ".", "..")
+            or "/" in name
+            or "\\" in name
+            or "\0" in name
+        ):
+            raise CorruptCheckpointError(
+                where, f"manifest names a file outside the checkpoint: {name!r}"
+            )
+        algorithm = digest_algorithm(expected)
+        if (
+            algorithm is None
+            or not isinstance(expected.get("size"), int)
+            or not isinstance(expected.get(algorithm), str)
+        ):
+            raise CorruptCheckpointError(
+                where, f"manifest entry for {name} is malformed"
+            )
+    return files
+
+
+def digest_algorithm(entry: Any) -> str | None:
+    """The checksum algorithm of a manifest entry, if one keras-ft knows."""
+    if not isinstance(entry, dict):
+        return None
+    return next((a for a in file_io.DIGESTS if a in entry), None)
+
+
 def _json_digest(obj: Any) -> str:
     text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
@@ -476,33 +534,11 @@ def _read_json(checkpoint: Checkpoint, name: str) -> Any:
 
 def _verify_file(
     checkpoint: Checkpoint,
-    name: Any,
-    expected: Any,
+    name: str,
+    expected: dict[str, Any],
     progress: ReadProgress | None = None,
 ) -> None:
-    if (
-        not isinstance(name, str)
-        or name in ("", ".", "..")
-        or "/" in name
-        or "\\" in name
-        or "\0" in name
-    ):
-        raise CorruptCheckpointError(
-            checkpoint.path, f"manifest names a file outside the checkpoint: {name!r}"
-        )
-    algorithm = (
-        next((a for a in file_io.DIGESTS if a in expected), None)
-        if isinstance(expected, dict)
-        else None
-    )
-    if (
-        algorithm is None
-        or not isinstance(expected.get("size"), int)
-        or not isinstance(expected.get(algorithm), str)
-    ):
-        raise CorruptCheckpointError(
-            checkpoint.path, f"manifest entry for {name} is malformed"
-        )
+    algorithm = digest_algorithm(expected)
     path = checkpoint.file(name)
     if not os.path.isfile(path) or os.path.islink(path):
         raise CorruptCheckpointError(checkpoint.path, f"{name} is missing")

@@ -1,0 +1,299 @@
+"""The `keras-ft` command: look at, check, export and prune backups.
+
+    keras-ft ls BACKUP_DIR          one row per checkpoint, and which a resume uses
+    keras-ft verify BACKUP_DIR      every checksum; exit 0 if a resume would work
+    keras-ft export BACKUP_DIR --model MODEL.keras --out OUT.keras|OUT.weights.h5
+    keras-ft prune BACKUP_DIR --keep N
+    keras-ft demo                   kill a training and watch it resume
+
+`BACKUP_DIR` is a local directory or an fsspec URL (`s3://bucket/run`). Only
+`export` imports Keras; the others read the checkpoint files alone. Exit
+status: 0 all is well, 1 a problem found (named on stderr), 2 a bad command
+line or a path that is not a backup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import sys
+from typing import Any
+
+from keras_ft.checkpoint.errors import CorruptCheckpointError
+from keras_ft.checkpoint.lock import DirectoryInUseError, DirectoryLock
+from keras_ft.checkpoint.remote import (
+    RemoteCheckpointStore,
+    RemoteLease,
+    is_url,
+    local_path,
+    open_store,
+)
+from keras_ft.checkpoint.store import METADATA_FILE, Checkpoint, CheckpointStore
+
+
+class UsageError(Exception):
+    """A command line keras-ft cannot act on (exit status 2)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:  # Its own options.
+        from keras_ft import demo
+
+        return demo.main(argv[1:])
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return args.run(args)
+    except UsageError as e:
+        print(f"keras-ft {args.command}: {e}", file=sys.stderr)
+        return 2
+    except DirectoryInUseError as e:
+        print(f"keras-ft {args.command}: refusing: {e}", file=sys.stderr)
+        return 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="keras-ft", description="Look at, check, export and prune backups."
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    ls = commands.add_parser("ls", help="list the checkpoints of a backup")
+    ls.add_argument("backup_dir")
+    ls.set_defaults(run=_ls)
+    verify = commands.add_parser(
+        "verify", help="check every checksum; exit 0 if a resume would work"
+    )
+    verify.add_argument("backup_dir")
+    verify.set_defaults(run=_verify)
+    export = commands.add_parser(
+        "export", help="write the backup's weights as a normal Keras file"
+    )
+    export.add_argument("backup_dir")
+    export.add_argument(
+        "--model", help="a .keras file of the model (its architecture is used)"
+    )
+    export.add_argument("--out", required=True, help="OUT.keras or OUT.weights.h5")
+    export.set_defaults(run=_export)
+    prune = commands.add_parser(
+        "prune", help="keep the newest N checkpoints, remove partial leftovers"
+    )
+    prune.add_argument("backup_dir")
+    prune.add_argument("--keep", type=int, required=True)
+    prune.set_defaults(run=_prune)
+    commands.add_parser("demo", help="kill a training with SIGKILL; watch it resume")
+    return parser
+
+
+# What a backup holds.
+
+
+def _store(backup_dir: str) -> CheckpointStore | RemoteCheckpointStore:
+    """The chief's checkpoints of `backup_dir`, or a `UsageError` saying why not."""
+    if is_url(backup_dir):
+        try:
+            return open_store(f"{backup_dir.rstrip('/')}/chief")
+        except (ImportError, ValueError) as e:
+            raise UsageError(str(e)) from None
+    path = local_path(backup_dir)
+    if not os.path.isdir(path):
+        raise UsageError(f"{path!r} does not exist or is not a directory.")
+    chief = os.path.join(path, "chief")
+    if os.path.isdir(chief):
+        return CheckpointStore(chief)
+    if CheckpointStore(path).checkpoints():  # Pointed at chief/ itself.
+        return CheckpointStore(path)
+    raise UsageError(
+        f"{path!r} is not a keras-ft backup directory: it has no chief/ "
+        "directory of checkpoints. Pass the `backup_dir` given to "
+        "keras_ft.BackupAndRestore."
+    )
+
+
+def _examine(store: Any) -> list[dict[str, Any]]:
+    """Every checkpoint, verified, newest last: its numbers and its state."""
+    rows = []
+    for checkpoint in store.checkpoints():
+        row: dict[str, Any] = {"checkpoint": checkpoint, "problem": None}
+        try:
+            metadata = store.verify(checkpoint)
+        except CorruptCheckpointError as e:
+            row["problem"] = e.reason
+            metadata = _metadata_anyway(store, checkpoint)
+        row.update(metadata=metadata, size=_size(store, checkpoint.path))
+        rows.append(row)
+    return rows
+
+
+def _metadata_anyway(store: Any, checkpoint: Checkpoint) -> dict:
+    try:
+        if isinstance(store, RemoteCheckpointStore):
+            return json.loads(store.fs.cat_file(store._key(checkpoint, METADATA_FILE)))
+        with open(checkpoint.file(METADATA_FILE), encoding="utf-8") as f:
+            value = json.load(f)
+        return value if isinstance(value, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _size(store: Any, path: str) -> int:
+    try:
+        if isinstance(store, RemoteCheckpointStore):
+            return int(store.fs.du(path.split("://", 1)[-1]))
+        return sum(
+            os.path.getsize(os.path.join(root, name))
+            for root, _, names in os.walk(path)
+            for name in names
+        )
+    except OSError:
+        return 0
+
+
+def _resume_row(rows: list[dict]) -> dict | None:
+    good = [row for row in rows if row["problem"] is None]
+    return good[-1] if good else None
+
+
+def _human(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1024 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TB"
+
+
+# Commands.
+
+
+def _ls(args: argparse.Namespace) -> int:
+    store = _store(args.backup_dir)
+    rows = _examine(store)
+    resume = _resume_row(rows)
+    table = [("seq", "epoch", "batch", "step", "saved", "size", "state")]
+    for row in rows:
+        metadata = row["metadata"]
+        saved = metadata.get("saved_at")
+        when = (
+            datetime.datetime.fromtimestamp(saved).strftime("%Y-%m-%d %H:%M:%S")
+            if isinstance(saved, (int, float))
+            else "?"
+        )
+        state = "good" if row["problem"] is None else f"damaged: {row['problem']}"
+        if row is resume:
+            state += "  <- a resume uses this one"
+        table.append((
+            str(row["checkpoint"].sequence),
+            str(metadata.get("epochs_completed", "?")),
+            str(metadata.get("batches_completed", "?")),
+            str(metadata.get("step", "?")),
+            when,
+            _human(row["size"]),
+            state,
+        ))  # fmt: skip
+    for leftover in store.leftovers():
+        name = leftover.rstrip("/").rsplit("/", 1)[-1]
+        table.append(("-", "-", "-", "-", "-", _human(_size(store, leftover)),
+                      f"partial leftover ({name})"))  # fmt: skip
+    print(f"{store.directory}:")
+    if len(table) == 1:
+        print("  no checkpoints")
+        return 0
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]) - 1)]
+    for r in table:
+        cells = [c.rjust(w) if i < 4 else c.ljust(w) for i, (c, w) in
+                 enumerate(zip(r, widths, strict=False))]  # fmt: skip
+        print("  " + "  ".join(cells) + "  " + r[-1])
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    store = _store(args.backup_dir)
+    rows = _examine(store)
+    for row in rows:
+        checkpoint = row["checkpoint"]
+        if row["problem"] is None:
+            print(f"{store.url(checkpoint)}: good")
+        else:
+            print(
+                f"{store.url(checkpoint)}: DAMAGED: {row['problem']}", file=sys.stderr
+            )
+    for leftover in store.leftovers():
+        print(f"{leftover}: partial leftover (removed at the next training start)")
+    resume = _resume_row(rows)
+    if resume is None:
+        what = "no checkpoint verifies" if rows else "there is no checkpoint"
+        print(f"keras-ft verify: {what}: a resume would start from scratch.",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    print(f"a resume would use {store.url(resume['checkpoint'])}: good")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    out = args.out
+    if not (out.endswith(".keras") or out.endswith(".weights.h5")):
+        raise UsageError(f"--out must end in .keras or .weights.h5; got {out!r}.")
+    if args.model is None and out.endswith(".keras"):
+        raise UsageError("exporting a .keras file needs --model MODEL.keras.")
+    if args.model is not None and not os.path.isfile(args.model):
+        raise UsageError(f"--model {args.model!r} does not exist.")
+    store = _store(args.backup_dir)
+    if args.model is None:
+        # The backup's weights file is a Keras weights file: copy it, verified.
+        found = store.latest_good_read(lambda checkpoint, progress: None)
+        if found is None:
+            print("keras-ft export: the backup holds no checkpoint.", file=sys.stderr)
+            return 1
+        local = found[0]
+        shutil.copyfile(local.file("model.weights.h5"), out)
+        print(f"wrote {out} from {store.url(local)}")
+        return 0
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras
+
+    from keras_ft.watching import load_checkpoint
+
+    model = keras.saving.load_model(args.model)
+    loaded = load_checkpoint(store.directory.rsplit("/chief", 1)[0], model)
+    if out.endswith(".keras"):
+        model.save(out)
+    else:
+        model.save_weights(out)
+    print(f"wrote {out} from {loaded.path} (epoch {loaded.epoch}, step {loaded.step})")
+    return 0
+
+
+def _prune(args: argparse.Namespace) -> int:
+    if args.keep < 1:
+        raise UsageError(f"--keep must be at least 1; got {args.keep}.")
+    store = _store(args.backup_dir)
+    if isinstance(store, RemoteCheckpointStore):
+        lock: Any = RemoteLease(store)
+    else:
+        lock = DirectoryLock(store.directory)
+    lock.acquire()  # DirectoryInUseError while a training holds the backup.
+    try:
+        leftovers = store.leftovers()
+        store.remove_leftovers()
+        committed = store.checkpoints()
+        doomed = committed[: -args.keep]
+        for checkpoint in doomed:
+            store.delete(checkpoint)
+    finally:
+        lock.release()
+    from keras_ft.threads import wait_for_removals
+
+    wait_for_removals()
+    kept = ", ".join(c.name for c in committed[-args.keep :]) or "none"
+    print(
+        f"removed {len(doomed)} checkpoints and {len(leftovers)} partial leftovers; "
+        f"kept {kept}"
+    )
+    return 0

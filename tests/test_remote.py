@@ -1,0 +1,317 @@
+"""Backups in object storage: a real S3-protocol server (moto) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import fsspec
+import keras
+import numpy as np
+import pytest
+from conftest import STEPS_PER_EPOCH, iterations, make_model, subprocess_env, weights_of
+
+import keras_ft
+
+BUCKET = "keras-ft-test"
+ONCE = pytest.mark.skipif(
+    keras.backend.backend() != "jax",
+    reason="subprocesses against the server; the backend does not matter: once",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """A moto S3 server on loopback; the environment points fsspec at it."""
+    port = _free_port()
+    moto = shutil.which("moto_server", path=os.path.dirname(sys.executable))
+    server = subprocess.Popen(
+        [moto, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert server.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.mkdir(BUCKET)
+    yield env
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    server.terminate()
+    server.wait(timeout=30)
+
+
+def s3() -> fsspec.AbstractFileSystem:
+    return fsspec.filesystem("s3", skip_instance_cache=True)
+
+
+def url(name: str) -> str:
+    return f"s3://{BUCKET}/{name}-{os.getpid()}-{time.monotonic_ns()}"
+
+
+class Interrupt(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 2:
+            raise RuntimeError("interrupted")
+
+
+@pytest.mark.parametrize("where", ["s3", "memory"])
+def test_interrupted_and_resumed_from_object_storage(s3_server, data, where, capsys):
+    x, y = data
+    backup = url("resume") if where == "s3" else f"memory://resume-{time.time_ns()}"
+    keras.utils.set_random_seed(1)
+    reference = make_model()
+    reference.fit(x, y, epochs=3, batch_size=16, shuffle=False, verbose=0)
+
+    keras.utils.set_random_seed(1)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        make_model().fit(
+            x, y, epochs=3, batch_size=16, shuffle=False, verbose=0,
+            callbacks=[keras_ft.BackupAndRestore(backup, save_freq=3), Interrupt()],
+        )  # fmt: skip
+    keras_ft.wait_for_backups()
+    fs, root = fsspec.core.url_to_fs(backup)
+    fs.invalidate_cache()
+    names = sorted(p[len(root) :] for p in fs.find(root))
+    # The same layout as on disk.
+    assert "/chief/ckpt-00000002/manifest.json" in names
+    assert {n.rsplit("/", 1)[1] for n in names if "ckpt-00000002" in n} == {
+        "manifest.json", "metadata.json", "model.weights.h5", "arrays.h5",
+    }  # fmt: skip
+
+    keras.utils.set_random_seed(2)  # The backup's random state wins.
+    resumed = make_model()
+    resumed.fit(
+        x, y, epochs=3, batch_size=16, shuffle=False, verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(backup, save_freq=3)],
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert f"restored {backup}/chief/ckpt-00000002" in out
+    assert iterations(resumed) == 3 * STEPS_PER_EPOCH
+    for mine, theirs in zip(weights_of(resumed), weights_of(reference), strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+    fs.invalidate_cache()
+    assert not [p for p in fs.find(root) if "/ckpt-" in p]  # Finished: deleted.
+
+
+@ONCE
+def test_a_damaged_object_falls_back_to_the_previous_checkpoint(s3_server, data):
+    x, y = data
+    backup = url("damaged")
+    make_model().fit(
+        x, y, epochs=2, batch_size=16, verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(backup, delete_checkpoint=False)],
+    )  # fmt: skip
+    fs = s3()
+    key = f"{backup[5:]}/chief/ckpt-00000002/model.weights.h5"
+    damaged = bytearray(fs.cat_file(key))
+    damaged[len(damaged) // 2] ^= 0xFF
+    fs.pipe_file(key, bytes(damaged))
+    resumed = make_model()
+    with pytest.warns(UserWarning, match="ckpt-00000002.*checksum.*Falling back"):
+        resumed.fit(
+            x, y, epochs=3, batch_size=16, verbose=0,
+            callbacks=[keras_ft.BackupAndRestore(backup)],
+        )  # fmt: skip
+    assert iterations(resumed) == 3 * STEPS_PER_EPOCH
+    assert [c.sequence for c in keras_ft.watch(backup, timeout=0)] == []
+
+
+_WRITER = textwrap.dedent(
+    """
+    import sys, time
+    import keras, numpy as np
+    import keras_ft
+
+    class Committed(keras_ft.CheckpointListener):
+        def after_commit(self, path, epoch, step):
+            print("COMMIT", path, step, flush=True)
+
+    class Slow(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            time.sleep(float(sys.argv[2]))
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 64)).astype("float32")
+    y = x.sum(axis=1, keepdims=True)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1024),
+                              keras.layers.Dense(1)])  # ~0.3 M parameters.
+    model.compile("adam", "mse")
+    model.fit(x, y, epochs=int(sys.argv[3]), batch_size=16, verbose=0,
+              shuffle=False, callbacks=[
+        keras_ft.BackupAndRestore(sys.argv[1], save_freq=1, listeners=[Committed()]),
+        Slow()])
+    print("STEPS", int(model.optimizer.iterations), flush=True)
+    """
+)
+
+
+def start_writer(tmp_path, backup, pause, epochs, tmpdir=None) -> subprocess.Popen:
+    script = tmp_path / "writer.py"
+    script.write_text(_WRITER)
+    env = subprocess_env()
+    env.update({k: os.environ[k] for k in os.environ if k.startswith("AWS_")})
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)  # Another machine: nothing local carried over.
+    return subprocess.Popen(
+        [sys.executable, str(script), backup, str(pause), str(epochs)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+
+
+def listing(backup: str) -> dict[str, set[str]]:
+    fs = s3()
+    found: dict[str, set[str]] = {}
+    for path in fs.find(f"{backup[5:]}/chief"):
+        parts = path.rsplit("/", 2)
+        if parts[-2].startswith("ckpt-"):
+            found.setdefault(parts[-2], set()).add(parts[-1])
+    return found
+
+
+@ONCE
+def test_sigkill_during_an_upload_resumes_from_the_previous_commit(s3_server, tmp_path):
+    """Killed while a checkpoint's files are uploaded (no manifest yet): a new
+    machine resumes from the newest committed one, and the partial goes."""
+    for attempt in range(8):
+        backup = url("kill")
+        writer = start_writer(tmp_path, backup, 0.0, 50)
+        commits = 0
+        for line in writer.stdout:
+            commits += line.startswith("COMMIT")
+            if commits == 3 + attempt:
+                break
+        time.sleep(0.003 * attempt)
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(timeout=60)
+        found = listing(backup)
+        partial = [
+            name for name, files in found.items() if "manifest.json" not in files
+        ]
+        if partial:
+            break
+    assert partial, "no kill landed during an upload in 8 attempts"
+    committed = max(n for n, files in found.items() if "manifest.json" in files)
+    expected_step = json.loads(
+        s3().cat_file(f"{backup[5:]}/chief/{committed}/metadata.json")
+    )["step"]
+
+    new_machine = tmp_path / "elsewhere"
+    new_machine.mkdir()
+    resumed = start_writer(tmp_path, backup, 0.0, 1, tmpdir=new_machine)
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err
+    assert f"restored {backup}/chief/{committed} " in out
+    assert f"optimizer step {expected_step}." in out
+    assert not [n for n in partial if n in listing(backup)]  # Removed.
+
+
+@ONCE
+def test_two_writers_on_one_prefix(s3_server, tmp_path, data):
+    backup = url("two")
+    first = start_writer(tmp_path, backup, 0.2, 100)
+    for line in first.stdout:
+        if line.startswith("COMMIT"):
+            break
+    x, y = data
+    try:
+        with pytest.raises(keras_ft.DirectoryInUseError, match=f"pid {first.pid}"):
+            make_model().fit(
+                x, y, epochs=1, batch_size=16, verbose=0,
+                callbacks=[keras_ft.BackupAndRestore(backup)],
+            )  # fmt: skip
+        assert first.poll() is None  # The first one trains on, untouched.
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=60)
+    # Its holder is gone (same host, no such process): the lease is taken over.
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1024),
+                              keras.layers.Dense(1)])  # fmt: skip
+    model.compile("adam", "mse")
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(256, 64)).astype("float32")
+    model.fit(xs, xs.sum(axis=1, keepdims=True), epochs=1, batch_size=16, verbose=0,
+              callbacks=[keras_ft.BackupAndRestore(backup)])  # fmt: skip
+
+
+def test_a_missing_filesystem_package_names_the_extra(tmp_path):
+    pytest.importorskip("fsspec")
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match=r"keras-ft\[gcs\]"):
+            keras_ft.BackupAndRestore("gs://some-bucket/run")
+    else:
+        pytest.skip("gcsfs is installed here")
+    with pytest.raises(ValueError, match="storage_options"):
+        keras_ft.BackupAndRestore("memory://x", storage_options="key=1")
+
+
+@ONCE
+def test_the_command_line_reads_and_prunes_a_bucket(s3_server, data):
+    x, y = data
+    backup = url("cli")
+    trained = make_model()
+    trained.fit(
+        x, y, epochs=3, batch_size=16, verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(backup, keep=3, delete_checkpoint=False)],
+    )  # fmt: skip
+    keras_ft.wait_for_backups()
+    # What a writer killed mid-upload leaves: files, no manifest.
+    s3().pipe_file(f"{backup[5:]}/chief/ckpt-00000004/model.weights.h5", b"partial")
+    seen = [c.sequence for c in keras_ft.watch(backup, timeout=0)]
+    assert seen == [1, 2, 3]
+    evaluator = make_model()
+    loaded = keras_ft.load_checkpoint(backup, evaluator)
+    assert loaded.path == f"{backup}/chief/ckpt-00000003" and loaded.step == 12
+    for mine, theirs in zip(weights_of(evaluator), weights_of(trained), strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+
+    env = subprocess_env()
+    env.update(s3_server)
+    command = [os.path.join(os.path.dirname(sys.executable), "keras-ft")]
+
+    def run(*args):
+        return subprocess.run([*command, *args], capture_output=True, text=True,
+                              env=env, timeout=300)  # fmt: skip
+
+    listed = run("ls", backup)
+    assert listed.returncode == 0, listed.stderr
+    assert "a resume uses this one" in listed.stdout.splitlines()[4]
+    assert "partial leftover (ckpt-00000004)" in listed.stdout
+    verified = run("verify", backup)
+    assert verified.returncode == 0 and "ckpt-00000003: good" in verified.stdout
+    pruned = run("prune", backup, "--keep", "1")
+    assert pruned.returncode == 0, pruned.stderr
+    assert sorted(listing(backup)) == ["ckpt-00000003"]
