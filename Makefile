@@ -58,6 +58,8 @@ test-compat: venv
 
 bench: venv
 	$(PY) benchmarks/save_cost.py
+	$(PY) -m pip install -q obstore  # Only to compare against s3fs.
+	$(PY) benchmarks/object_storage.py
 
 # SIGKILL at random moments, keras-ft vs Keras' own callback: `make fuzz BACKEND=jax`.
 BACKEND ?= tensorflow
