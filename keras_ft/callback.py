@@ -100,8 +100,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         save_every_seconds: If set, also save at the first batch end after
             this many seconds since the last save (like `tf.train.Supervisor`'s
             `save_model_secs`). Defaults to `None`.
-        verbose: `1` to print one line when a backup is restored, `0` for
-            silence. Defaults to `1`.
+        verbose: `1` to print one line when a backup is restored (and the
+            progress of uploads of 256 MB or more to object storage), `0`
+            for silence. Defaults to `1`.
         on_save_error: `"raise"` to stop training with a clear error when a
             backup cannot be written (disk full, I/O error, permission lost),
             or `"warn"` to warn and keep training, trying again at the next
@@ -255,6 +256,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             async_save=self.async_save,
             listeners=self.listeners,
             storage_options=self.storage_options,
+            verbose=self.verbose,
         )
         self._check_cluster(self._state.task)
         self._state.check_writable()

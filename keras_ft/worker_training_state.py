@@ -89,6 +89,8 @@ class WorkerTrainingState:
             to `None`.
         storage_options: With an fsspec URL as `backup_dir`, options for
             its filesystem (credentials, endpoint). Defaults to `None`.
+        verbose: `1` to report the progress of large uploads to object
+            storage, `0` for silence. Defaults to `0`.
 
     Example:
 
@@ -113,6 +115,7 @@ class WorkerTrainingState:
         async_save: bool = False,
         listeners: list[CheckpointListener] | None = None,
         storage_options: dict | None = None,
+        verbose: int = 0,
     ):
         check_platform()
         self.backup_dir = validate_backup_dir(backup_dir)
@@ -124,7 +127,10 @@ class WorkerTrainingState:
         if self.remote:
             # Object storage: the manifest is the commit, a lease the lock.
             store = RemoteCheckpointStore(
-                chief_dir(self.backup_dir), self._retention, storage_options
+                chief_dir(self.backup_dir),
+                self._retention,
+                storage_options,
+                progress=_print if verbose else None,
             )
             self._chief_store = store
             self._lock = RemoteLease(store)
@@ -482,6 +488,10 @@ class WorkerTrainingState:
         if not self.remote:
             with contextlib.suppress(OSError):
                 os.rmdir(self.backup_dir)
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
 
 
 def write_snapshot(snapshot: Snapshot, directory: str | Staging) -> None:

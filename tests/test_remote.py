@@ -315,3 +315,26 @@ def test_the_command_line_reads_and_prunes_a_bucket(s3_server, data):
     pruned = run("prune", backup, "--keep", "1")
     assert pruned.returncode == 0, pruned.stderr
     assert sorted(listing(backup)) == ["ckpt-00000003"]
+
+
+def test_large_uploads_report_progress(s3_server):
+    from keras_ft.checkpoint.remote import RemoteCheckpointStore
+
+    lines: list[str] = []
+    store = RemoteCheckpointStore(
+        url("progress") + "/chief", progress=lines.append, progress_bytes=1 << 20
+    )
+
+    def write(staging):
+        staging.write_file("big.bin", [os.urandom(3 << 20)])
+        staging.write_file("small.bin", [b"x" * 100])
+
+    committed = store.save(write, {"step": 1})
+    assert store.verify(committed)["step"] == 1
+    # The big file only, by quarters (as many as the client's chunks cross),
+    # ending at 100 %.
+    percents = [int(line.split(": ")[2].split("%")[0]) for line in lines]
+    assert percents and percents == sorted(set(percents)) and percents[-1] == 100
+    assert all(p in (25, 50, 75, 100) for p in percents), lines
+    assert all("ckpt-00000001/big.bin" in line for line in lines), lines
+    assert lines[-1].split(": ", 2)[2].startswith("100% of 3 MB"), lines

@@ -109,6 +109,10 @@ class RemoteCheckpointStore:
         url: Where committed checkpoints live (`s3://bucket/run/chief`).
         retention: What to keep after each commit, or `None` for everything.
         storage_options: Passed to fsspec. Defaults to `None`.
+        progress: If set, called with a line of text at each quarter of an
+            upload of at least `progress_bytes`. Defaults to `None`.
+        progress_bytes: Uploads this large or larger report progress.
+            Defaults to 256 MiB.
     """
 
     def __init__(
@@ -116,12 +120,16 @@ class RemoteCheckpointStore:
         url: str,
         retention: RetentionPolicy | None = None,
         storage_options: dict | None = None,
+        progress: Callable[[str], None] | None = None,
+        progress_bytes: int = 256 << 20,
     ):
         self.directory = url.rstrip("/")
         self.retention = retention
         self.fs, self.root = filesystem(self.directory, storage_options)
         self.root = self.root.rstrip("/")
         self._local: str | None = None  # Staging and downloads, this process.
+        self.progress = progress
+        self.progress_bytes = progress_bytes
 
     def __repr__(self) -> str:
         return f"RemoteCheckpointStore({self.directory!r})"
@@ -373,8 +381,19 @@ class RemoteCheckpointStore:
     ) -> None:
         if cancel is not None and cancel.is_set():
             raise SaveCancelled()
+        size = os.path.getsize(path)
+        report = self.progress is not None and size >= self.progress_bytes
+
+        def put() -> None:
+            if report:
+                self.fs.put_file(
+                    path, key, callback=_progress(key, size, self.progress)
+                )
+            else:
+                self.fs.put_file(path, key)
+
         try:
-            _retried(lambda: self.fs.put_file(path, key))
+            _retried(put)
         except Exception as e:  # Any backend's error is a failed write.
             raise OSError(
                 getattr(e, "errno", None) or errno.EIO,
@@ -433,6 +452,28 @@ class RemoteCheckpointStore:
                 "exists and the credentials (fsspec's configuration, or "
                 "`storage_options=`)."
             ) from e
+
+
+def _progress(key: str, size: int, say: Callable[[str], None]) -> Any:
+    """An fsspec callback that reports each quarter of an upload."""
+    from fsspec.callbacks import Callback
+
+    started = time.monotonic()
+    name = "/".join(key.rsplit("/", 2)[-2:])
+
+    class Quarters(Callback):
+        reported = 0
+
+        def call(self, *args: Any, **kwargs: Any) -> None:
+            quarter = min(4, (self.value or 0) * 4 // max(size, 1))
+            if quarter > self.reported:
+                self.reported = quarter
+                say(
+                    f"keras-ft: uploading {name}: {quarter * 25}% of "
+                    f"{size / 2**20:.0f} MB ({time.monotonic() - started:.1f} s)"
+                )
+
+    return Quarters(size=size)
 
 
 def open_store(
