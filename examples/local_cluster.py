@@ -189,19 +189,39 @@ def launch(args: argparse.Namespace) -> list[Worker]:
     return [Worker(i, args, ports) for i in range(args.workers)]
 
 
+def _store(backup_dir: str):
+    sys.path.insert(0, os.path.dirname(EXAMPLES_DIR))
+    from keras_ft.checkpoint.remote import open_store  # Needs no backend.
+
+    return open_store(backup_dir.rstrip("/") + "/chief")
+
+
 def committed(backup_dir: str) -> list[str]:
-    chief = os.path.join(backup_dir, "chief")
-    if not os.path.isdir(chief):
-        return []
-    return sorted(n for n in os.listdir(chief) if n.startswith("ckpt-"))
+    """The chief's committed checkpoints, on disk or in a bucket (a URL)."""
+    return [c.name for c in _store(backup_dir).checkpoints()]
 
 
 def newest_committed_step(backup_dir: str) -> int | None:
-    sys.path.insert(0, os.path.dirname(EXAMPLES_DIR))
-    from keras_ft.checkpoint.store import CheckpointStore  # Needs no backend.
-
-    found = CheckpointStore(os.path.join(backup_dir, "chief")).latest_good()
+    found = _store(backup_dir).latest_good()
     return None if found is None else found[1]["step"]
+
+
+def _chief_entries(backup_dir: str) -> list[str]:
+    store = _store(backup_dir)
+    if not hasattr(store, "fs"):
+        return sorted(os.listdir(os.path.join(backup_dir, "chief")))
+    store.fs.invalidate_cache()
+    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in store.fs.ls(store.root))
+
+
+def entries(path: str) -> list[str]:
+    """The names in a directory, or under a prefix of a bucket."""
+    store = _store(path)  # Of `path/chief`.
+    if not hasattr(store, "fs"):
+        return sorted(os.listdir(path))
+    store.fs.invalidate_cache()  # Object storage: list the prefix.
+    root = store.root.rsplit("/", 1)[0]
+    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in store.fs.ls(root))
 
 
 def run_launcher(args: argparse.Namespace) -> dict:
@@ -261,8 +281,8 @@ def run_launcher(args: argparse.Namespace) -> dict:
         "final_steps": [d and d["step"] for d in done],
         "weights": [d and d["weights"] for d in done],
         "chiefs": [d and d["is_chief"] for d in done],
-        "backup_dir_entries": sorted(os.listdir(args.backup_dir)),
-        "chief_entries": sorted(os.listdir(os.path.join(args.backup_dir, "chief"))),
+        "backup_dir_entries": entries(args.backup_dir),
+        "chief_entries": _chief_entries(args.backup_dir),
     }
     if all(r is not None for r in resumed) and all(d is not None for d in done):
         same = "equal" if len(set(result["weights"])) == 1 else "DIFFERENT"

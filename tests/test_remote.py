@@ -338,3 +338,44 @@ def test_large_uploads_report_progress(s3_server):
     assert all(p in (25, 50, 75, 100) for p in percents), lines
     assert all("ckpt-00000001/big.bin" in line for line in lines), lines
     assert lines[-1].split(": ", 2)[2].startswith("100% of 3 MB"), lines
+
+
+@ONCE
+def test_a_cluster_backs_up_to_a_bucket_and_resumes_from_it(s3_server, tmp_path):
+    """Two JAX processes: the chief commits to the bucket, the other worker's
+    throwaway saves stay local; one is killed, both resume from the bucket."""
+    import hashlib
+    import json as json_module
+    import tempfile
+
+    backup = url("cluster")
+    harness = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        "examples", "local_cluster.py",
+    )  # fmt: skip
+    env = subprocess_env()
+    env.update(s3_server)
+    result = subprocess.run(
+        [sys.executable, harness, "--backend", "jax", "--workers", "2",
+         "--epochs", "3", "--seconds-per-batch", "0.1", "--backup-dir", backup,
+         "--json", "--quiet", "--save-freq", "3", "--kill-window", "0.6",
+         "--kill-worker", "1", "--seed", "1"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
+    run = json_module.loads(line[len("RESULT ") :])
+    committed = run["committed_step"]
+    assert committed and run["exit_codes"] == [0, 0], run
+    assert run["resumed_steps"] == [committed, committed]
+    assert run["final_steps"] == [3 * 8, 3 * 8]
+    assert run["weights"][0] == run["weights"][1]
+    # Only the chief's commits are in the bucket; no worker directory.
+    assert run["backup_dir_entries"] == ["chief"]
+    assert run["chief_entries"] and all(
+        name.startswith("ckpt-") for name in run["chief_entries"]
+    ), run["chief_entries"]
+    # The other worker's saves went to a local directory, removed each time.
+    digest = hashlib.sha1(backup.encode()).hexdigest()[:12]
+    local = os.path.join(tempfile.gettempdir(), f"keras-ft-{digest}")
+    assert not os.path.exists(os.path.join(local, "workertemp_1"))
