@@ -370,19 +370,27 @@ class WorkerTrainingState:
                 supersedes,
             )
         except OSError as e:
-            committed = self._chief_store.checkpoints()
-            previous = (
-                f"the previous checkpoint {committed[-1].name} is intact"
-                if committed
-                else "no checkpoint had been committed yet"
+            try:
+                committed = self._chief_store.checkpoints()
+            except Exception:  # A bucket out of reach cannot be listed either.
+                committed = None
+            if committed is None:
+                previous = "the checkpoints committed before are intact"
+            elif committed:
+                previous = f"the previous checkpoint {committed[-1].name} is intact"
+            else:
+                previous = "no checkpoint had been committed yet"
+            fix = (
+                "Check that the bucket is reachable and the credentials valid"
+                if self.remote
+                else "Free some space or fix the directory's permissions"
             )
             raise CheckpointWriteError(
                 e.errno,
                 f"Could not write a checkpoint to {self._chief_store.directory} "
                 f"({e.strerror or e}); {previous}, and the partial one was "
-                "removed. Free some space or fix the directory's permissions; "
-                "`BackupAndRestore(on_save_error='warn')` keeps training and "
-                "tries again at the next save.",
+                f"removed. {fix}; `BackupAndRestore(on_save_error='warn')` keeps "
+                "training and tries again at the next save.",
             ) from e
         finally:
             snapshot.release()  # Also when it failed before writing anything.
@@ -477,7 +485,19 @@ class WorkerTrainingState:
     def delete_backup(self) -> None:
         """Deletes what this backup wrote; other files in `backup_dir` stay."""
         self._writer.wait()
-        if self.task.is_chief:
+        if self.task.is_chief and self.remote:
+            try:
+                self._chief_store.clear()
+            except Exception as e:  # A bucket out of reach: say so, go on.
+                warnings.warn(
+                    f"keras-ft: fit() is over, but its backup in "
+                    f"{self._chief_store.directory} could not be deleted "
+                    f"({type(e).__name__}: {e}). Delete it yourself, or "
+                    "`keras-ft prune` it.",
+                    stacklevel=3,
+                )
+            self._lock.release(remove=True)
+        elif self.task.is_chief:
             self._chief_store.remove_leftovers()
             for checkpoint in self._chief_store.checkpoints():
                 self._chief_store.delete(checkpoint)

@@ -379,3 +379,59 @@ def test_a_cluster_backs_up_to_a_bucket_and_resumes_from_it(s3_server, tmp_path)
     digest = hashlib.sha1(backup.encode()).hexdigest()[:12]
     local = os.path.join(tempfile.gettempdir(), f"keras-ft-{digest}")
     assert not os.path.exists(os.path.join(local, "workertemp_1"))
+
+
+@ONCE
+@pytest.mark.parametrize("on_save_error", ["raise", "warn"])
+def test_a_failing_upload_is_retried_then_reported_like_a_disk_error(
+    s3_server, data, on_save_error
+):
+    """The server goes away mid-training: each upload is retried with backoff,
+    then fails as a disk would (`on_save_error`); nothing is half-committed."""
+    import fsspec
+
+    x, y = data
+    port = _free_port()
+    moto = shutil.which("moto_server", path=os.path.dirname(sys.executable))
+    server = subprocess.Popen(
+        [moto, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    # The client's own retries are the user's to configure; keep them short.
+    options = {
+        "endpoint_url": f"http://127.0.0.1:{port}",
+        "skip_instance_cache": True,
+        "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1},
+    }
+    fsspec.filesystem("s3", **options).mkdir("flaky")
+
+    class ServerGoes(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 0:
+                keras_ft.wait_for_backups()  # Epoch 1 is committed.
+                server.kill()
+                server.wait()
+
+    callback = keras_ft.BackupAndRestore(
+        "s3://flaky/run", storage_options=options, on_save_error=on_save_error,
+        async_save=False,
+    )  # fmt: skip
+    fit = lambda: make_model().fit(  # noqa: E731
+        x, y, epochs=3, batch_size=16, verbose=0, callbacks=[ServerGoes(), callback]
+    )
+    try:
+        if on_save_error == "raise":
+            with pytest.raises(keras_ft.CheckpointWriteError, match="attempts"):
+                fit()
+        else:
+            with pytest.warns(UserWarning, match="failed after 4 attempts"):
+                history = fit()
+            assert history.epoch == [0, 1, 2]  # Training went on.
+    finally:
+        server.kill()

@@ -346,7 +346,8 @@ class RemoteCheckpointStore:
         try:
             if cancel is not None and cancel.is_set():
                 raise SaveCancelled()
-            sequence = max(self._listing(), default=0) + 1
+            listing = _as_os_error(self._listing, f"listing {self.directory}")
+            sequence = max(listing, default=0) + 1
             committed = Checkpoint(sequence, self._path(sequence))
             names = [n for n in sorted(os.listdir(local.path)) if n != MANIFEST_FILE]
             try:
@@ -370,10 +371,17 @@ class RemoteCheckpointStore:
                 raise
         finally:
             shutil.rmtree(staging_root, ignore_errors=True)
-        replaced = supersedes() if supersedes is not None else None
-        if replaced is not None:
-            self.delete(replaced)
-        self.prune()
+        try:  # Committed: a failed clean-up is retried after the next commit.
+            replaced = supersedes() if supersedes is not None else None
+            if replaced is not None:
+                self.delete(replaced)
+            self.prune()
+        except Exception as e:  # Any backend's error.
+            warnings.warn(
+                f"keras-ft: {committed.path} is committed, but deleting older "
+                f"checkpoints failed ({type(e).__name__}: {e}); retried later.",
+                stacklevel=2,
+            )
         return committed
 
     def _upload(
@@ -392,14 +400,7 @@ class RemoteCheckpointStore:
             else:
                 self.fs.put_file(path, key)
 
-        try:
-            _retried(put)
-        except Exception as e:  # Any backend's error is a failed write.
-            raise OSError(
-                getattr(e, "errno", None) or errno.EIO,
-                f"upload of {key} failed after {_RETRIES} attempts "
-                f"({type(e).__name__}: {e})",
-            ) from e
+        _as_os_error(put, f"upload of {key}")
 
     def prune(self) -> None:
         """Deletes the checkpoints that the retention policy lets go."""
@@ -556,10 +557,12 @@ class RemoteLease:
         token, self._token = self._token, None
         if token is None:
             return
-        held = self._read()
-        if held is not None and held.get("token") == token:
-            with contextlib.suppress(Exception):
+        try:
+            held = self._read()
+            if held is not None and held.get("token") == token:
                 self.fs.rm_file(self.key)
+        except Exception:  # Out of reach: the lease expires on its own.
+            pass
 
     def _expired(self, held: dict) -> bool:
         age = time.time() - float(held.get("heartbeat", 0))
@@ -586,6 +589,19 @@ class RemoteLease:
             f"whose heartbeat is older than {self.seconds:g} s "
             f"({LEASE_SECONDS_ENV}) is taken over."
         )
+
+
+def _as_os_error(action: Callable[[], _T], what: str) -> _T:
+    """`action()`, retried; a failure is an `OSError`, as a disk's would be."""
+    try:
+        return _retried(action)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # Any backend's error is a failed write.
+        raise OSError(
+            getattr(e, "errno", None) or errno.EIO,
+            f"{what} failed after {_RETRIES} attempts ({type(e).__name__}: {e})",
+        ) from e
 
 
 def _retried(action: Callable[[], _T]) -> _T:
