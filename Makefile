@@ -60,6 +60,8 @@ bench: venv
 	$(PY) benchmarks/save_cost.py
 	$(PY) -m pip install -q obstore  # Only to compare against s3fs.
 	$(PY) benchmarks/object_storage.py
+	$(PY) -m pip install -q orbax-checkpoint  # Keras' OrbaxCheckpoint, the peer.
+	$(PY) benchmarks/orbax_peer.py
 
 # SIGKILL at random moments, keras-ft vs Keras' own callback: `make fuzz BACKEND=jax`.
 BACKEND ?= tensorflow
