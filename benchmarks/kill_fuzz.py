@@ -1,9 +1,11 @@
 """Kill-fuzz: SIGKILL real trainings at random moments, then try to resume.
 
 Each trial starts a training process that backs up after every batch (into a
-fresh directory), kills it with SIGKILL at a random moment after training has
-begun, and then loads the backup into a new model exactly as a restart does
-at train begin. Counted per callback:
+fresh directory), kills it with SIGKILL at a random moment after its first
+backup was committed (the child reports it; `--from-start` measures from the
+start of training instead), and then loads the backup into a new model exactly
+as a restart does at train begin. Counted per callback (keras-ft, Keras'
+`BackupAndRestore`, Keras' `OrbaxCheckpoint` if orbax-checkpoint is installed):
 
 - resumed: the backup loaded, at or after the last step the process reported
   as backed up (`lost` counts the batches between, which a kill during a save
@@ -15,6 +17,7 @@ at train begin. Counted per callback:
 Usage:
     python benchmarks/kill_fuzz.py --trials 200 --backend jax
     python benchmarks/kill_fuzz.py --trials 40 --backend tensorflow --callback keras
+    python benchmarks/kill_fuzz.py --trials 100 --callback all   # + OrbaxCheckpoint
 """
 
 from __future__ import annotations
@@ -52,8 +55,35 @@ def make_callback(name: str, backup_dir: str):
     import keras_ft
 
     if name == "keras-ft":
-        return keras_ft.BackupAndRestore(backup_dir, save_freq=1, verbose=0)
+
+        class Committed(keras_ft.CheckpointListener):
+            reported = False
+
+            def after_commit(self, path, epoch, step):
+                if not self.reported:
+                    self.reported = True
+                    print("COMMITTED", flush=True)
+
+        return keras_ft.BackupAndRestore(
+            backup_dir, save_freq=1, verbose=0, listeners=[Committed()]
+        )
+    if name == "orbax":
+        return keras.callbacks.OrbaxCheckpoint(
+            backup_dir, save_freq=1, save_on_background=True
+        )
     return keras.callbacks.BackupAndRestore(backup_dir, save_freq=1)
+
+
+def first_commit_seen(callback: str, backup_dir: str, line: str) -> bool:
+    """Whether the child's backup holds a committed save by now."""
+    if callback == "keras-ft":
+        return line.startswith("COMMITTED")
+    if callback == "keras":  # Saved in the batch end before the step's report.
+        return line.startswith("STEP")
+    # Orbax renames a finished save to a directory named by its step.
+    return line.startswith("STEP") and any(
+        name.isdigit() for name in os.listdir(backup_dir)
+    )
 
 
 def worker(backup_dir: str, callback: str) -> None:
@@ -94,6 +124,13 @@ def restore_step(callback: str, backup_dir: str) -> int | None:
     if callback == "keras-ft":
         resume = keras_ft.WorkerTrainingState(model, backup_dir).restore()
         return None if resume is None else resume.step
+    if callback == "orbax":
+        # OrbaxCheckpoint does not restore at fit() start: load as a user would.
+        if not any(name.isdigit() for name in os.listdir(backup_dir)):
+            return None
+        model.optimizer.build(model.trainable_variables)
+        model.load_weights(backup_dir)
+        return int(keras.ops.convert_to_numpy(model.optimizer.iterations))
     keras_callback = keras.callbacks.BackupAndRestore(backup_dir)
     keras_callback.set_model(model)
     keras_callback.on_train_begin()
@@ -101,7 +138,9 @@ def restore_step(callback: str, backup_dir: str) -> int | None:
     return step if step or model._initial_epoch else None
 
 
-def trial(callback: str, rng: random.Random, root: str) -> tuple[str, int, str]:
+def trial(
+    callback: str, rng: random.Random, root: str, from_start: bool
+) -> tuple[str, int, str]:
     backup_dir = tempfile.mkdtemp(dir=root)
     process = subprocess.Popen(
         [sys.executable, __file__, "--worker", backup_dir, "--callback", callback],
@@ -109,20 +148,24 @@ def trial(callback: str, rng: random.Random, root: str) -> tuple[str, int, str]:
         stderr=subprocess.DEVNULL,
         text=True,
     )
+    early = []
     for line in process.stdout:
-        if line.startswith("BEGIN"):
+        early.append(line)
+        if from_start and line.startswith("BEGIN"):
+            break
+        if not from_start and first_commit_seen(callback, backup_dir, line):
             break
     time.sleep(rng.uniform(0.0, 1.5))
     process.send_signal(signal.SIGKILL)
-    rest = process.stdout.read()
+    rest = "".join(early) + process.stdout.read()
     process.wait()
     steps = [
         int(line.split()[1]) for line in rest.splitlines() if line.startswith("STEP")
     ]
     backed_up = max(steps, default=0)
-    if callback == "keras-ft":
-        # Its backups are written in the background, one at a time: when
-        # step n is reported, step n - 1's backup is committed.
+    if callback in ("keras-ft", "orbax"):
+        # Their backups are written in the background: when step n is
+        # reported, step n - 1's backup is committed (keras-ft), or in flight.
         backed_up = max(0, backed_up - 1)
     try:
         restored = restore_step(callback, backup_dir)
@@ -143,8 +186,14 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--backend", default=os.environ.get("KERAS_BACKEND", "jax"))
     parser.add_argument(
-        "--callback", choices=["keras-ft", "keras", "both"], default="both"
-    )
+        "--callback", choices=["keras-ft", "keras", "orbax", "both", "all"],
+        default="both",
+    )  # fmt: skip
+    parser.add_argument(
+        "--from-start", action="store_true",
+        help="Kill at a random moment after training began, not after the "
+        "first committed backup.",
+    )  # fmt: skip
     parser.add_argument("--keras-trials", type=int, help="Defaults to --trials.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -158,7 +207,8 @@ def main() -> None:
     import warnings
 
     warnings.simplefilter("ignore")  # Fallback warnings are expected here.
-    callbacks = ["keras-ft", "keras"] if args.callback == "both" else [args.callback]
+    callbacks = {"both": ["keras-ft", "keras"], "all": ["keras-ft", "keras", "orbax"]}
+    callbacks = callbacks.get(args.callback, [args.callback])
     rng = random.Random(args.seed)
     root = tempfile.mkdtemp(prefix="kill-fuzz-")
     rows = []
@@ -170,7 +220,9 @@ def main() -> None:
             counts = {"resumed": 0, "fresh": 0, "failed": 0}
             lost, details = 0, {}
             for i in range(trials):
-                outcome, batches_lost, detail = trial(callback, rng, root)
+                outcome, batches_lost, detail = trial(
+                    callback, rng, root, args.from_start
+                )
                 counts[outcome] += 1
                 lost += batches_lost if outcome == "resumed" else 0
                 if detail:
@@ -180,8 +232,9 @@ def main() -> None:
             rows.append((callback, trials, counts, lost, details))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"\nkill-fuzz, backend={args.backend}, SIGKILL at a random moment, "
-          "backup every batch")  # fmt: skip
+    after = "training began" if args.from_start else "the first committed backup"
+    print(f"\nkill-fuzz, backend={args.backend}, SIGKILL at a random moment "
+          f"after {after}, backup every batch")  # fmt: skip
     print(f"{'callback':10s} {'trials':>6s} {'resumed':>8s} {'fresh':>6s} "
           f"{'failed':>7s} {'batches lost':>13s}")  # fmt: skip
     for callback, trials, counts, lost, details in rows:
