@@ -436,7 +436,7 @@ class WorkerTrainingState:
         if not self.remote:
             return point
         sequence = int(os.path.basename(point.checkpoint).rpartition("-")[2])
-        url = f"{self._chief_store.directory}/ckpt-{sequence:08d}"
+        url = self._chief_store.url(Checkpoint(sequence, point.checkpoint))
         return dataclasses.replace(point, checkpoint=url)
 
     def roll_back(self) -> ResumePoint | None:

@@ -136,7 +136,7 @@ class RemoteCheckpointStore:
 
     def url(self, checkpoint: Checkpoint) -> str:
         """Where `checkpoint` is in the bucket (its downloaded copy's too)."""
-        return f"{self.directory}/{checkpoint_name(checkpoint.sequence)}"
+        return self._path(checkpoint.sequence)
 
     # Reading.
 

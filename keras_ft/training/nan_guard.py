@@ -41,7 +41,11 @@ class NanGuard(BackupService):
       on, up to `max_rollbacks` times; after that, or if nothing was backed
       up yet, it stops as with `"stop"`.
 
-    A non-finite state is never backed up: `BackupAndRestore` skips it.
+    A non-finite state is never backed up: `BackupAndRestore` skips it. After
+    a rollback the epoch's metrics start afresh (their means held the NaN),
+    and the data go on where they were: the batches between the checkpoint
+    and the NaN are not replayed. One process only: in a cluster, every
+    worker would have to roll back at the same step.
 
     Example:
 
