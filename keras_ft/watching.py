@@ -13,7 +13,6 @@ trainer's retention deletes under it is passed over.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 import time
@@ -29,6 +28,7 @@ from keras_ft.checkpoint.remote import (
     open_store,
 )
 from keras_ft.checkpoint.store import MANIFEST_FILE, Checkpoint, CheckpointStore
+from keras_ft.training.policy import check_seconds
 
 if TYPE_CHECKING:
     import keras
@@ -89,9 +89,9 @@ def watch(
         storage_options: For a `backup_dir` in object storage (an fsspec
             URL), options for its filesystem. Defaults to `None`.
     """
-    _check_seconds("poll_seconds", poll_seconds, zero=False)
+    check_seconds("poll_seconds", poll_seconds)
     if timeout is not None:
-        _check_seconds("timeout", timeout, zero=True)
+        check_seconds("timeout", timeout, zero=True)
     store = open_store(checkpoints_dir(os.fspath(backup_dir)), None, storage_options)
     last = 0
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -220,18 +220,3 @@ def checkpoints_dir(path: str) -> str:
     path = local_path(path)
     chief = os.path.join(path, "chief")
     return chief if os.path.isdir(chief) or not os.path.isdir(path) else path
-
-
-def _check_seconds(name: str, value: Any, zero: bool) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-        or (value == 0 and not zero)
-    ):
-        expected = "a non-negative" if zero else "a positive"
-        raise ValueError(
-            f"Invalid value for argument `{name}`. Expected {expected} number of "
-            f"seconds. Received: {name}={value!r}"
-        )

@@ -415,6 +415,10 @@ class WorkerTrainingState:
             ValueError: if the backup does not match the model.
         """
         self._finish_earlier_write()
+        return self._load_newest(variables_only=False)
+
+    def _load_newest(self, variables_only: bool) -> ResumePoint | None:
+        """Loads the newest good checkpoint; tells the listeners."""
         # The weights are read while the checkpoint is checksummed.
         found = self._chief_store.latest_good_read(
             lambda checkpoint, progress: self._state.read_ahead(
@@ -424,20 +428,15 @@ class WorkerTrainingState:
         if found is None:
             return None
         checkpoint, metadata, values = found
-        point = self._located(self._state.apply(checkpoint.path, metadata, values))
+        point = self._state.apply(
+            checkpoint.path, metadata, values, variables_only=variables_only
+        )
+        # A bucket's checkpoint is loaded from a local copy: name the original.
+        point = dataclasses.replace(point, checkpoint=self._chief_store.url(checkpoint))
         notify(
             self.listeners, "after_restore", point.checkpoint, point.epoch, point.step
         )
         return point
-
-    def _located(self, point: ResumePoint) -> ResumePoint:
-        """`point`, naming the checkpoint in the bucket rather than the local
-        copy it was loaded from."""
-        if not self.remote:
-            return point
-        sequence = int(os.path.basename(point.checkpoint).rpartition("-")[2])
-        url = self._chief_store.url(Checkpoint(sequence, point.checkpoint))
-        return dataclasses.replace(point, checkpoint=url)
 
     def roll_back(self) -> ResumePoint | None:
         """Loads the newest good checkpoint's variables, in the middle of training.
@@ -454,21 +453,7 @@ class WorkerTrainingState:
             keras_ft.NoGoodCheckpointError: if every checkpoint is damaged.
         """
         self.wait()
-        found = self._chief_store.latest_good_read(
-            lambda checkpoint, progress: self._state.read_ahead(
-                checkpoint.path, progress
-            )
-        )
-        if found is None:
-            return None
-        checkpoint, metadata, values = found
-        point = self._located(
-            self._state.apply(checkpoint.path, metadata, values, variables_only=True)
-        )
-        notify(
-            self.listeners, "after_restore", point.checkpoint, point.epoch, point.step
-        )
-        return point
+        return self._load_newest(variables_only=True)
 
     def apply_metrics(self, values: list) -> bool:
         """Sets the model's metric variables to values from `ResumePoint.extra`.

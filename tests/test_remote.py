@@ -33,9 +33,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def s3_server():
-    """A moto S3 server on loopback; the environment points fsspec at it."""
+def start_moto() -> tuple[subprocess.Popen, int]:
+    """A moto S3 server on a free loopback port, once it accepts connections."""
     port = _free_port()
     moto = shutil.which("moto_server", path=os.path.dirname(sys.executable))
     server = subprocess.Popen(
@@ -46,10 +45,16 @@ def s3_server():
     while True:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
+            return server, port
         except OSError:
             assert server.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """A moto S3 server on loopback; the environment points fsspec at it."""
+    server, port = start_moto()
     env = {
         "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
         "AWS_ACCESS_KEY_ID": "testing",
@@ -391,18 +396,7 @@ def test_a_failing_upload_is_retried_then_reported_like_a_disk_error(
     import fsspec
 
     x, y = data
-    port = _free_port()
-    moto = shutil.which("moto_server", path=os.path.dirname(sys.executable))
-    server = subprocess.Popen(
-        [moto, "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            time.sleep(0.1)
+    server, port = start_moto()
     # The client's own retries are the user's to configure; keep them short.
     options = {
         "endpoint_url": f"http://127.0.0.1:{port}",

@@ -11,8 +11,27 @@ import collections
 import math
 import statistics
 from collections.abc import Sequence
+from typing import Any
 
 from keras_ft.checkpoint.store import Checkpoint
+
+
+def check_seconds(name: str, value: Any, zero: bool = False) -> float:
+    """`value` as a float, or a `ValueError` naming argument `name`: a finite
+    number of seconds, positive (or, with `zero`, non-negative)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+        or (value == 0 and not zero)
+    ):
+        expected = "a non-negative" if zero else "a positive"
+        raise ValueError(
+            f"Invalid value for argument `{name}`. Expected {expected}, finite "
+            f"number of seconds. Received: {name}={value!r}"
+        )
+    return float(value)
 
 
 class SaveSchedule:
@@ -112,17 +131,7 @@ class EveryNSeconds(SaveSchedule):
     """
 
     def __init__(self, seconds: float):
-        if (
-            isinstance(seconds, bool)
-            or not isinstance(seconds, (int, float))
-            or not math.isfinite(seconds)
-            or seconds <= 0
-        ):
-            raise ValueError(
-                "Invalid value for argument `seconds`. Expected a positive "
-                f"number. Received: seconds={seconds!r}"
-            )
-        self.seconds = float(seconds)
+        self.seconds = check_seconds("seconds", seconds)
         self._last = 0.0
 
     def start(self, now: float) -> None:

@@ -7,10 +7,10 @@ up that exact step first, so a later run continues from it.
 
 from __future__ import annotations
 
-import math
 import time
 
 from keras_ft.compat import print_msg
+from keras_ft.training.policy import check_seconds
 from keras_ft.training.services import BackupService, optimizer_step
 
 
@@ -110,17 +110,7 @@ class StopAtTime(BackupService):
 
     def __init__(self, seconds: float, total: bool = False, verbose: int = 1):
         super().__init__()
-        if (
-            isinstance(seconds, bool)
-            or not isinstance(seconds, (int, float))
-            or not math.isfinite(seconds)
-            or seconds <= 0
-        ):
-            raise ValueError(
-                "Invalid value for argument `seconds`. Expected a positive, "
-                f"finite number of seconds. Received: seconds={seconds!r}"
-            )
-        self.seconds = float(seconds)
+        self.seconds = check_seconds("seconds", seconds)
         self.total = bool(total)
         self.verbose = verbose
         self._used_before = 0.0  # By earlier runs, with `total`.
