@@ -18,6 +18,7 @@ on TensorFlow.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -148,3 +149,118 @@ def for_assign(array: np.ndarray) -> Any:
     except (TypeError, ValueError, RuntimeError, BufferError):
         return array  # E.g. bfloat16, which DLPack refuses.
     return tf.raw_ops.DeepCopy(x=shared)
+
+
+# Variables split across processes (JAX, `keras.distribution.ModelParallel`).
+
+
+def spans_processes(value: Any) -> bool:
+    """Whether `value` is split across processes: none can read it whole.
+
+    Only a JAX array sharded over devices of several processes is. One that
+    is replicated on every device (data parallelism) is read from the local
+    copy, as on one process.
+    """
+    if keras.backend.backend() != "jax":
+        return False
+    if isinstance(value, keras.Variable):
+        value = value.value
+    import jax
+
+    return (
+        isinstance(value, jax.Array)
+        and not value.is_fully_addressable
+        and not value.is_fully_replicated
+    )
+
+
+Bounds = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def own_pieces(value: Any) -> list[tuple[Bounds, np.ndarray]]:
+    """The pieces of `value` this process writes, as `((start, stop), view)`.
+
+    A JAX array's pieces are the shards on this process's devices of which
+    it holds the first replica (replica id 0), so that of all processes
+    exactly one writes each piece. The views are valid until the variable
+    changes. Other backends' values are one piece, the whole value.
+    """
+    if isinstance(value, keras.Variable):
+        value = value.value
+    shape = tuple(value.shape)
+    if keras.backend.backend() == "jax":
+        import jax
+
+        if isinstance(value, jax.Array):
+            return [
+                (_bounds(shard.index, shape), np.asarray(shard.data))
+                for shard in value.addressable_shards
+                if shard.replica_id == 0
+            ]
+    return [(((0,) * len(shape), shape), view(value))]
+
+
+def build_like(
+    value: Any, shape: tuple[int, ...], read: Callable[[Bounds], np.ndarray]
+) -> Any:
+    """A value for `value`'s variable, laid out as `value` is.
+
+    On JAX, each of this process's devices gets the slice its sharding
+    assigns it, `read((start, stop))`; nothing else is read. Elsewhere the
+    whole value is read.
+    """
+    if isinstance(value, keras.Variable):
+        value = value.value
+    if keras.backend.backend() == "jax":
+        import jax
+
+        if isinstance(value, jax.Array):
+            return jax.make_array_from_callback(
+                shape, value.sharding, lambda index: read(_bounds(index, shape))
+            )
+    return for_assign(read(((0,) * len(shape), tuple(shape))))
+
+
+def sharding_text(value: Any) -> str:
+    """How `value` is laid out, for people reading a checkpoint's index."""
+    if isinstance(value, keras.Variable):
+        value = value.value
+    sharding = getattr(value, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    mesh = getattr(sharding, "mesh", None)
+    if spec is None or mesh is None:
+        return "whole"
+    axes = ", ".join(f"{n}={s}" for n, s in dict(mesh.shape).items())
+    return f"{spec} over mesh({axes})"
+
+
+def all_processes_agree(flag: bool) -> bool:
+    """Whether `flag` is true in every process of a JAX cluster.
+
+    A collective: every process must call it, in the same order. One
+    process returns `flag`.
+    """
+    if keras.backend.backend() != "jax":
+        return flag
+    import jax
+
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(np.asarray(bool(flag)))
+    return bool(np.all(flags))
+
+
+def _bounds(index: tuple, shape: tuple[int, ...]) -> Bounds:
+    """A shard's index (a tuple of slices) as (start, stop) per dimension."""
+    start, stop = [], []
+    for part, size in zip(index, shape, strict=False):
+        first, last, _ = part.indices(size)
+        start.append(first)
+        stop.append(last)
+    # An index may leave out trailing dimensions: those are whole.
+    for size in shape[len(index) :]:
+        start.append(0)
+        stop.append(size)
+    return tuple(start), tuple(stop)

@@ -11,9 +11,11 @@ import shutil
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable
 
 import keras
 
+from keras_ft import backend as host
 from keras_ft.checkpoint.errors import CheckpointWriteError
 from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.lock import DirectoryLock, check_platform
@@ -24,6 +26,7 @@ from keras_ft.checkpoint.remote import (
     local_path,
 )
 from keras_ft.checkpoint.store import Checkpoint, CheckpointStore
+from keras_ft.distribute import sharded
 from keras_ft.distribute.cluster import TaskSpec, chief_dir, current_task, write_dir
 from keras_ft.state import (
     WEIGHTS_FILE,
@@ -144,6 +147,7 @@ class WorkerTrainingState:
         self.async_save = bool(async_save)
         self._writer = _writers.setdefault(key, BackgroundWriter())
         self._cancels: list[threading.Event] = []  # Of the saves in flight.
+        self._saves = 0  # Sharded saves name their parts by it: same everywhere.
         # The newest save, for a save that replaces it.
         self._last: tuple[threading.Event, PendingWrite] | None = None
 
@@ -184,6 +188,8 @@ class WorkerTrainingState:
         # its staging directory: let it finish before cleaning up.
         self._finish_earlier_write()
         self._chief_store.remove_leftovers()
+        # Pieces of sharded saves that a kill kept from their commit.
+        sharded.remove_parts(self._chief_store.directory)
 
     def _finish_earlier_write(self) -> None:
         try:
@@ -251,6 +257,10 @@ class WorkerTrainingState:
         """
         epochs_completed = epoch + 1 if batch is None else epoch
         batches_completed = 0 if batch is None else batch
+        if self._state.sharded():
+            return self._back_up_sharded(
+                epochs_completed, batches_completed, extra, replaces_last
+            )
         if not self.task.is_chief:
             # Written right away, a snapshot can view the variables: no copy.
             snapshot = self._state.snapshot(
@@ -288,15 +298,95 @@ class WorkerTrainingState:
         except BaseException:
             snapshot.release()  # Never written: the next copy must not wait.
             raise
+        self._track(cancel, pending)
+        snapshot.weights.fill()  # On failure, the write sees it and calls off.
+        if snapshot.weights.non_finite:
+            cancel.set()  # The write stops where it is and commits nothing.
+            raise NonFiniteStateError(snapshot.weights.non_finite)
+        if self.async_save:
+            return None
+        self._cancels = []
+        return self._writer.wait()
+
+    def _track(self, cancel: threading.Event, pending: PendingWrite) -> None:
         self._last = (cancel, pending)
         self._cancels.append(cancel)
         # Only the newest `depth` saves can still be in flight (`submit()`
         # waited for the others): a long run keeps no more events than that.
         del self._cancels[: -self._writer.depth]
-        snapshot.weights.fill()  # On failure, the write sees it and calls off.
-        if snapshot.weights.non_finite:
-            cancel.set()  # The write stops where it is and commits nothing.
-            raise NonFiniteStateError(snapshot.weights.non_finite)
+
+    def _back_up_sharded(
+        self,
+        epochs_completed: int,
+        batches_completed: int,
+        extra: dict | None,
+        replaces_last: bool,
+    ) -> Checkpoint | None:
+        """A save of a model split across processes: each writes its share.
+
+        Every process copies the pieces it holds and writes them in the
+        background into the save's parts directory; the chief's write then
+        waits for every process's part and commits (`distribute/sharded.py`).
+        """
+        if self.remote:
+            raise ValueError(
+                "Invalid value for argument `backup_dir`: the model's variables "
+                "are split across processes (keras.distribution.ModelParallel), "
+                "so every process writes its own pieces, which keras-ft does on "
+                "a filesystem all processes share, not yet in object storage. "
+                "Pass a directory on a shared filesystem. Received: "
+                f"backup_dir={self.backup_dir!r}"
+            )
+        # One share in host memory at a time; and a failed write raises here.
+        self._writer.wait()
+        chief = self.task.is_chief
+        if chief:
+            notify(
+                self.listeners,
+                "before_save",
+                epochs_completed,
+                self._state.optimizer_step(),
+            )
+            snapshot = self._state.snapshot(epochs_completed, batches_completed, extra)
+            pieces = snapshot.pieces
+        else:
+            pieces = self._state.pieces()
+        specs = self._state.variable_specs()
+        bad = sharded.non_finite(pieces, [spec[1] for spec in specs])
+        # A piece only one process holds may be the one that is not finite.
+        if not host.all_processes_agree(not bad):
+            raise NonFiniteStateError(bad or ["(a piece another process holds)"])
+        self._saves += 1
+        tag = f"{self._saves:08d}-{self._state.optimizer_step():012d}"
+        directory = sharded.parts_dir(chief_dir(self.backup_dir), tag)
+        process = self.task.task_index
+        if not chief:
+            self._writer.submit(
+                lambda previous: sharded.write_part(directory, process, tag, pieces)
+            )
+            if not self.async_save:
+                self._writer.wait()
+            return None
+        layouts = self._state.layouts()
+        processes = self.task.num_workers
+
+        def write(staging: Staging) -> None:
+            sharded.write_part(directory, process, tag, snapshot.pieces or [])
+            snapshot.pieces = None  # Written: this share's memory goes.
+            # Parts of saves called off (or killed) before this one.
+            sharded.remove_parts(chief_dir(self.backup_dir), before=tag)
+            sharded.commit_parts(staging, directory, processes, tag, specs, layouts)
+            staging.write_file(arrays.ARRAYS_FILE, [arrays.to_bytes(snapshot.arrays)])
+
+        pieces = None  # The write frees the snapshot's once written.
+        cancel = threading.Event()
+        replaced = self._last[1] if replaces_last and self._last else None
+        if replaces_last and self._last:
+            self._last[0].set()
+        pending = self._writer.submit(
+            lambda previous: self._commit(snapshot, cancel, previous, replaced, write)
+        )
+        self._track(cancel, pending)
         if self.async_save:
             return None
         self._cancels = []
@@ -351,6 +441,7 @@ class WorkerTrainingState:
         cancel: threading.Event,
         previous: PendingWrite | None,
         replaced: PendingWrite | None = None,
+        write: Callable[[Staging], None] | None = None,
     ) -> Checkpoint:
         # Commits keep the order of the saves: the one before goes first.
         after = previous.join if previous is not None else None
@@ -363,7 +454,7 @@ class WorkerTrainingState:
 
         try:
             committed = self._chief_store.save(
-                functools.partial(write_snapshot, snapshot),
+                write or functools.partial(write_snapshot, snapshot),
                 snapshot.metadata,
                 cancel,
                 after,
@@ -484,6 +575,7 @@ class WorkerTrainingState:
             self._lock.release(remove=True)
         elif self.task.is_chief:
             self._chief_store.remove_leftovers()
+            sharded.remove_parts(self._chief_store.directory)
             for checkpoint in self._chief_store.checkpoints():
                 self._chief_store.delete(checkpoint)
             self._lock.release(remove=True)

@@ -22,8 +22,10 @@ from typing import Any
 import keras
 import numpy as np
 
+from keras_ft import backend as host
 from keras_ft.checkpoint.errors import CheckpointError
 from keras_ft.checkpoint.files import ReadProgress
+from keras_ft.distribute import sharded
 from keras_ft.state import arrays, rng, weights_load
 from keras_ft.state.weights_copy import CapturedWeights
 from keras_ft.state.weights_layout import WeightsLayout
@@ -83,13 +85,17 @@ class Snapshot:
     another thread if the snapshot is a copy.
     """
 
-    weights: CapturedWeights
+    weights: CapturedWeights | None
     metadata: dict
     arrays: dict[str, np.ndarray]
+    # A sharded save's: this process's pieces (then `weights` is `None`).
+    pieces: list[sharded.Piece] | None = None
 
     def release(self) -> None:
         """Frees the weights' buffer for the next copy; the write is over."""
-        self.weights.release()
+        if self.weights is not None:
+            self.weights.release()
+        self.pieces = None
 
 
 class TrainingState:
@@ -139,13 +145,36 @@ class TrainingState:
         }
         metadata = self.metadata(epochs_completed, batches_completed)
         metadata["state"], state_arrays = arrays.split(tree)
+        if self.sharded():
+            # Each process copies its share; no weights file is written.
+            pieces = sharded.take_pieces(self.saved_variables())
+            return Snapshot(None, metadata, state_arrays, pieces)
         captured = self._weights.capture(copy=copy, fill=fill)
         return Snapshot(captured, metadata, state_arrays)
+
+    def pieces(self) -> list[sharded.Piece]:
+        """This process's pieces of a sharded save (see `sharded()`), copied."""
+        return sharded.take_pieces(self.saved_variables())
+
+    def sharded(self) -> bool:
+        """Whether a save must be sharded: a variable is split across processes
+        (JAX, `keras.distribution.ModelParallel`), so no process can write it
+        whole; each process then writes the pieces it holds."""
+        return sharded.is_sharded(self.saved_variables())
+
+    def saved_variables(self) -> list:
+        """The model's and optimizer's variables, in `variable_specs()` order."""
+        return list(self.model.weights) + self._optimizer_variables()
+
+    def layouts(self) -> list[str]:
+        """How each saved variable is laid out across devices, as text."""
+        return [host.sharding_text(v) for v in self.saved_variables()]
 
     def prepare(self, copy: bool = True) -> None:
         """Walks the model now rather than at the first snapshot; with `copy`,
         also allocates the memory that copied snapshots reuse."""
-        self._weights.prepare(copy=copy)
+        if not self.sharded():  # A sharded save has no weights file to lay out.
+            self._weights.prepare(copy=copy)
 
     def metadata(self, epochs_completed: int, batches_completed: int) -> dict:
         """The JSON metadata of a save taken now, without the state tree."""
@@ -163,7 +192,7 @@ class TrainingState:
 
     def read_ahead(
         self, directory: str, progress: ReadProgress | None = None
-    ) -> weights_load.ReadWeights | None:
+    ) -> weights_load.ReadWeights | list | None:
         """Reads a checkpoint's weights for `apply()`, without loading them.
 
         Safe on a checkpoint not yet verified: nothing is changed. `None`
@@ -173,6 +202,13 @@ class TrainingState:
         """
         if not self.model.built:
             return None
+        if sharded.is_sharded_checkpoint(directory):
+            self._ensure_optimizer_built()
+            return sharded.read_variables(
+                directory, self.saved_variables(), self.variable_specs()
+            )
+        if self.sharded():
+            return None  # Whole arrays into a split model: see `apply()`.
         return weights_load.read(
             self.model,
             os.path.join(directory, WEIGHTS_FILE),
@@ -186,7 +222,7 @@ class TrainingState:
         self,
         directory: str,
         metadata: dict,
-        values: weights_load.ReadWeights | None = None,
+        values: weights_load.ReadWeights | list | None = None,
         *,
         variables_only: bool = False,
     ) -> ResumePoint:
@@ -205,12 +241,25 @@ class TrainingState:
         _check_metadata(metadata, directory)
         self._ensure_built(metadata)
         self._check_variables(metadata["variables"], directory)
-        weights_load.load(
-            self.model,
-            os.path.join(directory, WEIGHTS_FILE),
-            self._weights,
-            values,
-        )
+        if sharded.is_sharded_checkpoint(directory):
+            if not isinstance(values, list):
+                values = sharded.read_variables(
+                    directory, self.saved_variables(), self.variable_specs()
+                )
+            for variable, value in zip(self.saved_variables(), values, strict=True):
+                variable.assign(value)
+        elif self.sharded():
+            # Whole arrays (saved by one process) into a model split across
+            # processes: Keras' own loader assigns each array, and each
+            # process keeps its slices of it.
+            self.model.load_weights(os.path.join(directory, WEIGHTS_FILE))
+        else:
+            weights_load.load(
+                self.model,
+                os.path.join(directory, WEIGHTS_FILE),
+                self._weights,
+                values,
+            )
         extra = arrays.join(
             metadata.get("state", {}),
             arrays.read(os.path.join(directory, arrays.ARRAYS_FILE)),
@@ -291,9 +340,12 @@ class TrainingState:
                 "how to build it. Build the model before calling `fit()`, e.g. "
                 "by calling it on a batch of data."
             )
-        optimizer = getattr(model, "optimizer", None)
+        self._ensure_optimizer_built()
+
+    def _ensure_optimizer_built(self) -> None:
+        optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and not optimizer.built:
-            optimizer.build(model.trainable_variables)
+            optimizer.build(self.model.trainable_variables)
 
     def _check_variables(self, saved: list, directory: str) -> None:
         current = self.variable_specs()

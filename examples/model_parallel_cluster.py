@@ -1,0 +1,308 @@
+"""Model-parallel JAX training on a local cluster: sharded backups, kills, resharding.
+
+Launches N JAX processes on 127.0.0.1 (each with D CPU devices, through
+`XLA_FLAGS=--xla_force_host_platform_device_count`) that train one model under
+`keras.distribution.ModelParallel`, its Dense kernels split across the devices
+of all processes, with `keras_ft.BackupAndRestore`. Each process writes only
+the pieces of the variables it holds; the chief commits. Run it again with
+another `--processes` or `--devices` on the same `--backup-dir` to see the
+backup restored onto another layout:
+
+    cd examples
+    python model_parallel_cluster.py --processes 4 --epochs 1 --backup-dir /tmp/mp
+    python model_parallel_cluster.py --processes 2 --devices 2 --epochs 2 \
+        --backup-dir /tmp/mp
+    python model_parallel_cluster.py --processes 2 --kill-after-commit
+
+`--kill-after-commit` SIGKILLs one process once a backup is committed, stops
+the others as a cluster manager would, and relaunches them all. `--json` adds
+one line `RESULT {...}` with the numbers, for the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import tracemalloc
+
+from local_cluster import EXAMPLES_DIR, emit, free_ports
+
+SAMPLES, BATCH, FEATURES = 128, 16, 16
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    import jax
+
+    if args.processes > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{args.port}",
+            num_processes=args.processes,
+            process_id=args.index,
+        )
+    import keras
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    import keras_ft
+
+    devices = jax.devices()
+    mesh = keras.distribution.DeviceMesh(
+        (1, len(devices)), ("batch", "model"), devices=devices
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    # Hidden layers split by columns, the output layer by rows: every
+    # kernel is split across the devices of every process.
+    layout_map[".*hidden.*kernel"] = (None, "model")
+    layout_map[".*hidden.*bias"] = ("model",)
+    layout_map[".*output.*kernel"] = ("model", None)
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch", auto_shard_dataset=False
+        )
+    )
+    keras.utils.set_random_seed(7)
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(args.units, activation="relu", name="hidden_1"),
+            keras.layers.Dense(args.units, activation="relu", name="hidden_2"),
+            keras.layers.Dense(4, name="output"),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(1e-3), loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(SAMPLES, FEATURES)).astype("float32")
+    y = (x[:, :4] * 2.0).astype("float32")
+
+    def digest(model: keras.Model) -> str:
+        # Gathered to every process: only for this example's small model.
+        values = model.weights + model.optimizer.variables
+        h = hashlib.sha256()
+        for v in values:
+            h.update(np.asarray(multihost_utils.process_allgather(v.value, tiled=True)))
+        return h.hexdigest()
+
+    def step(model: keras.Model) -> int:
+        return int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+
+    class Report(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            # `self.model`, not `model`: on JAX it syncs the variables.
+            emit("resumed", step=step(self.model), digest=digest(self.model))
+
+        def on_train_batch_end(self, batch, logs=None):
+            emit("batch_end", step=step(self.model))
+            time.sleep(args.seconds_per_batch)
+
+    class SaveMemory(keras.callbacks.Callback):
+        """Host memory a save allocates (NumPy reports to tracemalloc): one
+        of these goes before the backup callback, one after."""
+
+        peak = 0
+
+        def __init__(self, before: bool):
+            super().__init__()
+            self.before = before
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.before:
+                tracemalloc.reset_peak()
+                SaveMemory.base = tracemalloc.get_traced_memory()[0]
+            else:
+                extra = tracemalloc.get_traced_memory()[1] - SaveMemory.base
+                SaveMemory.peak = max(SaveMemory.peak, extra)
+
+    backup = keras_ft.BackupAndRestore(
+        args.backup_dir,
+        save_freq=args.save_freq or "epoch",
+        delete_checkpoint=False,
+        verbose=0,
+        # Measured saves are written before the batch ends: all of their
+        # memory is seen between the two probes.
+        async_save=not args.measure_memory,
+    )
+    callbacks = [backup, Report()]
+    if args.measure_memory:
+        tracemalloc.start()
+        callbacks = [SaveMemory(True), backup, SaveMemory(False), Report()]
+    model.fit(x, y, batch_size=BATCH, epochs=args.epochs, shuffle=False,
+              verbose=0, callbacks=callbacks)  # fmt: skip
+    emit("done", step=step(model), digest=digest(model), save_peak=SaveMemory.peak)
+
+
+class Worker:
+    def __init__(self, index: int, args: argparse.Namespace, port: int):
+        command = [
+            sys.executable, __file__, "--worker", str(index),
+            "--processes", str(args.processes), "--devices", str(args.devices),
+            "--backup-dir", args.backup_dir, "--epochs", str(args.epochs),
+            "--save-freq", str(args.save_freq), "--units", str(args.units),
+            "--seconds-per-batch", str(args.seconds_per_batch), "--port", str(port),
+        ]  # fmt: skip
+        if args.measure_memory:
+            command.append("--measure-memory")
+        env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
+        env["PYTHONPATH"] = os.pathsep.join(
+            [os.path.dirname(EXAMPLES_DIR), env.get("PYTHONPATH", "")]
+        )
+        self.events: list[dict] = []
+        self.stderr: list[str] = []
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=env,
+        )  # fmt: skip
+        self._readers = [
+            threading.Thread(target=self._read, args=(self.process.stdout, True)),
+            threading.Thread(target=self._read, args=(self.process.stderr, False)),
+        ]
+        for reader in self._readers:
+            reader.daemon = True
+            reader.start()
+
+    def _read(self, stream, events: bool) -> None:
+        for line in stream:
+            if not events:
+                self.stderr.append(line)
+            elif line.startswith("EVENT "):
+                self.events.append(json.loads(line[len("EVENT ") :]))
+
+    def event(self, kind: str) -> dict | None:
+        return next((e for e in self.events if e["kind"] == kind), None)
+
+    def finish(self, timeout: float) -> int:
+        try:
+            code = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        for reader in self._readers:
+            reader.join(timeout=5)
+        return code
+
+
+def launch(args: argparse.Namespace) -> list[Worker]:
+    port = free_ports(1)[0]
+    return [Worker(i, args, port) for i in range(args.processes)]
+
+
+def committed(backup_dir: str) -> list[str]:
+    chief = os.path.join(backup_dir, "chief")
+    try:
+        return sorted(n for n in os.listdir(chief) if n.startswith("ckpt-"))
+    except FileNotFoundError:
+        return []
+
+
+def shares(backup_dir: str) -> list[int] | None:
+    """Bytes each process wrote into the newest checkpoint (sharded saves)."""
+    names = committed(backup_dir)
+    if not names:
+        return None
+    path = os.path.join(backup_dir, "chief", names[-1], "shards.json")
+    if not os.path.exists(path):
+        return None  # Whole arrays: written by one process.
+    with open(path) as f:
+        table = json.load(f)
+    sizes: dict[str, int] = {}
+    for variable in table["variables"]:
+        for piece in variable["pieces"]:
+            sizes[piece["file"]] = sizes.get(piece["file"], 0) + piece["nbytes"]
+    return [sizes.get(f"shards-{i:05d}.bin", 0) for i in range(table["processes"])]
+
+
+def run_launcher(args: argparse.Namespace) -> dict:
+    say = (lambda *a: None) if args.quiet else print
+    result: dict = {"processes": args.processes, "devices": args.devices}
+    say(f"Launching {args.processes} JAX processes x {args.devices} devices, "
+        f"backing up to {args.backup_dir}")  # fmt: skip
+    workers = launch(args)
+    if args.kill_after_commit:
+        rng = random.Random(args.seed)
+        victim = rng.randrange(args.processes)
+        before = set(committed(args.backup_dir))
+        deadline = time.monotonic() + args.timeout
+        while not set(committed(args.backup_dir)) - before:
+            if time.monotonic() > deadline or any(
+                w.process.poll() is not None for w in workers
+            ):
+                for w in workers:
+                    w.finish(0)
+                raise RuntimeError(
+                    "no backup was committed:\n" + "".join(workers[0].stderr[-30:])
+                )
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, args.kill_window))
+        workers[victim].process.kill()
+        seen = max((e["step"] for e in workers[victim].events), default=0)
+        codes = {i: w.finish(args.survivor_timeout) for i, w in enumerate(workers)}
+        say(f"SIGKILLed process {victim} after step {seen}; relaunching.")
+        result.update(
+            victim=victim, killed_after_step=seen, exit_codes_after_kill=codes
+        )
+        workers = launch(args)
+    codes = [w.finish(args.timeout) for w in workers]
+    for i, (w, code) in enumerate(zip(workers, codes, strict=True)):
+        if code != 0:
+            say(f"process {i} exited with {code}:\n" + "".join(w.stderr[-40:]))
+    resumed = [w.event("resumed") for w in workers]
+    done = [w.event("done") for w in workers]
+    result.update(
+        exit_codes=codes,
+        resumed_steps=[r and r["step"] for r in resumed],
+        restored_digests=[r and r["digest"] for r in resumed],
+        final_steps=[d and d["step"] for d in done],
+        final_digests=[d and d["digest"] for d in done],
+        save_peaks=[d and d["save_peak"] for d in done],
+        committed=committed(args.backup_dir),
+        shares=shares(args.backup_dir),
+    )
+    say(f"Started at step {result['resumed_steps'][0]}, finished at step "
+        f"{result['final_steps'][0]}.")  # fmt: skip
+    if args.json:
+        print("RESULT " + json.dumps(result), flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--devices", type=int, default=1,
+                        help="CPU devices per process")  # fmt: skip
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--save-freq", type=int, default=0,
+                        help="save every N batches (0: every epoch)")  # fmt: skip
+    parser.add_argument("--units", type=int, default=64)
+    parser.add_argument("--seconds-per-batch", type=float, default=0.0)
+    parser.add_argument("--kill-after-commit", action="store_true")
+    parser.add_argument("--measure-memory", action="store_true",
+                        help="report each process's host memory per save")  # fmt: skip
+    parser.add_argument("--kill-window", type=float, default=0.5)
+    parser.add_argument("--survivor-timeout", type=float, default=10.0)
+    parser.add_argument("--timeout", type=float, default=180.0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--backup-dir")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--worker", type=int, dest="index")
+    parser.add_argument("--port", type=int)
+    args = parser.parse_args()
+    if args.index is not None:
+        run_worker(args)
+        return
+    if args.backup_dir is None:
+        args.backup_dir = tempfile.mkdtemp(prefix="keras-ft-model-parallel-")
+    run_launcher(args)
+
+
+if __name__ == "__main__":
+    main()

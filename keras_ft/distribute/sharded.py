@@ -1,0 +1,440 @@
+"""Sharded checkpoints: every process writes the pieces of the variables it holds.
+
+Under `keras.distribution.ModelParallel` over several JAX processes, a kernel
+is split across devices of several processes: to write it whole, one process
+would have to gather it, so its memory and time would grow with the whole
+model. Instead each process writes the pieces it addresses (one copy of each,
+its replica 0) into its own file, and one process commits:
+
+```
+chief/.parts-<save>/shards-00001.bin   a process's pieces, back to back
+chief/.parts-<save>/shards-00001.json  their index, written (renamed) last
+```
+
+The chief's commit waits until every process's index is there, moves the
+`.bin` files into its staging directory, writes `shards.json` (each
+variable's global shape, dtype and layout, and each piece's file, offset,
+bounds and checksum) with the rest of the checkpoint, and commits it by the
+rename every checkpoint is committed by. Until then no reader sees any of
+it: a kill of any process at any moment leaves the previous checkpoint the
+newest. No collective runs in the writers, so saves stay in the background.
+
+A restore reads, for each device of the run being restored (any number of
+processes, any mesh, or one process without a distribution), only the
+pieces that overlap the slice that device holds, checks each piece's
+checksum before using it, and builds the variable in its current layout.
+The manifest lists each `.bin` file's size and checksum too, marked as
+checked piece by piece: a restore skips the whole-file pass, `keras-ft
+verify` does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import mmap
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 & co. as NumPy dtypes)
+import numpy as np
+
+from keras_ft import backend as host
+from keras_ft.checkpoint import files as file_io
+from keras_ft.checkpoint.errors import CorruptCheckpointError, SaveCancelled
+from keras_ft.checkpoint.files import Staging
+from keras_ft.checkpoint.store import PIECEWISE
+from keras_ft.state.weights_copy import all_finite
+
+SHARDS_TABLE = "shards.json"
+TABLE_FORMAT = "keras-ft-shards"
+PARTS_PREFIX = ".parts-"
+# How long the chief's commit waits for the other processes' pieces.
+WAIT_ENV = "KERAS_FT_SHARD_WAIT_SECONDS"
+_WAIT_SECONDS = 600.0
+_ALIGN = 64  # Each piece starts on a cache line: aligned views on restore.
+
+
+@dataclasses.dataclass
+class Piece:
+    """One slice of one variable, copied to host memory.
+
+    Attributes:
+        variable: The variable's index in the saved order.
+        start: First index of the slice, per dimension.
+        stop: End of the slice (exclusive), per dimension.
+        data: The values.
+    """
+
+    variable: int
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
+    data: np.ndarray
+
+
+def is_sharded(variables: list) -> bool:
+    """Whether a save of `variables` must be sharded: one spans processes."""
+    return any(host.spans_processes(v) for v in variables)
+
+
+def take_pieces(variables: list) -> list[Piece]:
+    """Copies this process's pieces of `variables` (its share) to host memory."""
+    return [
+        Piece(i, start, stop, np.array(view, copy=True))
+        for i, variable in enumerate(variables)
+        for (start, stop), view in host.own_pieces(variable)
+    ]
+
+
+def non_finite(pieces: list[Piece], names: list[str]) -> list[str]:
+    """Names of the variables of which a piece holds a NaN or an infinity."""
+    bad = {p.variable for p in pieces if not all_finite(p.data.reshape(-1))}
+    return [names[i] for i in sorted(bad)]
+
+
+def parts_dir(chief_dir: str, tag: str) -> str:
+    """Where the processes put their pieces of the save `tag`."""
+    return os.path.join(chief_dir, f"{PARTS_PREFIX}{tag}")
+
+
+def part_name(process: int) -> str:
+    return f"shards-{process:05d}"
+
+
+def write_part(
+    directory: str,
+    process: int,
+    tag: str,
+    pieces: list[Piece],
+    cancel: threading.Event | None = None,
+) -> None:
+    """Writes this process's pieces and, last, their index: its part is done."""
+    os.makedirs(directory, exist_ok=True)
+    name = part_name(process)
+    chunks: list[Any] = []
+    index = []
+    offset = 0
+    for piece in pieces:
+        pad = -offset % _ALIGN
+        if pad:
+            chunks.append(bytes(pad))
+            offset += pad
+        raw = np.ascontiguousarray(piece.data).reshape(-1).view(np.uint8)
+        digest = file_io.DIGESTS[file_io.DIGEST]()
+        digest.update(raw)
+        index.append(
+            {
+                "variable": piece.variable,
+                "start": list(piece.start),
+                "stop": list(piece.stop),
+                "dtype": piece.data.dtype.name,
+                "offset": offset,
+                "nbytes": raw.nbytes,
+                file_io.DIGEST: digest.hexdigest(),
+            }
+        )
+        chunks.append(raw)
+        offset += raw.nbytes
+    entry = file_io.write_file(
+        os.path.join(directory, f"{name}.bin"), chunks, sync=True, cancel=cancel
+    )
+    body = {"tag": tag, "process": process, "file": f"{name}.bin", "entry": entry}
+    temporary = os.path.join(directory, f".{name}.json")
+    with open(temporary, "w", encoding="utf-8") as f:
+        json.dump({**body, "pieces": index}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(temporary, os.path.join(directory, f"{name}.json"))
+
+
+def wait_for_parts(
+    directory: str,
+    processes: int,
+    tag: str,
+    cancel: threading.Event | None = None,
+    timeout: float | None = None,
+) -> list[dict]:
+    """Every process's index of the save `tag`, once all are written.
+
+    Raises:
+        TimeoutError: naming the processes whose part is missing.
+        SaveCancelled: if `cancel` is set while waiting.
+    """
+    if timeout is None:
+        timeout = float(os.environ.get(WAIT_ENV, _WAIT_SECONDS))
+    deadline = time.monotonic() + timeout
+    found: dict[int, dict] = {}
+    pause = 0.002
+    while True:
+        for process in range(processes):
+            if process in found:
+                continue
+            path = os.path.join(directory, f"{part_name(process)}.json")
+            try:
+                with open(path, encoding="utf-8") as f:
+                    index = json.load(f)
+            except FileNotFoundError:
+                continue
+            if index.get("tag") != tag or index.get("process") != process:
+                raise OSError(
+                    f"{path} belongs to another save ({index.get('tag')!r}, "
+                    f"not {tag!r}); the processes of this training disagree "
+                    "on which save this is."
+                )
+            found[process] = index
+        if len(found) == processes:
+            return [found[p] for p in range(processes)]
+        if cancel is not None and cancel.is_set():
+            raise SaveCancelled(f"The sharded save into {directory} was called off.")
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(processes)) - set(found))
+            raise TimeoutError(
+                f"Processes {missing} did not write their part of the save into "
+                f"{directory} within {timeout:.0f} s (set {WAIT_ENV} to wait "
+                "longer); this save is not committed."
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
+def commit_parts(
+    staging: Staging,
+    directory: str,
+    processes: int,
+    tag: str,
+    specs: list[list],
+    layouts: list[str],
+) -> None:
+    """Waits for every process's part of the save `tag`, then moves them into
+    `staging` with their table (`gather_parts()`). The parts directory is
+    removed in any case: what a failed or called-off save wrote is never
+    committed."""
+    try:
+        parts = wait_for_parts(directory, processes, tag, staging.cancel)
+        gather_parts(staging, directory, parts, specs, layouts)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def gather_parts(
+    staging: Staging,
+    directory: str,
+    indexes: list[dict],
+    specs: list[list],
+    layouts: list[str],
+) -> None:
+    """Moves the processes' files into `staging` and writes `shards.json`.
+
+    Args:
+        staging: The checkpoint's staging directory.
+        directory: The save's parts directory.
+        indexes: `wait_for_parts()`'s result.
+        specs: `[group, path, shape, dtype]` of each saved variable.
+        layouts: How each variable is laid out (`backend.sharding_text()`).
+
+    Raises:
+        OSError: if the pieces do not cover every variable exactly once.
+    """
+    variables = [
+        {
+            "path": path,
+            "group": group,
+            "shape": list(shape),
+            "dtype": dtype,
+            "layout": layout,
+            "pieces": [],
+        }
+        for (group, path, shape, dtype), layout in zip(specs, layouts, strict=True)
+    ]
+    for index in indexes:
+        name = index["file"]
+        os.rename(os.path.join(directory, name), os.path.join(staging, name))
+        staging.digests[name] = {**index["entry"], PIECEWISE: True}
+        for piece in index["pieces"]:
+            entry = {k: v for k, v in piece.items() if k != "variable"}
+            variables[piece["variable"]]["pieces"].append({"file": name, **entry})
+    for variable in variables:
+        covered = sum(_volume(p["start"], p["stop"]) for p in variable["pieces"])
+        if covered != math.prod(variable["shape"]):
+            raise OSError(
+                f"The processes' pieces of {variable['path']!r} cover {covered} "
+                f"of its {math.prod(variable['shape'])} values; this save is "
+                "not committed."
+            )
+    table = {"format": TABLE_FORMAT, "processes": len(indexes), "variables": variables}
+    staging.write_file(SHARDS_TABLE, [json.dumps(table).encode("utf-8")])
+
+
+def remove_parts(chief_dir: str, before: str | None = None) -> None:
+    """Removes parts directories: all, or those of saves older than `before`."""
+    try:
+        names = os.listdir(chief_dir)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if name.startswith(PARTS_PREFIX) and (
+            before is None or name[len(PARTS_PREFIX) :] < before
+        ):
+            shutil.rmtree(os.path.join(chief_dir, name), ignore_errors=True)
+
+
+def is_sharded_checkpoint(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, SHARDS_TABLE))
+
+
+class ShardedReader:
+    """Reads slices of the variables of a sharded checkpoint.
+
+    Each piece's checksum is checked the first time it is used; a slice is
+    put together from the pieces that overlap it.
+
+    Args:
+        directory: The checkpoint.
+        specs: `[group, path, shape, dtype]` of the variables to read, in
+            the model's order; the checkpoint must hold the same first (a
+            model without its optimizer reads the model's variables only).
+
+    Raises:
+        CorruptCheckpointError: if `shards.json` is unreadable or does not
+            describe these variables.
+    """
+
+    def __init__(self, directory: str, specs: list[list]):
+        self.directory = directory
+        path = os.path.join(directory, SHARDS_TABLE)
+        try:
+            with open(path, encoding="utf-8") as f:
+                table = json.load(f)
+        except (OSError, ValueError) as e:
+            raise CorruptCheckpointError(directory, f"{SHARDS_TABLE}: {e}") from None
+        variables = table.get("variables") if isinstance(table, dict) else None
+        if table.get("format") != TABLE_FORMAT or not isinstance(variables, list):
+            raise CorruptCheckpointError(directory, f"{SHARDS_TABLE} is malformed")
+        if len(variables) < len(specs) or any(
+            list(v.get("shape", ())) != list(s[2])
+            for v, s in zip(variables[: len(specs)], specs, strict=True)
+        ):
+            raise CorruptCheckpointError(
+                directory, f"{SHARDS_TABLE} does not list the variables of metadata"
+            )
+        self._variables = variables
+        self._maps: dict[str, mmap.mmap] = {}
+        self._checked: set[tuple[str, int]] = set()
+        self._lock = threading.Lock()
+
+    def read(self, variable: int, bounds: host.Bounds) -> np.ndarray:
+        """The slice `bounds` (start, stop) of the variable at `variable`."""
+        spec = self._variables[variable]
+        start, stop = bounds
+        dtype = np.dtype(spec["dtype"])
+        out = np.empty([b - a for a, b in zip(start, stop, strict=True)], dtype)
+        filled = 0
+        for piece in spec["pieces"]:
+            low = [max(a, b) for a, b in zip(start, piece["start"], strict=True)]
+            high = [min(a, b) for a, b in zip(stop, piece["stop"], strict=True)]
+            if any(lo >= hi for lo, hi in zip(low, high, strict=True)):
+                continue
+            values = self._piece(piece, dtype)
+            source = tuple(
+                slice(lo - p, hi - p)
+                for lo, hi, p in zip(low, high, piece["start"], strict=True)
+            )
+            target = tuple(
+                slice(lo - s, hi - s)
+                for lo, hi, s in zip(low, high, start, strict=True)
+            )
+            out[target] = values[source]
+            filled += _volume(low, high)
+        if filled != out.size:
+            raise CorruptCheckpointError(
+                self.directory,
+                f"the pieces of {spec['path']!r} do not cover {list(start)}:"
+                f"{list(stop)}",
+            )
+        return out
+
+    def _piece(self, piece: dict, dtype: np.dtype) -> np.ndarray:
+        name, offset, nbytes = piece["file"], piece["offset"], piece["nbytes"]
+        shape = [b - a for a, b in zip(piece["start"], piece["stop"], strict=True)]
+        if np.dtype(piece["dtype"]) != dtype or nbytes != math.prod(shape) * (
+            dtype.itemsize
+        ):
+            raise CorruptCheckpointError(
+                self.directory, f"a piece in {name} has the wrong size or type"
+            )
+        with self._lock:
+            mapped = self._maps.get(name)
+            if mapped is None:
+                mapped = self._maps[name] = _map(self.directory, name)
+        if offset < 0 or offset + nbytes > len(mapped):
+            raise CorruptCheckpointError(self.directory, f"{name} is too short")
+        raw = np.frombuffer(mapped, np.uint8, nbytes, offset)
+        if (name, offset) not in self._checked:
+            digest = file_io.DIGESTS[file_io.DIGEST]()
+            digest.update(raw)
+            if digest.hexdigest() != piece.get(file_io.DIGEST):
+                raise CorruptCheckpointError(
+                    self.directory,
+                    f"a piece of {name} (bytes {offset} to {offset + nbytes}) "
+                    "does not match its checksum",
+                )
+            self._checked.add((name, offset))
+        return raw.view(dtype).reshape(shape)
+
+
+def read_variables(directory: str, variables: list, specs: list[list]) -> list[Any]:
+    """Each of `variables`' values from the checkpoint, in its own layout.
+
+    Every process of a cluster calls this together: the processes agree
+    that each read its pieces intact before any value is returned.
+
+    Raises:
+        CorruptCheckpointError: on every process, if a piece any process
+            needed is damaged.
+    """
+    error: BaseException | None = None
+    values: list[Any] = []
+    try:
+        reader = ShardedReader(directory, specs)
+        for i, (variable, spec) in enumerate(zip(variables, specs, strict=True)):
+            values.append(
+                host.build_like(variable, tuple(spec[2]), _reader_of(reader, i))
+            )
+    except (CorruptCheckpointError, OSError, ValueError, KeyError, TypeError) as e:
+        error = e
+    agreed = host.all_processes_agree(error is None)
+    if error is not None:
+        if isinstance(error, CorruptCheckpointError):
+            raise error
+        raise CorruptCheckpointError(directory, f"{type(error).__name__}: {error}")
+    if not agreed:
+        raise CorruptCheckpointError(
+            directory, "another process found a damaged piece of it"
+        )
+    return values
+
+
+def _reader_of(reader: ShardedReader, i: int) -> Callable[[host.Bounds], np.ndarray]:
+    return lambda bounds: reader.read(i, bounds)
+
+
+def _map(directory: str, name: str) -> mmap.mmap:
+    if os.path.basename(name) != name or not name.endswith(".bin"):
+        raise CorruptCheckpointError(directory, f"{SHARDS_TABLE} names {name!r}")
+    path = os.path.join(directory, name)
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                return mmap.mmap(-1, 1)
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(directory, f"{name} is missing") from None
+
+
+def _volume(start: list[int], stop: list[int]) -> int:
+    return math.prod(max(0, b - a) for a, b in zip(start, stop, strict=True))

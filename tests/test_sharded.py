@@ -1,0 +1,216 @@
+"""Sharded saves: each process writes its pieces, the chief commits, any layout
+restores.
+
+The format's own tests write pieces as several processes would and read them
+back through `ShardedReader`. The cluster tests run real JAX processes on
+127.0.0.1 under `keras.distribution.ModelParallel` (kernels split across the
+devices of every process), through `examples/model_parallel_cluster.py`;
+they do not depend on the backend running the suite, so they run once, with
+the JAX suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import keras
+import numpy as np
+import pytest
+from conftest import TESTS_DIR, subprocess_env
+
+from keras_ft.checkpoint.errors import CorruptCheckpointError, SaveCancelled
+from keras_ft.checkpoint.store import CheckpointStore
+from keras_ft.distribute import sharded
+
+HARNESS = os.path.join(
+    os.path.dirname(TESTS_DIR), "examples", "model_parallel_cluster.py"
+)
+JAX_CLUSTER = pytest.mark.skipif(
+    keras.backend.backend() != "jax",
+    reason="JAX processes, whatever the suite's backend: run once, with JAX",
+)
+
+# Format: two "processes" each holding half of a (6, 8) kernel's columns;
+# process 0 also holds a scalar, as replica 0 of a replicated variable.
+KERNEL = np.arange(48, dtype=np.float32).reshape(6, 8)
+SPECS = [["model", "dense/kernel", [6, 8], "float32"], ["optimizer", "it", [], "int64"]]
+
+
+def pieces_of(process: int) -> list[sharded.Piece]:
+    columns = slice(4 * process, 4 * process + 4)
+    found = [
+        sharded.Piece(0, (0, columns.start), (6, columns.stop), KERNEL[:, columns])
+    ]
+    if process == 0:
+        found.append(sharded.Piece(1, (), (), np.array(7, np.int64)))
+    return found
+
+
+def commit(store: CheckpointStore, tag: str, processes=(0, 1), total: int = 2):
+    directory = sharded.parts_dir(store.directory, tag)
+    for process in processes:
+        sharded.write_part(directory, process, tag, pieces_of(process))
+
+    def write(staging):
+        sharded.commit_parts(staging, directory, total, tag, SPECS, ["cols", ""])
+
+    return store.save(write, {"step": 1})
+
+
+def test_pieces_of_two_processes_commit_and_any_slice_reads_back(tmp_path):
+    store = CheckpointStore(str(tmp_path / "chief"))
+    checkpoint = commit(store, "00000001-000000000001")
+    assert sorted(os.listdir(checkpoint.path)) == [
+        "manifest.json", "metadata.json", "shards-00000.bin", "shards-00001.bin",
+        "shards.json",
+    ]  # fmt: skip
+    store.verify(checkpoint)  # Whole files, as `keras-ft verify` checks them.
+    reader = sharded.ShardedReader(checkpoint.path, SPECS)
+    # A slice across both processes' pieces, one inside one, the whole.
+    np.testing.assert_array_equal(reader.read(0, ((1, 2), (5, 7))), KERNEL[1:5, 2:7])
+    np.testing.assert_array_equal(reader.read(0, ((0, 5), (6, 8))), KERNEL[:, 5:])
+    np.testing.assert_array_equal(reader.read(0, ((0, 0), (6, 8))), KERNEL)
+    assert reader.read(1, ((), ())) == 7
+    with open(os.path.join(checkpoint.path, "shards.json")) as f:
+        table = json.load(f)
+    assert table["processes"] == 2
+    assert [len(v["pieces"]) for v in table["variables"]] == [2, 1]
+    assert table["variables"][0]["shape"] == [6, 8]
+    # The parts directory went into the checkpoint.
+    assert not [n for n in os.listdir(store.directory) if n.startswith(".parts-")]
+
+
+def test_a_damaged_piece_is_caught_by_whoever_reads_it(tmp_path):
+    store = CheckpointStore(str(tmp_path / "chief"))
+    checkpoint = commit(store, "00000001-000000000001")
+    path = os.path.join(checkpoint.path, "shards-00001.bin")
+    with open(path, "r+b") as f:
+        f.seek(8)
+        byte = f.read(1)
+        f.seek(8)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    # A restore checks the small files whole and each piece it reads.
+    store.verify(checkpoint, whole=False)
+    reader = sharded.ShardedReader(checkpoint.path, SPECS)
+    np.testing.assert_array_equal(reader.read(0, ((0, 0), (6, 4))), KERNEL[:, :4])
+    with pytest.raises(CorruptCheckpointError, match="shards-00001.bin.*checksum"):
+        reader.read(0, ((0, 3), (6, 6)))
+    with pytest.raises(CorruptCheckpointError, match="shards-00001.bin"):
+        store.verify(checkpoint)  # `keras-ft verify` checks whole files.
+
+
+def test_a_process_missing_from_a_save_commits_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv(sharded.WAIT_ENV, "1")
+    store = CheckpointStore(str(tmp_path / "chief"))
+    first = commit(store, "00000001-000000000001")
+    with pytest.raises(TimeoutError, match=r"Processes \[1\] did not write"):
+        commit(store, "00000002-000000000002", processes=(0,))
+    assert store.checkpoints() == [first]
+    # Pieces that do not cover a variable: not committed either.
+    directory = sharded.parts_dir(store.directory, "00000003-000000000003")
+    sharded.write_part(directory, 0, "00000003-000000000003", pieces_of(0))
+
+    def write(staging):
+        parts = sharded.wait_for_parts(directory, 1, "00000003-000000000003")
+        sharded.gather_parts(staging, directory, parts, SPECS, ["", ""])
+
+    with pytest.raises(OSError, match="cover 24 of its 48 values"):
+        store.save(write, {})
+    assert store.checkpoints() == [first]
+    sharded.remove_parts(store.directory)
+    assert not [n for n in os.listdir(store.directory) if n.startswith(".parts-")]
+
+
+def test_waiting_for_parts_can_be_called_off_and_refuses_another_saves_part(
+    tmp_path,
+):
+    directory = str(tmp_path / "parts")
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(SaveCancelled):
+        sharded.wait_for_parts(directory, 2, "a", cancel)
+    sharded.write_part(directory, 0, "b", pieces_of(0))
+    with pytest.raises(OSError, match="belongs to another save"):
+        sharded.wait_for_parts(directory, 1, "a")
+
+
+# Real clusters.
+
+
+def run(backup_dir: str, *args: str, timeout: float = 300) -> dict:
+    result = subprocess.run(
+        [sys.executable, HARNESS, "--backup-dir", backup_dir, "--json", "--quiet",
+         *args],
+        capture_output=True, text=True, env=subprocess_env(), timeout=timeout,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
+    outcome = json.loads(line[len("RESULT ") :])
+    assert set(outcome["exit_codes"]) == {0}, result.stdout[-3000:]
+    return outcome
+
+
+def one(values: list) -> object:
+    """The value every process reported (they must agree)."""
+    assert len(set(values)) == 1, values
+    return values[0]
+
+
+@JAX_CLUSTER
+def test_a_killed_process_resumes_with_the_weights_of_an_uninterrupted_run(tmp_path):
+    common = ["--processes", "2", "--devices", "2", "--epochs", "3",
+              "--save-freq", "3", "--seconds-per-batch", "0.05"]  # fmt: skip
+    reference = run(str(tmp_path / "reference"), *common)
+    backup_dir = str(tmp_path / "backup")
+    killed = run(backup_dir, *common, "--kill-after-commit", "--seed", "2")
+    victim = killed["victim"]
+    assert killed["exit_codes_after_kill"][str(victim)] == -9  # SIGKILL, for real.
+    resumed = one(killed["resumed_steps"])
+    assert 0 < resumed <= killed["killed_after_step"] and resumed % 3 == 0
+    assert one(killed["final_steps"]) == one(reference["final_steps"]) == 24
+    assert one(killed["final_digests"]) == one(reference["final_digests"])
+    # Both processes wrote their own file of every checkpoint kept.
+    store = CheckpointStore(os.path.join(backup_dir, "chief"))
+    for checkpoint in store.checkpoints():
+        store.verify(checkpoint)
+        names = sorted(os.listdir(checkpoint.path))
+        assert [n for n in names if n.startswith("shards-")] == [
+            "shards-00000.bin", "shards-00001.bin"
+        ]  # fmt: skip
+    assert sorted(os.listdir(store.directory)) == [
+        ".lock", *[c.name for c in store.checkpoints()]
+    ]  # fmt: skip
+
+
+@JAX_CLUSTER
+def test_four_processes_backup_restores_into_two_into_one_and_back(tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    # 4 processes, one device each; every save measured.
+    four = run(backup_dir, "--processes", "4", "--epochs", "1", "--save-freq", "4",
+               "--units", "1024", "--measure-memory")  # fmt: skip
+    shares = four["shares"]
+    total = sum(shares)
+    assert len(shares) == 4 and min(shares) > 0.24 * total
+    # Each process's extra host memory during a save is its share.
+    for peak, share in zip(four["save_peaks"], shares, strict=True):
+        assert share <= peak <= 1.2 * share, (peak, share)
+    # Into 2 processes of 2 devices: another mesh, each reads half.
+    two = run(backup_dir, "--processes", "2", "--devices", "2", "--epochs", "2",
+              "--units", "1024")  # fmt: skip
+    assert one(two["resumed_steps"]) == 8
+    assert one(two["restored_digests"]) == one(four["final_digests"])
+    assert len(two["shares"]) == 2
+    # Into one process (4 devices): written whole, as on one host.
+    single = run(backup_dir, "--processes", "1", "--devices", "4", "--epochs", "3",
+                 "--units", "1024")  # fmt: skip
+    assert one(single["restored_digests"]) == one(two["final_digests"])
+    assert single["shares"] is None
+    # And back into 4 processes.
+    again = run(backup_dir, "--processes", "4", "--epochs", "4", "--units", "1024")
+    assert one(again["resumed_steps"]) == 24
+    assert one(again["restored_digests"]) == one(single["final_digests"])
+    assert one(again["final_steps"]) == 32
