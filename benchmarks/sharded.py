@@ -1,0 +1,272 @@
+"""Sharded saves across JAX processes: keras-ft vs Orbax's `CheckpointManager`.
+
+N JAX processes on 127.0.0.1 (one CPU device each) train one MLP under
+`keras.distribution.ModelParallel`, every kernel split across all processes'
+devices, and save every few batches with:
+
+- no callback;
+- `keras_ft.BackupAndRestore` (asynchronous; each process writes its pieces,
+  the chief commits);
+- Orbax's own `CheckpointManager` with the same sharding, asynchronous
+  (`enable_async_checkpointing=True`), saving the model's and optimizer's
+  arrays as they are (`StandardSave`), from a callback.
+
+For N = 1, 2 and 4 it reports the fit time each adds per save, the bytes each
+process writes, keras-ft's chief commit time (from the moment every process's
+part is on disk to the rename: the part of a save that does not shrink as
+processes are added), and the time to restore the last save into the running
+processes, checksums verified (keras-ft, `WorkerTrainingState.restore()`)
+against `CheckpointManager.restore()` into the same shardings, page cache warm.
+
+Needs `orbax-checkpoint` (installed by `make bench` for this script only).
+Run: `python benchmarks/sharded.py [--processes 1 2 4] [--units 2048]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+
+from local_cluster import free_ports  # noqa: E402
+
+FEATURES, BATCH = 256, 32
+
+
+def worker(args: argparse.Namespace) -> None:
+    import jax
+
+    count = args.processes[0]  # A worker is told one process count.
+    if count > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{args.port}",
+            num_processes=count,
+            process_id=args.index,
+        )
+    import keras
+    import numpy as np
+
+    import keras_ft
+    from keras_ft.distribute import sharded
+
+    devices = jax.devices()
+    mesh = keras.distribution.DeviceMesh(
+        (1, len(devices)), ("batch", "model"), devices=devices
+    )
+    layout_map = keras.distribution.LayoutMap(mesh)
+    layout_map[".*hidden.*kernel"] = (None, "model")
+    layout_map[".*hidden.*bias"] = ("model",)
+    layout_map[".*output.*kernel"] = ("model", None)
+    keras.distribution.set_distribution(
+        keras.distribution.ModelParallel(
+            layout_map=layout_map, batch_dim_name="batch", auto_shard_dataset=False
+        )
+    )
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(args.units, name="hidden_1"),
+            keras.layers.Dense(args.units, name="hidden_2"),
+            keras.layers.Dense(FEATURES, name="output"),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(1e-5), "mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH * args.batches, FEATURES)).astype("float32")
+    model.fit(x[:BATCH], x[:BATCH], batch_size=BATCH, verbose=0)  # Compile.
+    directory = os.path.join(args.dir, args.callback)
+    commits: list[float] = []
+    callbacks: list = []
+    manager = None
+
+    def state_of(m: keras.Model) -> list:
+        return [v.value for v in m.weights + m.optimizer.variables]
+
+    if args.callback == "keras-ft":
+        # The chief's commit: from "every part is on disk" (one process: its
+        # weights file written) to the rename.
+        from keras_ft import worker_training_state
+
+        ready: list[float] = []
+
+        def timed(function):
+            def wrapper(*a, **k):
+                result = function(*a, **k)
+                ready.append(time.perf_counter())
+                return result
+
+            return wrapper
+
+        sharded.wait_for_parts = timed(sharded.wait_for_parts)
+        worker_training_state.write_snapshot = timed(
+            worker_training_state.write_snapshot
+        )
+
+        class Commits(keras_ft.CheckpointListener):
+            def after_commit(self, path, epoch, step):
+                commits.append(time.perf_counter() - ready[-1])
+
+        callbacks = [
+            keras_ft.BackupAndRestore(
+                directory, save_freq=args.every, delete_checkpoint=False,
+                listeners=[Commits()], verbose=0,
+            )
+        ]  # fmt: skip
+    elif args.callback == "orbax":
+        import orbax.checkpoint as ocp
+
+        manager = ocp.CheckpointManager(
+            directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=2, enable_async_checkpointing=True
+            ),
+        )
+
+        class OrbaxSaves(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if (batch + 1) % args.every == 0:
+                    iterations = self.model.optimizer.iterations
+                    step = int(keras.ops.convert_to_numpy(iterations))
+                    saved = ocp.args.StandardSave(state_of(self.model))
+                    manager.save(step, args=saved)
+
+            def on_train_end(self, logs=None):
+                manager.wait_until_finished()
+
+        callbacks = [OrbaxSaves()]
+    start = time.perf_counter()
+    model.fit(x, x, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=callbacks)  # fmt: skip
+    if args.callback == "keras-ft":
+        keras_ft.wait_for_backups()
+    if count > 1:  # The chief's last commit is done before anyone restores.
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("fit done")
+    fit = time.perf_counter() - start
+    restore = None
+    if args.callback == "keras-ft":
+        state = keras_ft.WorkerTrainingState(model, directory)
+        start = time.perf_counter()
+        state.restore()
+        jax.block_until_ready(state_of(model))
+        restore = time.perf_counter() - start
+    elif manager is not None:
+        import orbax.checkpoint as ocp
+
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_of(model))
+        start = time.perf_counter()
+        values = manager.restore(
+            manager.latest_step(), args=ocp.args.StandardRestore(abstract)
+        )
+        for variable, value in zip(
+            model.weights + model.optimizer.variables, values, strict=True
+        ):
+            variable.assign(value)
+        jax.block_until_ready(state_of(model))
+        restore = time.perf_counter() - start
+        manager.close()
+    params = sum(int(np.prod(v.shape)) for v in model.weights)
+    print("RESULT " + json.dumps({"fit": fit, "restore": restore, "params": params,
+                                  "commits": commits}), flush=True)  # fmt: skip
+
+
+def launch(args: argparse.Namespace, processes: int, callback: str, root: str):
+    port = free_ports(1)[0]
+    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")  # fmt: skip
+    env["PYTHONPATH"] = os.path.dirname(HERE)
+    command = [
+        sys.executable, __file__, "--worker", "0", "--processes", str(processes),
+        "--callback", callback, "--dir", root, "--port", str(port),
+        "--units", str(args.units), "--batches", str(args.batches),
+        "--every", str(args.every),
+    ]  # fmt: skip
+    procs = []
+    for i in range(processes):
+        command[command.index("--worker") + 1] = str(i)
+        procs.append(
+            subprocess.Popen(list(command), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+        )  # fmt: skip
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=1800)
+        if p.returncode != 0:
+            raise RuntimeError(f"{callback} x{processes} failed:\n{err[-3000:]}")
+        line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+        results.append(json.loads(line[len("RESULT ") :]))
+    return results
+
+
+def shares(root: str) -> list[int]:
+    chief = os.path.join(root, "keras-ft", "chief")
+    newest = sorted(n for n in os.listdir(chief) if n.startswith("ckpt-"))[-1]
+    path = os.path.join(chief, newest)
+    names = sorted(n for n in os.listdir(path) if n.startswith("shards-"))
+    if not names:  # One process: whole arrays, one weights file.
+        return [os.path.getsize(os.path.join(path, "model.weights.h5"))]
+    return [os.path.getsize(os.path.join(path, n)) for n in names]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--processes", type=int, nargs="*", default=[1, 2, 4])
+    parser.add_argument("--units", type=int, default=2048)
+    parser.add_argument("--batches", type=int, default=30)
+    parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--worker", type=int, dest="index")
+    parser.add_argument("--callback", default="none")
+    parser.add_argument("--dir")
+    parser.add_argument("--port", type=int)
+    args = parser.parse_args()
+    if args.index is not None:
+        worker(args)
+        return
+    saves = args.batches // args.every
+    rows = []
+    for processes in args.processes:
+        root = tempfile.mkdtemp(prefix="keras-ft-sharded-bench-")
+        try:
+            base = max(r["fit"] for r in launch(args, processes, "none", root))
+            ft = launch(args, processes, "keras-ft", root)
+            orbax = launch(args, processes, "orbax", root)
+            per_process = shares(root)
+            params = ft[0]["params"]
+            commits = ft[0]["commits"]
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        added_ft = (max(r["fit"] for r in ft) - base) / saves * 1000
+        added_orbax = (max(r["fit"] for r in orbax) - base) / saves * 1000
+        restore_ft = max(r["restore"] for r in ft)
+        restore_orbax = max(r["restore"] for r in orbax)
+        commit = sorted(commits)[len(commits) // 2]  # The median.
+        rows.append((processes, params, per_process, added_ft, added_orbax,
+                     restore_ft, restore_orbax, commit))  # fmt: skip
+    print(f"\n{params / 1e6:.1f}M-parameter MLP + Adam, ModelParallel over N JAX "
+          f"processes (1 CPU device each), {args.batches} batches, a save every "
+          f"{args.every}.\n")  # fmt: skip
+    print(
+        "| processes | MB per process | added ms/save keras-ft | Orbax | ratio "
+        "| restore s keras-ft | Orbax | Orbax/keras-ft | chief commit ms |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for n, _, per, a_ft, a_ox, r_ft, r_ox, commit in rows:
+        mb = "/".join(f"{b / 1e6:.0f}" for b in per)
+        ratio = a_ft / a_ox if a_ox > 0 else float("nan")
+        print(f"| {n} | {mb} | {a_ft:.0f} | {a_ox:.0f} | {ratio:.2f} | {r_ft:.3f} "
+              f"| {r_ox:.3f} | {r_ox / r_ft:.1f}x | {commit * 1000:.1f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
