@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -86,6 +87,7 @@ def worker(args: argparse.Namespace) -> None:
     model.fit(x[:BATCH], x[:BATCH], batch_size=BATCH, verbose=0)  # Compile.
     directory = os.path.join(args.dir, args.callback)
     commits: list[float] = []
+    blocked: list[float] = []
     callbacks: list = []
     manager = None
 
@@ -108,6 +110,17 @@ def worker(args: argparse.Namespace) -> None:
             return wrapper
 
         sharded.wait_for_parts = timed(sharded.wait_for_parts)
+        # The part of each save the training thread waits for.
+        back_up = keras_ft.WorkerTrainingState.back_up
+
+        def blocking(self, *a, **k):
+            started = time.perf_counter()
+            try:
+                return back_up(self, *a, **k)
+            finally:
+                blocked.append(time.perf_counter() - started)
+
+        keras_ft.WorkerTrainingState.back_up = blocking
         worker_training_state.write_snapshot = timed(
             worker_training_state.write_snapshot
         )
@@ -177,8 +190,9 @@ def worker(args: argparse.Namespace) -> None:
         restore = time.perf_counter() - start
         manager.close()
     params = sum(int(np.prod(v.shape)) for v in model.weights)
-    print("RESULT " + json.dumps({"fit": fit, "restore": restore, "params": params,
-                                  "commits": commits}), flush=True)  # fmt: skip
+    result = {"fit": fit, "restore": restore, "params": params, "commits": commits,
+              "blocked": blocked}  # fmt: skip
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 def launch(args: argparse.Namespace, processes: int, callback: str, root: str):
@@ -250,21 +264,22 @@ def main() -> None:
         added_orbax = (max(r["fit"] for r in orbax) - base) / saves * 1000
         restore_ft = max(r["restore"] for r in ft)
         restore_orbax = max(r["restore"] for r in orbax)
-        commit = sorted(commits)[len(commits) // 2]  # The median.
+        commit = statistics.median(commits)
+        blocked = max(statistics.median(r["blocked"]) for r in ft)
         rows.append((processes, params, per_process, added_ft, added_orbax,
-                     restore_ft, restore_orbax, commit))  # fmt: skip
+                     restore_ft, restore_orbax, commit, blocked))  # fmt: skip
     print(f"\n{params / 1e6:.1f}M-parameter MLP + Adam, ModelParallel over N JAX "
           f"processes (1 CPU device each), {args.batches} batches, a save every "
           f"{args.every}.\n")  # fmt: skip
-    print(
-        "| processes | MB per process | added ms/save keras-ft | Orbax | ratio "
-        "| restore s keras-ft | Orbax | Orbax/keras-ft | chief commit ms |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for n, _, per, a_ft, a_ox, r_ft, r_ox, commit in rows:
+    print("| processes | MB per process | added ms/save keras-ft | Orbax | ratio "
+          "| keras-ft in fit thread ms | restore s keras-ft | Orbax | Orbax/keras-ft "
+          "| chief commit ms |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for n, _, per, a_ft, a_ox, r_ft, r_ox, commit, blocked in rows:
         mb = "/".join(f"{b / 1e6:.0f}" for b in per)
         ratio = a_ft / a_ox if a_ox > 0 else float("nan")
-        print(f"| {n} | {mb} | {a_ft:.0f} | {a_ox:.0f} | {ratio:.2f} | {r_ft:.3f} "
+        print(f"| {n} | {mb} | {a_ft:.0f} | {a_ox:.0f} | {ratio:.2f} "
+              f"| {blocked * 1000:.0f} | {r_ft:.3f} "
               f"| {r_ox:.3f} | {r_ox / r_ft:.1f}x | {commit * 1000:.1f} |")  # fmt: skip
 
 

@@ -31,7 +31,6 @@ import sys
 import tempfile
 import threading
 import time
-import tracemalloc
 
 from local_cluster import EXAMPLES_DIR, emit, free_ports
 
@@ -105,8 +104,9 @@ def run_worker(args: argparse.Namespace) -> None:
             time.sleep(args.seconds_per_batch)
 
     class SaveMemory(keras.callbacks.Callback):
-        """Host memory a save allocates (NumPy reports to tracemalloc): one
-        of these goes before the backup callback, one after."""
+        """The process's peak resident memory during a save, above what it
+        held before (Linux: the high-water mark, reset before each save).
+        One of these goes before the backup callback, one after."""
 
         peak = 0
 
@@ -116,10 +116,11 @@ def run_worker(args: argparse.Namespace) -> None:
 
         def on_train_batch_end(self, batch, logs=None):
             if self.before:
-                tracemalloc.reset_peak()
-                SaveMemory.base = tracemalloc.get_traced_memory()[0]
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # Resets VmHWM to the current VmRSS.
+                SaveMemory.base = memory("VmRSS")
             else:
-                extra = tracemalloc.get_traced_memory()[1] - SaveMemory.base
+                extra = memory("VmHWM") - SaveMemory.base
                 SaveMemory.peak = max(SaveMemory.peak, extra)
 
     backup = keras_ft.BackupAndRestore(
@@ -133,11 +134,19 @@ def run_worker(args: argparse.Namespace) -> None:
     )
     callbacks = [backup, Report()]
     if args.measure_memory:
-        tracemalloc.start()
         callbacks = [SaveMemory(True), backup, SaveMemory(False), Report()]
     model.fit(x, y, batch_size=BATCH, epochs=args.epochs, shuffle=False,
               verbose=0, callbacks=callbacks)  # fmt: skip
     emit("done", step=step(model), digest=digest(model), save_peak=SaveMemory.peak)
+
+
+def memory(field: str) -> int:
+    """A `/proc/self/status` memory field, in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
 
 
 class Worker:

@@ -348,11 +348,11 @@ class WorkerTrainingState:
                 self._state.optimizer_step(),
             )
             snapshot = self._state.snapshot(epochs_completed, batches_completed, extra)
-            pieces = snapshot.pieces
+            share = snapshot.share
         else:
-            pieces = self._state.pieces()
+            share = self._state.share()
         specs = self._state.variable_specs()
-        bad = sharded.non_finite(pieces, [spec[1] for spec in specs])
+        bad = sharded.non_finite(share, [spec[1] for spec in specs])
         # A piece only one process holds may be the one that is not finite.
         if not host.all_processes_agree(not bad):
             raise NonFiniteStateError(bad or ["(a piece another process holds)"])
@@ -362,7 +362,7 @@ class WorkerTrainingState:
         process = self.task.task_index
         if not chief:
             self._writer.submit(
-                lambda previous: sharded.write_part(directory, process, tag, pieces)
+                lambda previous: sharded.write_part(directory, process, tag, share)
             )
             if not self.async_save:
                 self._writer.wait()
@@ -371,14 +371,12 @@ class WorkerTrainingState:
         processes = self.task.num_workers
 
         def write(staging: Staging) -> None:
-            sharded.write_part(directory, process, tag, snapshot.pieces or [])
-            snapshot.pieces = None  # Written: this share's memory goes.
+            sharded.write_part(directory, process, tag, share)
             # Parts of saves called off (or killed) before this one.
             sharded.remove_parts(chief_dir(self.backup_dir), before=tag)
             sharded.commit_parts(staging, directory, processes, tag, specs, layouts)
             staging.write_file(arrays.ARRAYS_FILE, [arrays.to_bytes(snapshot.arrays)])
 
-        pieces = None  # The write frees the snapshot's once written.
         cancel = threading.Event()
         replaced = self._last[1] if replaces_last and self._last else None
         if replaces_last and self._last:

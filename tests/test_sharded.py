@@ -40,14 +40,12 @@ KERNEL = np.arange(48, dtype=np.float32).reshape(6, 8)
 SPECS = [["model", "dense/kernel", [6, 8], "float32"], ["optimizer", "it", [], "int64"]]
 
 
-def pieces_of(process: int) -> list[sharded.Piece]:
+def pieces_of(process: int) -> sharded.Share:
     columns = slice(4 * process, 4 * process + 4)
-    found = [
-        sharded.Piece(0, (0, columns.start), (6, columns.stop), KERNEL[:, columns])
-    ]
+    found = [(0, (0, columns.start), (6, columns.stop), KERNEL[:, columns])]
     if process == 0:
-        found.append(sharded.Piece(1, (), (), np.array(7, np.int64)))
-    return found
+        found.append((1, (), (), np.array(7, np.int64)))
+    return sharded.Share.copy_of(found)
 
 
 def commit(store: CheckpointStore, tag: str, processes=(0, 1), total: int = 2):
@@ -125,6 +123,22 @@ def test_a_process_missing_from_a_save_commits_nothing(tmp_path, monkeypatch):
     assert not [n for n in os.listdir(store.directory) if n.startswith(".parts-")]
 
 
+def test_a_share_is_one_aligned_image_reused_by_the_next_copy():
+    first = pieces_of(0)
+    assert [p.offset for p in first.pieces] == [0, 128]  # 64-byte aligned.
+    assert first.size == 128 + 8
+    image = np.frombuffer(first.image(), np.uint8)
+    np.testing.assert_array_equal(image[:96].view(np.float32), KERNEL[:, :4].ravel())
+    # The next save's copy goes into the same memory, the new values in it.
+    changed = [(0, (0, 0), (6, 4), KERNEL[:, :4] + 1), (1, (), (), np.array(8))]
+    second = sharded.Share.copy_of(changed, reuse=first)
+    assert second is first
+    np.testing.assert_array_equal(second.pieces[0].data, KERNEL[:, :4] + 1)
+    # Another layout gets its own.
+    other = [(0, (0, 0), (3, 8), KERNEL[:3])]
+    assert sharded.Share.copy_of(other, reuse=first) is not first
+
+
 def test_waiting_for_parts_can_be_called_off_and_refuses_another_saves_part(
     tmp_path,
 ):
@@ -191,7 +205,7 @@ def test_four_processes_backup_restores_into_two_into_one_and_back(tmp_path):
     backup_dir = str(tmp_path / "backup")
     # 4 processes, one device each; every save measured.
     four = run(backup_dir, "--processes", "4", "--epochs", "1", "--save-freq", "4",
-               "--units", "1024", "--measure-memory")  # fmt: skip
+               "--units", "2048", "--measure-memory")  # fmt: skip
     shares = four["shares"]
     total = sum(shares)
     assert len(shares) == 4 and min(shares) > 0.24 * total
@@ -200,17 +214,17 @@ def test_four_processes_backup_restores_into_two_into_one_and_back(tmp_path):
         assert share <= peak <= 1.2 * share, (peak, share)
     # Into 2 processes of 2 devices: another mesh, each reads half.
     two = run(backup_dir, "--processes", "2", "--devices", "2", "--epochs", "2",
-              "--units", "1024")  # fmt: skip
+              "--units", "2048")  # fmt: skip
     assert one(two["resumed_steps"]) == 8
     assert one(two["restored_digests"]) == one(four["final_digests"])
     assert len(two["shares"]) == 2
     # Into one process (4 devices): written whole, as on one host.
     single = run(backup_dir, "--processes", "1", "--devices", "4", "--epochs", "3",
-                 "--units", "1024")  # fmt: skip
+                 "--units", "2048")  # fmt: skip
     assert one(single["restored_digests"]) == one(two["final_digests"])
     assert single["shares"] is None
     # And back into 4 processes.
-    again = run(backup_dir, "--processes", "4", "--epochs", "4", "--units", "1024")
+    again = run(backup_dir, "--processes", "4", "--epochs", "4", "--units", "2048")
     assert one(again["resumed_steps"]) == 24
     assert one(again["restored_digests"]) == one(single["final_digests"])
     assert one(again["final_steps"]) == 32

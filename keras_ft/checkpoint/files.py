@@ -109,6 +109,8 @@ class Staging(os.PathLike):
         self.recycle = recycle
         self.sync = sync
         self.digests: dict[str, dict[str, Any]] = {}
+        # Files put here already on disk (fsync'ed by whoever wrote them).
+        self.synced: set[str] = set()
 
     def __fspath__(self) -> str:
         return self.path

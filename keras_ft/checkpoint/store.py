@@ -356,8 +356,9 @@ class CheckpointStore:
             )
             # Every file and the directory reach the disk before the commit;
             # synced together, the filesystem can flush them in one go.
+            unsynced = [n for n in (*files, MANIFEST_FILE) if n not in written.synced]
             file_io.fsync_together(
-                [os.path.join(staging, n) for n in (*files, MANIFEST_FILE)] + [staging]
+                [os.path.join(staging, n) for n in unsynced] + [staging]
             )
             if after is not None:
                 after()

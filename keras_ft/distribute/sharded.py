@@ -62,19 +62,77 @@ _ALIGN = 64  # Each piece starts on a cache line: aligned views on restore.
 
 @dataclasses.dataclass
 class Piece:
-    """One slice of one variable, copied to host memory.
+    """One slice of one variable, in host memory.
 
     Attributes:
         variable: The variable's index in the saved order.
         start: First index of the slice, per dimension.
         stop: End of the slice (exclusive), per dimension.
         data: The values.
+        offset: Where they lie in the process's file.
     """
 
     variable: int
     start: tuple[int, ...]
     stop: tuple[int, ...]
     data: np.ndarray
+    offset: int = 0
+
+
+class Share:
+    """A process's pieces, copied back to back into one page-aligned buffer
+    laid out as its file: one sequential write, direct I/O where the
+    filesystem allows it, and the same memory for every save.
+
+    Args:
+        layout: `(variable, start, stop, dtype)` of each piece.
+    """
+
+    def __init__(self, layout: list[tuple[int, tuple, tuple, np.dtype]]):
+        self.layout = layout
+        offsets, size = [], 0
+        for _, start, stop, dtype in layout:
+            size += -size % _ALIGN
+            offsets.append(size)
+            size += _volume(start, stop) * np.dtype(dtype).itemsize
+        self.size = size
+        # Anonymous memory: page-aligned, and its pages are the process's
+        # own share, never another copy of the variables.
+        self._buffer = mmap.mmap(-1, max(size, 1))
+        whole = np.frombuffer(self._buffer, np.uint8)
+        self.pieces = [
+            Piece(
+                variable,
+                start,
+                stop,
+                whole[offset : offset + _volume(start, stop) * np.dtype(dtype).itemsize]
+                .view(dtype)
+                .reshape([b - a for a, b in zip(start, stop, strict=True)]),
+                offset,
+            )
+            for (variable, start, stop, dtype), offset in zip(
+                layout, offsets, strict=True
+            )
+        ]
+
+    @classmethod
+    def copy_of(
+        cls,
+        values: list[tuple[int, tuple, tuple, np.ndarray]],
+        reuse: Share | None = None,
+    ) -> Share:
+        """A share holding a copy of `values`, `(variable, start, stop, array)`;
+        in `reuse`'s memory if it has the same layout (it must be written
+        out by now)."""
+        layout = [(i, start, stop, a.dtype) for i, start, stop, a in values]
+        share = reuse if reuse is not None and reuse.layout == layout else cls(layout)
+        for piece, (*_, array) in zip(share.pieces, values, strict=True):
+            np.copyto(piece.data, array)
+        return share
+
+    def image(self) -> memoryview:
+        """The file's bytes."""
+        return memoryview(self._buffer)[: self.size]
 
 
 def is_sharded(variables: list) -> bool:
@@ -82,18 +140,20 @@ def is_sharded(variables: list) -> bool:
     return any(host.spans_processes(v) for v in variables)
 
 
-def take_pieces(variables: list) -> list[Piece]:
-    """Copies this process's pieces of `variables` (its share) to host memory."""
-    return [
-        Piece(i, start, stop, np.array(view, copy=True))
+def take_share(variables: list, reuse: Share | None = None) -> Share:
+    """Copies this process's pieces of `variables` to host memory (see
+    `Share.copy_of()` for `reuse`)."""
+    values = [
+        (i, start, stop, view)
         for i, variable in enumerate(variables)
         for (start, stop), view in host.own_pieces(variable)
     ]
+    return Share.copy_of(values, reuse)
 
 
-def non_finite(pieces: list[Piece], names: list[str]) -> list[str]:
+def non_finite(share: Share, names: list[str]) -> list[str]:
     """Names of the variables of which a piece holds a NaN or an infinity."""
-    bad = {p.variable for p in pieces if not all_finite(p.data.reshape(-1))}
+    bad = {p.variable for p in share.pieces if not all_finite(p.data.reshape(-1))}
     return [names[i] for i in sorted(bad)]
 
 
@@ -110,38 +170,32 @@ def write_part(
     directory: str,
     process: int,
     tag: str,
-    pieces: list[Piece],
+    share: Share,
     cancel: threading.Event | None = None,
 ) -> None:
     """Writes this process's pieces and, last, their index: its part is done."""
     os.makedirs(directory, exist_ok=True)
     name = part_name(process)
-    chunks: list[Any] = []
     index = []
-    offset = 0
-    for piece in pieces:
-        pad = -offset % _ALIGN
-        if pad:
-            chunks.append(bytes(pad))
-            offset += pad
-        raw = np.ascontiguousarray(piece.data).reshape(-1).view(np.uint8)
+    for piece in share.pieces:
         digest = file_io.DIGESTS[file_io.DIGEST]()
-        digest.update(raw)
+        digest.update(piece.data.reshape(-1).view(np.uint8))
         index.append(
             {
                 "variable": piece.variable,
                 "start": list(piece.start),
                 "stop": list(piece.stop),
                 "dtype": piece.data.dtype.name,
-                "offset": offset,
-                "nbytes": raw.nbytes,
+                "offset": piece.offset,
+                "nbytes": piece.data.nbytes,
                 file_io.DIGEST: digest.hexdigest(),
             }
         )
-        chunks.append(raw)
-        offset += raw.nbytes
     entry = file_io.write_file(
-        os.path.join(directory, f"{name}.bin"), chunks, sync=True, cancel=cancel
+        os.path.join(directory, f"{name}.bin"),
+        [share.image()],
+        sync=True,
+        cancel=cancel,
     )
     body = {"tag": tag, "process": process, "file": f"{name}.bin", "entry": entry}
     temporary = os.path.join(directory, f".{name}.json")
@@ -255,6 +309,7 @@ def gather_parts(
         name = index["file"]
         os.rename(os.path.join(directory, name), os.path.join(staging, name))
         staging.digests[name] = {**index["entry"], PIECEWISE: True}
+        staging.synced.add(name)  # Its process fsync'ed it before its index.
         for piece in index["pieces"]:
             entry = {k: v for k, v in piece.items() if k != "variable"}
             variables[piece["variable"]]["pieces"].append({"file": name, **entry})
@@ -332,6 +387,12 @@ class ShardedReader:
         spec = self._variables[variable]
         start, stop = bounds
         dtype = np.dtype(spec["dtype"])
+        for piece in spec["pieces"]:
+            if tuple(piece["start"]) == tuple(start) and tuple(piece["stop"]) == (
+                tuple(stop)
+            ):
+                # The same layout as saved: the piece itself, not a copy.
+                return self._piece(piece, dtype)
         out = np.empty([b - a for a, b in zip(start, stop, strict=True)], dtype)
         filled = 0
         for piece in spec["pieces"]:

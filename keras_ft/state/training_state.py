@@ -89,13 +89,13 @@ class Snapshot:
     metadata: dict
     arrays: dict[str, np.ndarray]
     # A sharded save's: this process's pieces (then `weights` is `None`).
-    pieces: list[sharded.Piece] | None = None
+    share: sharded.Share | None = None
 
     def release(self) -> None:
         """Frees the weights' buffer for the next copy; the write is over."""
         if self.weights is not None:
             self.weights.release()
-        self.pieces = None
+        self.share = None
 
 
 class TrainingState:
@@ -108,6 +108,7 @@ class TrainingState:
     def __init__(self, model: keras.Model):
         self.model = model
         self._weights = WeightsLayout(model)
+        self._share: sharded.Share | None = None  # The last sharded copy.
 
     def snapshot(
         self,
@@ -147,14 +148,18 @@ class TrainingState:
         metadata["state"], state_arrays = arrays.split(tree)
         if self.sharded():
             # Each process copies its share; no weights file is written.
-            pieces = sharded.take_pieces(self.saved_variables())
-            return Snapshot(None, metadata, state_arrays, pieces)
+            return Snapshot(None, metadata, state_arrays, self.share())
         captured = self._weights.capture(copy=copy, fill=fill)
         return Snapshot(captured, metadata, state_arrays)
 
-    def pieces(self) -> list[sharded.Piece]:
-        """This process's pieces of a sharded save (see `sharded()`), copied."""
-        return sharded.take_pieces(self.saved_variables())
+    def share(self) -> sharded.Share:
+        """This process's pieces of a sharded save (see `sharded()`), copied.
+
+        The copy reuses the previous one's memory: call it only once that
+        was written out.
+        """
+        self._share = sharded.take_share(self.saved_variables(), self._share)
+        return self._share
 
     def sharded(self) -> bool:
         """Whether a save must be sharded: a variable is split across processes
