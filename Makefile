@@ -62,6 +62,9 @@ bench: venv
 	$(PY) benchmarks/object_storage.py
 	$(PY) -m pip install -q orbax-checkpoint  # Keras' OrbaxCheckpoint, the peer.
 	$(PY) benchmarks/orbax_peer.py
+	$(PY) benchmarks/orbax_peer.py --every-epoch --epochs 3 --batches 4 --rounds 1
+	$(PY) benchmarks/sharded.py  # 1, 2, 4 JAX processes under ModelParallel.
+	$(PY) benchmarks/scaling.py  # 5M to 200M parameters (cold restores need root).
 
 # SIGKILL at random moments, keras-ft vs Keras' own callback: `make fuzz BACKEND=jax`.
 BACKEND ?= tensorflow

@@ -25,6 +25,7 @@ Run: `python benchmarks/sharded.py [--processes 1 2 4] [--units 2048]`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -233,12 +234,56 @@ def shares(root: str) -> list[int]:
     return [os.path.getsize(os.path.join(path, n)) for n in names]
 
 
+def commit(staging, directory: str, count: int, tag: str, specs: list) -> None:
+    from keras_ft.distribute import sharded
+
+    sharded.commit_parts(staging, directory, count, tag, specs, ["rows"])
+
+
+def commit_times(total_mb: int, counts: list[int], rounds: int = 5) -> list[tuple]:
+    """The chief's commit alone, without training around it: N parts of
+    `total_mb` together are written first (as N processes would), then the
+    time from "all parts are there" to the committed rename is taken."""
+    import numpy as np
+
+    from keras_ft.checkpoint.store import CheckpointStore
+    from keras_ft.distribute import sharded
+
+    rows = []
+    for count in counts:
+        root = tempfile.mkdtemp(prefix="keras-ft-commit-bench-")
+        store = CheckpointStore(os.path.join(root, "chief"))
+        columns = 1024
+        rows_per_part = total_mb * 2**20 // 4 // columns // count
+        specs = [["model", "kernel", [rows_per_part * count, columns], "float32"]]
+        times = []
+        for r in range(rounds):
+            tag = f"{r:08d}"
+            directory = sharded.parts_dir(store.directory, tag)
+            for process in range(count):
+                block = np.full((rows_per_part, columns), process, np.float32)
+                start = (process * rows_per_part, 0)
+                stop = ((process + 1) * rows_per_part, columns)
+                share = sharded.Share.copy_of([(0, start, stop, block)])
+                sharded.write_part(directory, process, tag, share)
+            started = time.perf_counter()
+            write = functools.partial(
+                commit, directory=directory, count=count, tag=tag, specs=specs
+            )
+            store.save(write, {"step": r})
+            times.append(time.perf_counter() - started)
+        shutil.rmtree(root, ignore_errors=True)
+        rows.append((count, statistics.median(times)))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", type=int, nargs="*", default=[1, 2, 4])
     parser.add_argument("--units", type=int, default=2048)
     parser.add_argument("--batches", type=int, default=30)
     parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--commit-mb", type=int, default=227)
     parser.add_argument("--worker", type=int, dest="index")
     parser.add_argument("--callback", default="none")
     parser.add_argument("--dir")
@@ -281,6 +326,14 @@ def main() -> None:
         print(f"| {n} | {mb} | {a_ft:.0f} | {a_ox:.0f} | {ratio:.2f} "
               f"| {blocked * 1000:.0f} | {r_ft:.3f} "
               f"| {r_ox:.3f} | {r_ox / r_ft:.1f}x | {commit * 1000:.1f} |")  # fmt: skip
+    print(
+        f"\nThe chief's commit alone (no training around it): {args.commit_mb} MB "
+        "in N parts already written, to the committed rename; median of 5.\n"
+    )
+    print("| parts (processes) | commit ms |")
+    print("|---|---|")
+    for count, seconds in commit_times(args.commit_mb, [1, 2, 4, 8, 16]):
+        print(f"| {count} | {seconds * 1000:.1f} |")
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ def test_pieces_of_two_processes_commit_and_any_slice_reads_back(tmp_path):
     np.testing.assert_array_equal(reader.read(0, ((0, 5), (6, 8))), KERNEL[:, 5:])
     np.testing.assert_array_equal(reader.read(0, ((0, 0), (6, 8))), KERNEL)
     assert reader.read(1, ((), ())) == 7
+    reader.close()
     with open(os.path.join(checkpoint.path, "shards.json")) as f:
         table = json.load(f)
     assert table["processes"] == 2
@@ -97,6 +98,7 @@ def test_a_damaged_piece_is_caught_by_whoever_reads_it(tmp_path):
     np.testing.assert_array_equal(reader.read(0, ((0, 0), (6, 4))), KERNEL[:, :4])
     with pytest.raises(CorruptCheckpointError, match="shards-00001.bin.*checksum"):
         reader.read(0, ((0, 3), (6, 6)))
+    reader.close()
     with pytest.raises(CorruptCheckpointError, match="shards-00001.bin"):
         store.verify(checkpoint)  # `keras-ft verify` checks whole files.
 

