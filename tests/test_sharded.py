@@ -20,11 +20,13 @@ import threading
 import keras
 import numpy as np
 import pytest
-from conftest import TESTS_DIR, subprocess_env
+from conftest import TESTS_DIR, iterations, make_data, make_model, subprocess_env
 
+import keras_ft
 from keras_ft.checkpoint.errors import CorruptCheckpointError, SaveCancelled
 from keras_ft.checkpoint.store import CheckpointStore
 from keras_ft.distribute import sharded
+from keras_ft.state import TrainingState, arrays
 
 HARNESS = os.path.join(
     os.path.dirname(TESTS_DIR), "examples", "model_parallel_cluster.py"
@@ -152,6 +154,48 @@ def test_waiting_for_parts_can_be_called_off_and_refuses_another_saves_part(
     sharded.write_part(directory, 0, "b", pieces_of(0))
     with pytest.raises(OSError, match="belongs to another save"):
         sharded.wait_for_parts(directory, 1, "a")
+
+
+def test_a_sharded_checkpoint_loads_into_one_process_on_any_backend(tmp_path):
+    # A checkpoint as two processes of a model-parallel run would write it:
+    # every variable's rows split between them; loaded into a plain model.
+    model = make_model(units=6)
+    model.fit(*make_data(), epochs=1, batch_size=16, verbose=0)
+    state = TrainingState(model)
+    snapshot = state.snapshot(1, 0)
+    snapshot.release()  # Its metadata and arrays only: the weights go in shards.
+    values = [keras.ops.convert_to_numpy(v) for v in state.saved_variables()]
+    parts = {0: [], 1: []}
+    for i, value in enumerate(values):
+        if value.ndim == 0:  # A scalar (the step count): process 0's.
+            parts[0].append((i, (), (), value))
+            continue
+        half = value.shape[0] // 2
+        for process, (low, high) in enumerate([(0, half), (half, value.shape[0])]):
+            if high > low:
+                start = (low,) + (0,) * (value.ndim - 1)
+                stop = (high, *value.shape[1:])
+                parts[process].append((i, start, stop, value[low:high]))
+    store = CheckpointStore(str(tmp_path / "backup" / "chief"))
+    tag = "00000001-000000000008"
+    directory = sharded.parts_dir(store.directory, tag)
+    for process, found in parts.items():
+        sharded.write_part(directory, process, tag, sharded.Share.copy_of(found))
+    specs = state.variable_specs()
+
+    def write(staging):
+        sharded.commit_parts(staging, directory, 2, tag, specs, [""] * len(specs))
+        staging.write_file(arrays.ARRAYS_FILE, [arrays.to_bytes(snapshot.arrays)])
+
+    store.save(write, snapshot.metadata)
+    fresh = make_model(units=6)
+    loaded = keras_ft.load_checkpoint(str(tmp_path / "backup"), fresh)
+    assert loaded.step == iterations(model) == iterations(fresh)
+    for mine, theirs in zip(values, state.saved_variables(), strict=True):
+        np.testing.assert_array_equal(mine, keras.ops.convert_to_numpy(theirs))
+    fresh_values = TrainingState(fresh).saved_variables()
+    for mine, theirs in zip(values, fresh_values, strict=True):
+        np.testing.assert_array_equal(mine, keras.ops.convert_to_numpy(theirs))
 
 
 # Real clusters.
