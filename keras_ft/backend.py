@@ -240,16 +240,28 @@ def all_processes_agree(flag: bool) -> bool:
     A collective: every process must call it, in the same order. One
     process returns `flag`.
     """
-    if keras.backend.backend() != "jax":
-        return flag
-    import jax
+    return bool(np.all(_gather(int(bool(flag)))))
 
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
 
-    flags = multihost_utils.process_allgather(np.asarray(bool(flag)))
-    return bool(np.all(flags))
+def same_in_all_processes(value: int) -> bool:
+    """Whether every process of a JAX cluster passes the same `value`.
+
+    A collective, as `all_processes_agree()`.
+    """
+    values = _gather(int(value))
+    return bool(np.all(values == values.flat[0]))
+
+
+def _gather(value: int) -> np.ndarray:
+    """`value` from every process (just this one's, in one process)."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(np.int64(value)))
+    return np.asarray([value])
 
 
 def _bounds(index: tuple, shape: tuple[int, ...]) -> Bounds:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -31,6 +32,9 @@ from keras_ft.state import TrainingState, arrays
 HARNESS = os.path.join(
     os.path.dirname(TESTS_DIR), "examples", "model_parallel_cluster.py"
 )
+sys.path.insert(0, os.path.join(os.path.dirname(TESTS_DIR), "examples"))
+from local_cluster import free_ports  # noqa: E402
+
 JAX_CLUSTER = pytest.mark.skipif(
     keras.backend.backend() != "jax",
     reason="JAX processes, whatever the suite's backend: run once, with JAX",
@@ -274,3 +278,43 @@ def test_four_processes_backup_restores_into_two_into_one_and_back(tmp_path):
     assert one(again["resumed_steps"]) == 24
     assert one(again["restored_digests"]) == one(single["final_digests"])
     assert one(again["final_steps"]) == 32
+
+
+@JAX_CLUSTER
+def test_processes_that_find_different_newest_checkpoints_stop_saying_so(tmp_path):
+    first = str(tmp_path / "first")
+    run(first, "--processes", "2", "--epochs", "1", "--save-freq", "4")
+    # Process 1 sees the backup without its newest checkpoint (as if started
+    # before the last commit of the run before).
+    second = str(tmp_path / "second")
+    shutil.copytree(first, second)
+    newest = sorted(os.listdir(os.path.join(second, "chief")))[-1]
+    shutil.rmtree(os.path.join(second, "chief", newest))
+    port = str(free_ports(1)[0])
+    workers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                HARNESS,
+                "--worker",
+                str(i),
+                "--processes",
+                "2",
+                "--epochs",
+                "2",
+                "--backup-dir",
+                directory,
+                "--port",
+                port,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=subprocess_env(),
+        )  # fmt: skip
+        for i, directory in enumerate([first, second])
+    ]
+    for worker in workers:
+        _, stderr = worker.communicate(timeout=300)
+        assert worker.returncode != 0
+        assert "found different newest checkpoints" in stderr, stderr[-2000:]

@@ -38,6 +38,7 @@ import os
 import shutil
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -46,7 +47,11 @@ import numpy as np
 
 from keras_ft import backend as host
 from keras_ft.checkpoint import files as file_io
-from keras_ft.checkpoint.errors import CorruptCheckpointError, SaveCancelled
+from keras_ft.checkpoint.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    SaveCancelled,
+)
 from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.store import PIECEWISE
 from keras_ft.state.weights_copy import all_finite
@@ -478,6 +483,15 @@ def read_variables(directory: str, variables: list, specs: list[list]) -> list[A
         if reader is not None:
             reader.close()
     agreed = host.all_processes_agree(error is None)
+    # Each process found its newest checkpoint itself: they must be the same.
+    name = os.path.basename(os.path.normpath(directory))
+    if not host.same_in_all_processes(zlib.crc32(name.encode())):
+        raise CheckpointError(
+            f"The processes of this training found different newest checkpoints "
+            f"(this one: {directory}); was one started before the previous run's "
+            "last commit? Start the processes of a run once every process of the "
+            "previous one has ended."
+        )
     if error is not None:
         if isinstance(error, CorruptCheckpointError):
             raise error
