@@ -23,6 +23,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import random
 import shutil
@@ -30,8 +31,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
+
+# A child that has not reached its kill window by then is stuck: its threads'
+# stacks are dumped and the trial counts as failed ("hung"), so a deadlock is
+# reported with where it is instead of stalling the run.
+HANG_SECONDS = float(os.environ.get("KILL_FUZZ_HANG_SECONDS", "240"))
 
 
 def build_model():
@@ -49,6 +56,22 @@ def build_model():
     return model
 
 
+_say_lock = threading.Lock()
+
+
+def say(line: str) -> None:
+    """Reports a line to the parent, whole.
+
+    keras-ft's listener reports its first commit from the writer thread while
+    the training thread reports steps: `print()` writes the text and the
+    newline in two calls, so two threads' lines could run together
+    ("STEP 5COMMITTED"), and the parent would wait for a commit line forever.
+    """
+    with _say_lock:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
 def make_callback(name: str, backup_dir: str):
     import keras
 
@@ -62,7 +85,7 @@ def make_callback(name: str, backup_dir: str):
             def after_commit(self, path, epoch, step):
                 if not self.reported:
                     self.reported = True
-                    print("COMMITTED", flush=True)
+                    say("COMMITTED")
 
         return keras_ft.BackupAndRestore(
             backup_dir, save_freq=1, verbose=0, listeners=[Committed()]
@@ -88,18 +111,20 @@ def first_commit_seen(callback: str, backup_dir: str, line: str) -> bool:
 
 def worker(backup_dir: str, callback: str) -> None:
     """The training process: backs up every batch, reports every step."""
+    # SIGUSR1 dumps every thread's stack to stderr (the parent's hang report).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     import keras
     import numpy as np
 
     class Report(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
-            print("BEGIN", flush=True)
+            say("BEGIN")
 
         def on_train_batch_end(self, batch, logs=None):
             # Runs after the backup callback's own batch end: this step is
             # backed up (by keras-ft, handed to its background writer).
             step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
-            print(f"STEP {step}", flush=True)
+            say(f"STEP {step}")
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(512, 64)).astype("float32")
@@ -138,41 +163,102 @@ def restore_step(callback: str, backup_dir: str) -> int | None:
     return step if step or model._initial_epoch else None
 
 
+class Lines:
+    """The child's stdout, read in a thread so that waiting can time out."""
+
+    def __init__(self, stream) -> None:
+        self.lines: list[str] = []
+        self.changed = threading.Condition()
+        self.ended = False
+        self.thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self.thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            with self.changed:
+                self.lines.append(line)
+                self.changed.notify_all()
+        with self.changed:
+            self.ended = True
+            self.changed.notify_all()
+
+    def wait_for(self, seen, timeout: float) -> bool:
+        """Whether a line for which `seen` holds came (False: EOF or timeout)."""
+        deadline = time.monotonic() + timeout
+        checked = 0
+        with self.changed:
+            while True:
+                for line in self.lines[checked:]:
+                    if seen(line):
+                        return True
+                checked = len(self.lines)
+                left = deadline - time.monotonic()
+                if self.ended or left <= 0:
+                    return False
+                self.changed.wait(left)
+
+
+def stacks_of(process: subprocess.Popen, stderr_path: str) -> str:
+    """Asks a stuck child for its threads' stacks: each thread's top frames."""
+    process.send_signal(signal.SIGUSR1)
+    time.sleep(3.0)
+    with open(stderr_path, errors="replace") as f:
+        dump = [line.strip() for line in f if line.strip()]
+    threads, frames = [], 0
+    for line in dump:  # faulthandler: a header per thread, innermost first.
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            threads.append([line])
+            frames = 0
+        elif threads and line.startswith("File ") and frames < 6:
+            threads[-1].append(line)
+            frames += 1
+    return " | ".join(" / ".join(thread) for thread in threads) or "no stacks"
+
+
 def trial(
     callback: str, rng: random.Random, root: str, from_start: bool
 ) -> tuple[str, int, str]:
     backup_dir = tempfile.mkdtemp(dir=root)
-    process = subprocess.Popen(
-        [sys.executable, __file__, "--worker", backup_dir, "--callback", callback],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    early = []
-    for line in process.stdout:
-        early.append(line)
-        if from_start and line.startswith("BEGIN"):
-            break
-        if not from_start and first_commit_seen(callback, backup_dir, line):
-            break
+    stderr_path = backup_dir + ".stderr"
+    with open(stderr_path, "w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, __file__, "--worker", backup_dir, "--callback", callback],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )  # fmt: skip
+    lines = Lines(process.stdout)
+    if from_start:
+        ready = lines.wait_for(lambda line: line.startswith("BEGIN"), HANG_SECONDS)
+    else:
+        ready = lines.wait_for(
+            lambda line: first_commit_seen(callback, backup_dir, line), HANG_SECONDS
+        )
+    if not ready and not lines.ended:
+        stacks = stacks_of(process, stderr_path)
+        process.kill()
+        process.wait()
+        shutil.rmtree(backup_dir, ignore_errors=True)
+        return "failed", 0, f"hung for {HANG_SECONDS:.0f} s: {stacks}"
     time.sleep(rng.uniform(0.0, 1.5))
     process.send_signal(signal.SIGKILL)
-    rest = "".join(early) + process.stdout.read()
     process.wait()
-    steps = [
-        int(line.split()[1]) for line in rest.splitlines() if line.startswith("STEP")
-    ]
+    lines.thread.join(timeout=60)
+    steps = [int(line.split()[1]) for line in lines.lines if line.startswith("STEP")]
     backed_up = max(steps, default=0)
     if callback in ("keras-ft", "orbax"):
         # Their backups are written in the background: when step n is
         # reported, step n - 1's backup is committed (keras-ft), or in flight.
         backed_up = max(0, backed_up - 1)
+    # A restore that hangs is a failure too: dump where, and stop the run.
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
     try:
         restored = restore_step(callback, backup_dir)
     except Exception as e:  # Any load failure is what we count.
         detail = traceback.format_exception_only(type(e), e)[-1].strip()
         return "failed", 0, detail
     finally:
+        faulthandler.cancel_dump_traceback_later()
         shutil.rmtree(backup_dir, ignore_errors=True)
     if restored is None:
         if backed_up:
@@ -228,6 +314,8 @@ def main() -> None:
                 if detail:
                     key = detail.split(":")[0][:60]
                     details[key] = details.get(key, 0) + 1
+                    if detail.startswith("hung"):
+                        print(f"{callback} trial {i + 1}: {detail}", file=sys.stderr)
                 print(f"{callback} trial {i + 1}/{trials}: {outcome}", flush=True)
             rows.append((callback, trials, counts, lost, details))
     finally:

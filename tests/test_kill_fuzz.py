@@ -24,5 +24,7 @@ def test_short_kill_fuzz_never_fails_to_resume():
                     result.stdout, re.M)  # fmt: skip
     assert row, result.stdout
     trials, resumed, fresh, failed, lost = map(int, row.groups())
-    assert trials == 4 and resumed + fresh == 4 and failed == 0
+    assert trials == 4 and resumed + fresh == 4 and failed == 0, (
+        result.stdout + result.stderr
+    )
     assert resumed >= 1  # At least one kill landed after a backup.
