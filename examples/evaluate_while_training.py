@@ -80,9 +80,12 @@ def evaluate(backup_dir: str, logdir: str, trainer: subprocess.Popen) -> int:
     model.optimizer.build(model.trainable_variables)  # Its step is loaded too.
     tensorboard = keras.callbacks.TensorBoard(logdir)
     evaluated = 0
-    # Wait at most 30 s for each next checkpoint; stop once the trainer is
-    # done and nothing new came.
-    for checkpoint in keras_ft.watch(backup_dir, timeout=30, poll_seconds=0.2):
+    # Waits for each next checkpoint as long as the trainer runs; once it has
+    # exited and a second passed without a new one, the iteration ends.
+    for checkpoint in keras_ft.watch(
+        backup_dir, timeout=1.0, poll_seconds=0.2,
+        timeout_fn=lambda: trainer.poll() is not None,
+    ):  # fmt: skip
         try:
             keras_ft.load_checkpoint(checkpoint, model)
         except keras_ft.CheckpointError as e:  # Pruned before we read it.
@@ -95,14 +98,7 @@ def evaluate(backup_dir: str, logdir: str, trainer: subprocess.Popen) -> int:
             f"batch {checkpoint.batch}): validation loss {loss:.4f}",
             flush=True,
         )
-        if trainer.poll() is not None and _newest_seen(backup_dir, checkpoint):
-            break
     return evaluated
-
-
-def _newest_seen(backup_dir: str, checkpoint: keras_ft.CommittedCheckpoint) -> bool:
-    newest = list(keras_ft.watch(backup_dir, timeout=0))
-    return not newest or newest[-1].sequence <= checkpoint.sequence
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ import os
 import re
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from keras_ft.checkpoint.errors import CheckpointError, CorruptCheckpointError
@@ -60,6 +60,7 @@ def watch(
     timeout: float | None = None,
     poll_seconds: float = 1.0,
     storage_options: dict | None = None,
+    timeout_fn: Callable[[], bool] | None = None,
 ) -> Iterator[CommittedCheckpoint]:
     """Yields each checkpoint of a backup as it is committed, oldest first.
 
@@ -88,8 +89,19 @@ def watch(
             `1.0`.
         storage_options: For a `backup_dir` in object storage (an fsspec
             URL), options for its filesystem. Defaults to `None`.
+        timeout_fn: Called each time `timeout` seconds pass without a new
+            checkpoint: if it returns `True` (say, the trainer has exited),
+            the iteration ends; else it waits another `timeout`. As in
+            `tf.train.checkpoints_iterator`. Defaults to `None`: the
+            iteration ends at the first timeout.
     """
     check_seconds("poll_seconds", poll_seconds)
+    if timeout_fn is not None and not callable(timeout_fn):
+        raise ValueError(
+            "Invalid value for argument `timeout_fn`: expected a function "
+            "taking no arguments that returns whether to stop waiting. "
+            f"Received: timeout_fn={timeout_fn!r}"
+        )
     if timeout is not None:
         check_seconds("timeout", timeout, zero=True)
     store = open_store(checkpoints_dir(os.fspath(backup_dir)), None, storage_options)
@@ -110,7 +122,9 @@ def watch(
             if timeout is not None:
                 deadline = time.monotonic() + timeout
         if deadline is not None and time.monotonic() >= deadline:
-            return
+            if timeout_fn is None or timeout_fn():
+                return
+            deadline = time.monotonic() + timeout
         time.sleep(poll_seconds)
 
 

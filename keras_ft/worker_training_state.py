@@ -8,6 +8,7 @@ import functools
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import warnings
@@ -586,7 +587,11 @@ class WorkerTrainingState:
 
 
 def _print(line: str) -> None:
-    print(line, flush=True)
+    # One write: printed from the writer thread, a line must not run into
+    # one the training thread prints at the same time (print() writes the
+    # text and the newline separately).
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def write_snapshot(snapshot: Snapshot, directory: str | Staging) -> None:

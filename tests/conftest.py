@@ -63,6 +63,14 @@ def tree_digest(path: str) -> dict[str, str]:
     return digests
 
 
+def run_once_on(backend: str, why: str) -> pytest.MarkDecorator:
+    """Runs a test in one backend's suite only: what it checks does not
+    depend on the backend, and it is slow (processes, servers, kernels)."""
+    return pytest.mark.skipif(
+        keras.backend.backend() != backend, reason=f"{why}; run once, on {backend}"
+    )
+
+
 def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["KERAS_BACKEND"] = keras.backend.backend()

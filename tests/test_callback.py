@@ -17,6 +17,7 @@ from conftest import (
     iterations,
     make_model,
     read_events,
+    run_once_on,
     run_training,
     start_training,
     subprocess_env,
@@ -126,15 +127,16 @@ def test_interrupted_process_resumes_in_a_new_process(backup_dir):
 
 
 def test_sigkill_at_random_moments_resumes_every_time(backup_dir):
-    """Ten real SIGKILLs while saving every batch; every restart resumes.
+    """Six real SIGKILLs while saving every batch; every restart resumes.
 
     Most kills land after the first batch (so mostly inside or between
-    saves); every fourth lands during restore and the first step's tracing.
+    saves); every third lands during restore and the first step's tracing.
+    (benchmarks/kill_fuzz.py, also in the suite, kills fresh runs.)
     """
     rng = random.Random(20261121)
     restored_steps = []
     kills_after_first_commit = 0
-    for attempt in range(10):
+    for attempt in range(6):
         process = start_training(
             backup_dir,
             "--epochs", "100000",
@@ -144,7 +146,7 @@ def test_sigkill_at_random_moments_resumes_every_time(backup_dir):
         begin = read_events(process, until="begin")
         assert begin, process.stderr.read()
         restored_steps.append(begin[-1]["step"])
-        if attempt % 4 != 3:
+        if attempt % 3 != 2:
             assert read_events(process, until="first_batch_end")
         time.sleep(rng.uniform(0.0, 0.5))
         process.send_signal(signal.SIGKILL)
@@ -152,7 +154,7 @@ def test_sigkill_at_random_moments_resumes_every_time(backup_dir):
         kills_after_first_commit += bool(chief_checkpoints(backup_dir))
     # Progress is never lost: each restart starts at or after the previous one.
     assert restored_steps == sorted(restored_steps)
-    assert restored_steps[-1] > 0 and kills_after_first_commit >= 7
+    assert restored_steps[-1] > 0 and kills_after_first_commit >= 4
     # The last backup loads and training runs on to the end.
     metadata = CheckpointStore(os.path.join(backup_dir, "chief")).latest_good()[1]
     epochs = metadata["epochs_completed"] + 2
@@ -527,7 +529,14 @@ def test_tensorboard_step_axis_continues(backup_dir, data, tmp_path):
 # Reliability: preemption, a second writer, disk full and lost permissions.
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize(
+    "signum",
+    [
+        signal.SIGTERM,
+        # Another signal takes the same path: one backend is enough.
+        pytest.param(signal.SIGINT, marks=run_once_on("torch", "the same path")),
+    ],
+)
 def test_preemption_signal_backs_up_the_exact_step_and_exits(backup_dir, signum):
     process = start_training(
         backup_dir, "--epochs", "1000", "--seconds-per-batch", "0.05"

@@ -13,7 +13,13 @@ import time
 import keras
 import numpy as np
 import pytest
-from conftest import STEPS_PER_EPOCH, iterations, make_model, subprocess_env
+from conftest import (
+    STEPS_PER_EPOCH,
+    iterations,
+    make_model,
+    run_once_on,
+    subprocess_env,
+)
 
 import keras_ft
 
@@ -158,6 +164,7 @@ _TOTAL_SCRIPT = textwrap.dedent(
 )
 
 
+@run_once_on("torch", "three processes keep one time budget")
 def test_stop_at_time_total_counts_the_budget_across_processes(tmp_path):
     """A run preempted after part of a total budget, then resumed in a new
     process, has only the rest of it; a third process has nothing left."""

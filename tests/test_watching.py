@@ -15,6 +15,7 @@ import pytest
 from conftest import (
     STEPS_PER_EPOCH,
     make_model,
+    run_once_on,
     subprocess_env,
     tree_digest,
     weights_of,
@@ -70,6 +71,7 @@ _WATCHER = textwrap.dedent(
 )
 
 
+@run_once_on("torch", "two processes on one directory; the backend does not matter")
 def test_a_watcher_beside_a_training_sees_every_commit_in_order(tmp_path):
     backup_dir = str(tmp_path / "backup")
     (tmp_path / "trainer.py").write_text(_TRAINER)
@@ -142,6 +144,37 @@ def test_load_checkpoint_reads_a_backup_and_changes_nothing(backup_dir, data):
     assert tree_digest(backup_dir) == before
 
 
+def test_timeout_fn_says_whether_to_keep_waiting(backup_dir, data):
+    x, y = data
+
+    def fit(epochs):
+        make_model().fit(
+            x, y, epochs=epochs, batch_size=16, verbose=0,
+            callbacks=[keras_ft.BackupAndRestore(backup_dir, delete_checkpoint=False)],
+        )  # fmt: skip
+        keras_ft.wait_for_backups()
+
+    fit(1)
+    calls = []
+
+    def trainer_done():
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            fit(2)  # The trainer goes on: one more checkpoint while waiting.
+            return False
+        return len(calls) == 3
+
+    started = time.monotonic()
+    seen = keras_ft.watch(
+        backup_dir, timeout=0.1, poll_seconds=0.02, timeout_fn=trainer_done
+    )
+    assert [c.step for c in seen] == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
+    assert len(calls) == 3 and calls[2] - calls[1] >= 0.1
+    assert time.monotonic() - started >= 0.3
+    with pytest.raises(ValueError, match="timeout_fn=3"):
+        next(keras_ft.watch(backup_dir, timeout=0, timeout_fn=3))
+
+
 def test_errors_name_the_path(tmp_path):
     with pytest.raises(keras_ft.CheckpointError, match="neither a keras-ft"):
         keras_ft.load_checkpoint(str(tmp_path / "nothing"), make_model())
@@ -159,10 +192,7 @@ def test_errors_name_the_path(tmp_path):
     assert time.monotonic() - started >= 0.2
 
 
-@pytest.mark.skipif(
-    keras.backend.backend() != "tensorflow",
-    reason="two processes and TensorBoard; the backend does not matter",
-)
+@run_once_on("tensorflow", "two processes and TensorBoard")
 def test_the_evaluate_while_training_example(tmp_path):
     import tensorflow as tf
 

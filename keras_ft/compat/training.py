@@ -179,7 +179,8 @@ def print_msg(message: str) -> None:
             return
         except Exception as e:
             fail("print_msg", e)
-    print(message, flush=True)
+    sys.stdout.write(message + "\n")  # One write, as Keras does: a whole line.
+    sys.stdout.flush()
 
 
 @register(
