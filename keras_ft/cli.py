@@ -18,7 +18,6 @@ import argparse
 import datetime
 import json
 import os
-import shutil
 import sys
 from typing import Any
 
@@ -252,7 +251,9 @@ def _export(args: argparse.Namespace) -> int:
             print("keras-ft export: the backup holds no checkpoint.", file=sys.stderr)
             return 1
         local = found[0]
-        shutil.copyfile(local.file("model.weights.h5"), out)
+        from keras_ft.state.weights_layout import copy_for_inference
+
+        copy_for_inference(local.file("model.weights.h5"), out)
         print(f"wrote {out} from {store.url(local)}")
         return 0
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")

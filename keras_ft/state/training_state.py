@@ -28,7 +28,7 @@ from keras_ft.checkpoint.files import ReadProgress
 from keras_ft.distribute import sharded
 from keras_ft.state import arrays, rng, weights_load
 from keras_ft.state.weights_copy import CapturedWeights
-from keras_ft.state.weights_layout import WeightsLayout
+from keras_ft.state.weights_layout import WeightsLayout, saved_variables
 
 WEIGHTS_FILE = "model.weights.h5"
 STATE_FORMAT_VERSION = 1
@@ -169,7 +169,7 @@ class TrainingState:
 
     def saved_variables(self) -> list:
         """The model's and optimizer's variables, in `variable_specs()` order."""
-        return list(self.model.weights) + self._optimizer_variables()
+        return saved_variables(self.model)
 
     def layouts(self) -> list[str]:
         """How each saved variable is laid out across devices, as text."""
@@ -257,7 +257,9 @@ class TrainingState:
             # Whole arrays (saved by one process) into a model split across
             # processes: Keras' own loader assigns each array, and each
             # process keeps its slices of it.
-            self.model.load_weights(os.path.join(directory, WEIGHTS_FILE))
+            weights_load.load_with_keras(
+                self.model, os.path.join(directory, WEIGHTS_FILE)
+            )
         else:
             weights_load.load(
                 self.model,
@@ -317,19 +319,17 @@ class TrainingState:
         return int(keras.ops.convert_to_numpy(optimizer.iterations))
 
     def variable_specs(self) -> list[list]:
-        """`[path, shape, dtype]` of every saved variable, in save order."""
+        """`[group, path, shape, dtype]` of every saved variable, in save order."""
+        in_model = len(self.model.weights)
         return [
-            ["model", v.path, list(v.shape), str(v.dtype)] for v in self.model.weights
-        ] + [
-            ["optimizer", v.path, list(v.shape), str(v.dtype)]
-            for v in self._optimizer_variables()
+            [
+                "model" if i < in_model else "optimizer",
+                v.path,
+                list(v.shape),
+                str(v.dtype),
+            ]
+            for i, v in enumerate(self.saved_variables())
         ]
-
-    def _optimizer_variables(self) -> list:
-        optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is None or not optimizer.built:
-            return []
-        return list(optimizer.variables)
 
     def _ensure_built(self, metadata: dict) -> None:
         model = self.model
@@ -350,7 +350,11 @@ class TrainingState:
     def _ensure_optimizer_built(self) -> None:
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and not optimizer.built:
-            optimizer.build(self.model.trainable_variables)
+            # In the optimizer's name scope, as its first `apply()` builds it
+            # where fit() has not (TensorFlow without a strategy): a wrapper's
+            # inner optimizer (LossScaleOptimizer's) gets the paths fit() gives.
+            with keras.name_scope(optimizer.name, caller=optimizer):
+                optimizer.build(self.model.trainable_variables)
 
     def _check_variables(self, saved: list, directory: str) -> None:
         current = self.variable_specs()

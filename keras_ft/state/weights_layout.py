@@ -12,6 +12,14 @@ thread, which can follow the copy piece by piece) or no copy at all
 (`copy=False`), and plain writes of the file's bytes: no walk, no h5py, no
 GIL. The file is the one `save_weights()` writes (same groups,
 attributes, datasets and values) and `model.load_weights()` reads it.
+
+Keras' walk is made for inference files: a LoRA layer stores its kernel
+with the factors merged in (and zeroes the factors when it loads), a
+quantized layer with LoRA re-quantizes that merge. A backup must resume the
+training that was running, so the variables the walk does not store as
+they are get one more group, `keras_ft_exact`, holding their own values;
+`load_weights()` never reads it (Keras walks the model, not the file), and
+a restore applies it after Keras' own groups.
 `load()` maps a file and hands each object views of its values, through its
 own `load_own_variables()`; a file the layout itself wrote (recognised by its
 bytes outside the values) needs neither parsing nor another walk.
@@ -22,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +62,8 @@ _ALIGN_THRESHOLD = 64 * 1024
 _ALIGN = 4096
 # Element types a weights file may hold; anything else is not ours to read.
 _NUMERIC_KINDS = "biuf"
+# The group holding the own values of the variables Keras' walk changes.
+EXACT_GROUP = "keras_ft_exact"
 
 
 @dataclasses.dataclass
@@ -223,6 +234,11 @@ class WeightsLayout:
             _Group(path, metadata, saveable, [_slot(key, v) for key, v in stored])
             for path, metadata, saveable, stored in recorded
         ]
+        # Last, so that a restore applies it after Keras' own groups.
+        stored_as_is = {id(v) for *_, stored in recorded for _, v in stored}
+        exact = ExactValues.of(self.model, lambda v: id(v) not in stored_as_is)
+        if exact.variables:
+            groups.append(_Group(EXACT_GROUP, None, exact, exact.slots()))
         self._size, self._gaps, offsets = _h5_template(groups)
         for group in groups:
             group.slots = [
@@ -269,16 +285,130 @@ def _capture_public(model: keras.Model) -> CapturedWeights:
     with tempfile.TemporaryDirectory(prefix="keras-ft-save-") as directory:
         path = os.path.join(directory, "model.weights.h5")
         model.save_weights(path)
+        # Without Keras' walk, which variables it changes is not known: the
+        # own value of every one goes into the exact group.
+        exact = ExactValues.of(model, lambda v: True)
+        with h5py.File(path, "a") as f:
+            group = f.create_group(EXACT_GROUP).create_group("vars")
+            for key, variable in exact.store().items():
+                group[key] = keras.ops.convert_to_numpy(variable)
         with open(path, "rb") as f:
             captured = CapturedWeights([f.read()])
-    optimizer = getattr(model, "optimizer", None)
-    variables = list(model.weights) + list(optimizer.variables if optimizer else [])
     captured.non_finite.extend(
         v.path
-        for v in variables
+        for v in saved_variables(model)
         if not all_finite(np.asarray(keras.ops.convert_to_numpy(v)).reshape(-1))
     )
     return captured
+
+
+class ExactValues:
+    """The own values of some of a model's variables: the exact group.
+
+    Saves and loads like a Keras layer (`save_own_variables()` /
+    `load_own_variables()`), keyed by each variable's index in
+    `saved_variables()`, so that the weights layout writes and reads it
+    like any other group.
+
+    Args:
+        variables: `(index in saved_variables(), variable)` pairs.
+    """
+
+    def __init__(self, variables: list[tuple[int, Any]]):
+        self.variables = variables
+
+    @classmethod
+    def of(cls, model: keras.Model, selected: Callable[[Any], bool]) -> ExactValues:
+        """The model's saved variables for which `selected` is true."""
+        return cls(
+            [(i, v) for i, v in enumerate(saved_variables(model)) if selected(v)]
+        )
+
+    def store(self) -> dict[str, Any]:
+        return {str(i): variable for i, variable in self.variables}
+
+    def slots(self) -> list[Slot]:
+        return [_slot(key, variable) for key, variable in self.store().items()]
+
+    def save_own_variables(self, store: Any) -> None:
+        store.update(self.store())
+
+    def load_own_variables(self, store: Any) -> None:
+        """Assigns each stored value, all checked first: keys, shapes, dtypes."""
+        mine = self.store()
+        if sorted(store.keys()) != sorted(mine):
+            raise ValueError(
+                f"The weights file's {EXACT_GROUP!r} group holds the variables "
+                f"{sorted(store.keys())}, the model's layout expects {sorted(mine)}."
+            )
+        values = {key: store[key] for key in mine}
+        for key, variable in mine.items():
+            value = values[key]
+            if tuple(value.shape) != tuple(variable.shape):
+                raise ValueError(
+                    f"The weights file's value for {variable.path!r} has shape "
+                    f"{tuple(value.shape)}; the variable has {tuple(variable.shape)}."
+                )
+        for key, variable in mine.items():
+            variable.assign(values[key])
+
+
+def load_exact(model: keras.Model, path: str) -> None:
+    """Applies the exact group of the weights file at `path`, if it has one.
+
+    For the loads that go through `model.load_weights()` (which never reads
+    it): afterwards, every variable holds the value it was saved with.
+    """
+    with h5py.File(path, "r") as f:
+        group = f.get(f"{EXACT_GROUP}/vars")
+        if group is None:
+            return
+        store = {}
+        for key in group:
+            dataset = group[key]
+            dtype = getattr(dataset, "dtype", None)
+            if dtype is not None and dataset.attrs.get("dtype") == "bfloat16":
+                store[key] = dataset[()].view(ml_dtypes.bfloat16)
+            elif dtype is not None and dtype.kind in _NUMERIC_KINDS:
+                store[key] = dataset[()]
+            else:
+                raise ValueError(
+                    f"The weights file {path} holds a non-numeric value "
+                    f"{EXACT_GROUP}/vars/{key}."
+                )
+    load_exact_store(model, store)
+
+
+def load_exact_store(model: keras.Model, store: dict[str, Any]) -> None:
+    """Applies an exact group's `{index: value}` to the model's variables."""
+    variables = saved_variables(model)
+    indices = [int(key) for key in store if key.isdigit() and key.isascii()]
+    ExactValues(
+        [(i, variables[i]) for i in indices if i < len(variables)]
+    ).load_own_variables(store)
+
+
+def copy_for_inference(source: str, destination: str) -> None:
+    """Copies a backup's weights file as Keras writes it: without the exact
+    group, so it holds what `model.save_weights()` would (LoRA merged)."""
+    with h5py.File(source, "r") as f:
+        exact = EXACT_GROUP in f
+    if not exact:
+        shutil.copyfile(source, destination)
+        return
+    with h5py.File(source, "r") as f, h5py.File(destination, "w") as out:
+        for key, value in f.attrs.items():
+            out.attrs[key] = value
+        for name in f:
+            if name != EXACT_GROUP:
+                f.copy(f[name], out, name=name)
+
+
+def saved_variables(model: keras.Model) -> list:
+    """The model's and its optimizer's variables, in the order they are saved."""
+    optimizer = getattr(model, "optimizer", None)
+    built = optimizer is not None and optimizer.built
+    return list(model.weights) + (list(optimizer.variables) if built else [])
 
 
 def capture(model: keras.Model, copy: bool = True) -> CapturedWeights:

@@ -25,7 +25,13 @@ import numpy as np
 from keras_ft import backend as host
 from keras_ft import compat
 from keras_ft.state.weights_copy import Slot, slot_view
-from keras_ft.state.weights_layout import WeightsLayout, fingerprint
+from keras_ft.state.weights_layout import (
+    EXACT_GROUP,
+    WeightsLayout,
+    fingerprint,
+    load_exact,
+    load_exact_store,
+)
 
 try:
     import fcntl
@@ -124,19 +130,16 @@ def load(
     ):
         load_stores(values.stores)
         return
-    if not compat.usable("fast_weights"):
-        model.load_weights(path)
-        return
-    mapped = _map(path)
+    mapped = _map(path) if compat.usable("fast_weights") else None
     if mapped is None:
-        model.load_weights(path)
+        load_with_keras(model, path)
         return
     if layout is not None and layout.model is model and load_stores_of(layout, mapped):
         return
     size = len(mapped)
     groups = _contiguous_datasets(path, size)
     if groups is None:
-        model.load_weights(path)
+        load_with_keras(model, path)
         return
     buffer = np.frombuffer(mapped, np.uint8)
     views = {
@@ -144,6 +147,15 @@ def load(
         for group, slots in groups.items()
     }
     compat.load_with_keras_walk(model, views, host.for_assign)
+    exact = views.get(EXACT_GROUP)
+    if exact:
+        load_exact_store(model, {k: host.for_assign(v) for k, v in exact.items()})
+
+
+def load_with_keras(model: keras.Model, path: str) -> None:
+    """`model.load_weights()`, then the variables' own values on top."""
+    model.load_weights(path)
+    load_exact(model, path)
 
 
 def load_stores(stores: list[tuple[Any, dict]]) -> None:
