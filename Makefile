@@ -7,13 +7,17 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 BACKENDS ?= tensorflow jax torch
 PYTEST_ARGS ?=
+KERAS_HUB := keras-hub>=0.32,<0.33
 
 .PHONY: venv demo test test-compat lint bench fuzz clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[tensorflow,jax,torch,test]"
+	# KerasHub for the workload tests, without tensorflow-text (the full
+	# tensorflow wheel) and kagglehub: models built from configs need neither.
+	$(PY) -m pip install -q --no-deps "$(KERAS_HUB)"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -22,8 +22,9 @@ _WHERE = {
     "CheckpointWriteError": "keras_ft.checkpoint.errors",
     "CommittedCheckpoint": "keras_ft.watching",
     "CompatibilityWarning": "keras_ft.compat",
+    "ConfigurationChangedError": "keras_ft.state",
     "CorruptCheckpointError": "keras_ft.checkpoint.errors",
-    "DirectoryInUseError": "keras_ft.checkpoint.lock",
+    "DirectoryInUseError": "keras_ft.checkpoint.errors",
     "NanGuard": "keras_ft.training.nan_guard",
     "NoGoodCheckpointError": "keras_ft.checkpoint.errors",
     "NonFiniteStateError": "keras_ft.state",
@@ -49,6 +50,7 @@ __all__ = [
     "CheckpointWriteError",
     "CommittedCheckpoint",
     "CompatibilityWarning",
+    "ConfigurationChangedError",
     "CorruptCheckpointError",
     "DirectoryInUseError",
     "NanGuard",
@@ -87,13 +89,17 @@ if TYPE_CHECKING:
         CheckpointError,
         CheckpointWriteError,
         CorruptCheckpointError,
+        DirectoryInUseError,
         NoGoodCheckpointError,
     )
-    from keras_ft.checkpoint.lock import DirectoryInUseError
     from keras_ft.checkpoint.store import Checkpoint
     from keras_ft.compat import CompatibilityWarning, install_multi_worker_fixes
     from keras_ft.distribute.cluster import TaskSpec, current_task
-    from keras_ft.state import NonFiniteStateError, ResumePoint
+    from keras_ft.state import (
+        ConfigurationChangedError,
+        NonFiniteStateError,
+        ResumePoint,
+    )
     from keras_ft.training.listeners import CheckpointListener
     from keras_ft.training.nan_guard import NanGuard
     from keras_ft.training.step_rate import StepRate

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
+import ml_dtypes
 import numpy as np
 
 
@@ -276,3 +277,18 @@ def _bounds(index: tuple, shape: tuple[int, ...]) -> Bounds:
         start.append(0)
         stop.append(size)
     return tuple(start), tuple(stop)
+
+
+def all_finite(array: np.ndarray) -> bool:
+    """Whether a float array holds no NaN or infinity; other types always do.
+
+    The sum of an array with a NaN or an infinity is not finite, and one
+    pass of summing costs much less than `isfinite()` and its mask; only an
+    overflowing sum of finite values needs the exact check.
+    """
+    if array.dtype.kind != "f" and array.dtype != ml_dtypes.bfloat16:
+        return True
+    accumulate = np.float32 if array.dtype.itemsize < 4 else None
+    if np.isfinite(np.add.reduce(array, dtype=accumulate)):
+        return True
+    return bool(np.isfinite(array).all())

@@ -20,7 +20,7 @@ from keras_ft.checkpoint.remote import filesystem, is_url
 from keras_ft.checkpoint.store import CheckpointWriteError
 from keras_ft.distribute.cluster import TaskSpec
 from keras_ft.state import NonFiniteStateError, ResumePoint, rng
-from keras_ft.training import callback_state, policy, resume
+from keras_ft.training import callback_state, policy, resume, tuner
 from keras_ft.training.listeners import CheckpointListener, check_listeners
 from keras_ft.training.policy import KeepLast
 from keras_ft.training.preemption import (
@@ -30,7 +30,11 @@ from keras_ft.training.preemption import (
 )
 from keras_ft.training.services import BackupService
 from keras_ft.training.warm_start import WarmStart, warm_start_from
-from keras_ft.worker_training_state import WorkerTrainingState, validate_backup_dir
+from keras_ft.worker_training_state import (
+    WorkerTrainingState,
+    validate_backup_dir,
+    validate_on_config_change,
+)
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -141,6 +145,14 @@ class BackupAndRestore(keras.callbacks.Callback):
             (credentials, `endpoint_url`, ...); fsspec's own configuration
             (environment variables, credential files) applies too. Defaults
             to `None`.
+        on_config_change: What to do with a backup written by a training
+            whose model, optimizer or loss was configured otherwise (another
+            learning rate, loss or layer setting; names are not compared):
+            `"warn"` to continue it and warn, naming what differs, or
+            `"raise"` to refuse it with `keras_ft.ConfigurationChangedError`
+            before anything is loaded. Inside a Keras Tuner search each
+            trial has its own backup (`<backup_dir>/trial_<id>/`), so trials
+            never continue each other's. Defaults to `"warn"`.
 
     Attributes:
         backup_seconds: Seconds the saves of the current `fit()` have held
@@ -168,6 +180,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         warm_start: str | os.PathLike | WarmStart | None = None,
         listeners: Sequence[CheckpointListener] | None = None,
         storage_options: dict | None = None,
+        on_config_change: str = "warn",
     ):
         super().__init__()
         check_platform()
@@ -179,6 +192,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"storage_options={storage_options!r}"
             )
         self.storage_options = storage_options
+        self.on_config_change = validate_on_config_change(on_config_change)
         if is_url(self.backup_dir):
             filesystem(self.backup_dir, storage_options)  # Fails early if missing.
         self.warm_start = warm_start_from(warm_start)
@@ -249,26 +263,31 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._callbacks = callback_state.FitCallbacks(
             self, callback_list, self._on_epoch_end_after_all
         )
+        # Inside a Keras Tuner search, the trial's own directory.
+        backup_dir = tuner.trial_backup_dir(
+            self.backup_dir, callback_list.callbacks if callback_list else []
+        )
         self._state = WorkerTrainingState(
             model,
-            self.backup_dir,
+            backup_dir,
             keep=self.keep,
             async_save=self.async_save,
             listeners=self.listeners,
             storage_options=self.storage_options,
             verbose=self.verbose,
+            on_config_change=self.on_config_change,
         )
-        self._check_cluster(self._state.task)
-        self._state.check_writable()
-        self._state.lock()
         try:
-            point = self._state.restore()
-            warmed = None
-            if point is None and self.warm_start is not None:
-                warmed = self.warm_start.apply(model)
-            self._state.prepare()
+            self._check_cluster(self._state.task)
+            self._state.check_writable()
+            with self._state.locked():  # Released if the restore fails.
+                point = self._state.restore()
+                warmed = None
+                if point is None and self.warm_start is not None:
+                    warmed = self.warm_start.apply(model)
+                self._state.prepare()
         except BaseException:
-            self._state.unlock()
+            self._state.unlock()  # Nothing is being written yet.
             raise
         self._bind_services()
         self.backup_seconds = 0.0
@@ -276,7 +295,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         task = self._state.task
         self.preempted_by = None
         self._preemption.start(
-            callback_list, self.backup_dir, task.num_workers, task.is_chief,
+            callback_list, self._state.store, task.num_workers, task.is_chief,
             point.step if point else 0,
         )  # fmt: skip
         self._epochs_completed = point.epoch if point else 0
@@ -445,8 +464,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self._raise_write_errors(self._state.discard_pending)
                 self._state.delete_backup()
             else:
-                self._raise_write_errors(self._state.wait)
-                self._state.unlock()
+                self._raise_write_errors(self._state.close)
         self._state = None
         if self.preempted_by and self.exit_on_preemption:
             if interrupted_interactively(self._preempted_signum):

@@ -251,9 +251,12 @@ def _export(args: argparse.Namespace) -> int:
             print("keras-ft export: the backup holds no checkpoint.", file=sys.stderr)
             return 1
         local = found[0]
-        from keras_ft.state.weights_layout import copy_for_inference
+        from keras_ft.state.weights_layout import WEIGHTS_FILE, copy_for_inference
 
-        copy_for_inference(local.file("model.weights.h5"), out)
+        try:
+            copy_for_inference(local.file(WEIGHTS_FILE), out)
+        finally:
+            store.release(local)
         print(f"wrote {out} from {store.url(local)}")
         return 0
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")

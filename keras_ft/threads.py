@@ -24,7 +24,6 @@ and the next copy follows the writer out of it.
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 import threading
@@ -32,7 +31,12 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from keras_ft.checkpoint.errors import SaveCancelled
+
+class Cancelled(Exception):
+    """Work called off before it was done: it has no result and no error.
+
+    `keras_ft.checkpoint.errors.SaveCancelled` is the checkpoint's kind.
+    """
 
 
 class Watermark:
@@ -64,7 +68,7 @@ class Watermark:
         self.advance(self.total)
 
     def abandon(self, error: BaseException) -> None:
-        """The rest will never be ready: waiters get `SaveCancelled`."""
+        """The rest will never be ready: waiters get `Cancelled`."""
         with self._condition:
             self._error = error
             self._condition.notify_all()
@@ -73,21 +77,19 @@ class Watermark:
         """Waits until the first `level` bytes are ready.
 
         Raises:
-            SaveCancelled: if they never will be (`abandon()`).
+            Cancelled: if they never will be (`abandon()`).
         """
         with self._condition:
             while self._level < min(level, self.total):
                 if self._error is not None:
-                    raise SaveCancelled(
-                        f"The snapshot was not taken ({self._error!r})."
-                    )
+                    raise Cancelled(f"The snapshot was not taken ({self._error!r}).")
                 self._condition.wait()
 
 
 class PendingWrite:
     """A write handed to a background thread.
 
-    A write that raises `SaveCancelled` was called off: it has no result
+    A write that raises `Cancelled` was called off: it has no result
     and no error.
     """
 
@@ -103,7 +105,7 @@ class PendingWrite:
     def _run(self) -> None:
         try:
             self._result = self._write()
-        except SaveCancelled:
+        except Cancelled:
             pass
         except BaseException as e:  # Handed to the training thread.
             self._error = e
@@ -211,39 +213,69 @@ def submit(
         return done
 
 
-@functools.cache
-def hasher() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(2, thread_name_prefix="keras-ft-checksum")
+class _Pool:
+    """A thread pool started on first use, closed by `close_pools()` once no
+    training of the process needs it, and started again by the next one."""
+
+    def __init__(self, workers: int, prefix: str, needs_two_cores: bool = False):
+        self.workers, self.prefix = workers, prefix
+        self.needs_two_cores = needs_two_cores
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> ThreadPoolExecutor | None:
+        if self.needs_two_cores and (os.cpu_count() or 1) < 2:
+            return None
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    self.workers, thread_name_prefix=self.prefix
+                )
+            return self._executor
+
+    def close(self) -> None:
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
 
 
-@functools.cache
-def syncer() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(4, thread_name_prefix="keras-ft-fsync")
+# The process's pools: shared by the saves of every training in it (a save
+# reuses the threads of the one before), closed when the last training using
+# them closes (`hold()` / `let_go()`); these and the writers of
+# `worker_training_state` are the only background work that outlives a save.
+hasher = _Pool(2, "keras-ft-checksum")
+syncer = _Pool(4, "keras-ft-fsync")
+verifier = _Pool(1, "keras-ft-verify")
+remover = _Pool(1, "keras-ft-remover")
+# Uploads and downloads to object storage: the network, not the cores, is
+# what they wait on.
+transfer = _Pool(8, "keras-ft-transfer")
+# A second thread for copies, on a machine with more than one core.
+copy_helper = _Pool(1, "keras-ft-copy", needs_two_cores=True)
+_POOLS = (hasher, syncer, verifier, remover, transfer, copy_helper)
+_holders = 0
+_holders_lock = threading.Lock()
 
 
-@functools.cache
-def verifier() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(1, thread_name_prefix="keras-ft-verify")
+def hold() -> None:
+    """A training starts using the pools."""
+    global _holders
+    with _holders_lock:
+        _holders += 1
 
 
-@functools.cache
-def remover() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(1, thread_name_prefix="keras-ft-remover")
-
-
-@functools.cache
-def transfer() -> ThreadPoolExecutor:
-    """Uploads and downloads of a checkpoint's files to object storage: the
-    network, not the cores, is what they wait on."""
-    return ThreadPoolExecutor(8, thread_name_prefix="keras-ft-transfer")
-
-
-@functools.cache
-def copy_helper() -> ThreadPoolExecutor | None:
-    """A second thread for copies, on a machine with more than one core."""
-    if (os.cpu_count() or 1) < 2:
-        return None
-    return ThreadPoolExecutor(1, thread_name_prefix="keras-ft-copy")
+def let_go() -> None:
+    """A training is done with the pools; the last one closes them, once the
+    directories it deleted are gone."""
+    global _holders
+    with _holders_lock:
+        _holders = max(0, _holders - 1)
+        last = _holders == 0
+    if last:
+        wait_for_removals()
+        for pool in _POOLS:
+            pool.close()
 
 
 def start_daemon(target: Callable[[], Any], name: str) -> threading.Thread:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from keras_ft.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from keras_ft.checkpoint.remote import (
     RemoteCheckpointStore,
+    checkpoints_dir,
     is_url,
     local_path,
     open_store,
@@ -183,7 +184,10 @@ def load_checkpoint(
                     "`BackupAndRestore(keep=...)`, or load each one sooner."
                 ) from None
             raise
-    state.apply(local.path, metadata, values, variables_only=True)
+    try:
+        state.apply(local.path, metadata, values, variables_only=True)
+    finally:
+        store.release(local)  # A bucket's download: evaluators run for days.
     named = Checkpoint(local.sequence, store.url(local))
     return _committed(named, metadata)
 
@@ -225,12 +229,3 @@ def _checkpoint_at(
             f"{path!r} is neither a keras-ft checkpoint nor a backup directory."
         )
     return CheckpointStore(checkpoints_dir(path))
-
-
-def checkpoints_dir(path: str) -> str:
-    """A backup directory's checkpoints: in `chief/`, or in `path` itself."""
-    if is_url(path):
-        return f"{path.rstrip('/')}/chief"
-    path = local_path(path)
-    chief = os.path.join(path, "chief")
-    return chief if os.path.isdir(chief) or not os.path.isdir(path) else path

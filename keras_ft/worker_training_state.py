@@ -12,19 +12,20 @@ import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import keras
 
 from keras_ft import backend as host
-from keras_ft.checkpoint.errors import CheckpointWriteError
+from keras_ft import threads
+from keras_ft.checkpoint.errors import CheckpointWriteError, ProcessesDisagreeError
 from keras_ft.checkpoint.files import Staging
-from keras_ft.checkpoint.lock import DirectoryLock, check_platform
+from keras_ft.checkpoint.lock import check_platform
 from keras_ft.checkpoint.remote import (
     RemoteCheckpointStore,
-    RemoteLease,
     is_url,
     local_path,
+    open_store,
 )
 from keras_ft.checkpoint.store import Checkpoint, CheckpointStore
 from keras_ft.distribute import sharded
@@ -36,7 +37,9 @@ from keras_ft.state import (
     Snapshot,
     TrainingState,
     arrays,
+    configuration,
 )
+from keras_ft.state.training_state import optimizer_step
 from keras_ft.threads import BackgroundWriter, PendingWrite, wait_for_removals
 from keras_ft.training.listeners import CheckpointListener, check_listeners, notify
 from keras_ft.training.policy import KeepLast
@@ -95,6 +98,11 @@ class WorkerTrainingState:
             its filesystem (credentials, endpoint). Defaults to `None`.
         verbose: `1` to report the progress of large uploads to object
             storage, `0` for silence. Defaults to `0`.
+        on_config_change: What `restore()` does with a backup written by a
+            training whose model, optimizer or loss was configured
+            otherwise: `"warn"` to restore it and warn, naming what differs,
+            or `"raise"` to refuse it with `keras_ft.ConfigurationChangedError`
+            before loading anything. Defaults to `"warn"`.
 
     Example:
 
@@ -120,77 +128,64 @@ class WorkerTrainingState:
         listeners: list[CheckpointListener] | None = None,
         storage_options: dict | None = None,
         verbose: int = 0,
+        on_config_change: str = "warn",
     ):
         check_platform()
         self.backup_dir = validate_backup_dir(backup_dir)
+        self.on_config_change = validate_on_config_change(on_config_change)
         self.listeners = check_listeners(listeners)
         self.task = task if task is not None else current_task()
         self._retention = KeepLast(keep)
         self._state = TrainingState(model)
         self.remote = is_url(self.backup_dir)
-        if self.remote:
-            # Object storage: the manifest is the commit, a lease the lock.
-            store = RemoteCheckpointStore(
-                chief_dir(self.backup_dir),
-                self._retention,
-                storage_options,
-                progress=_print if verbose else None,
-            )
-            self._chief_store = store
-            self._lock = RemoteLease(store)
-            key = store.directory
-        else:
-            self._chief_store = CheckpointStore(
-                chief_dir(self.backup_dir), self._retention
-            )
-            self._lock = DirectoryLock(chief_dir(self.backup_dir))
-            key = os.path.realpath(chief_dir(self.backup_dir))
+        # A disk (rename commit, flock) or a bucket (manifest-last commit, lease).
+        self._chief_store = open_store(
+            chief_dir(self.backup_dir),
+            self._retention,
+            storage_options,
+            progress=_print if verbose else None,
+        )
+        self._lock = self._chief_store.writer_lock()
         self.async_save = bool(async_save)
-        self._writer = _writers.setdefault(key, BackgroundWriter())
+        self._writer = _writers.setdefault(
+            self._chief_store.identity, BackgroundWriter()
+        )
         self._cancels: list[threading.Event] = []  # Of the saves in flight.
         self._saves = 0  # Sharded saves name their parts by it: same everywhere.
         # The newest save, for a save that replaces it.
         self._last: tuple[threading.Event, PendingWrite] | None = None
+        self._holds_pools = False  # From `lock()` to `unlock()`.
 
     @property
     def model(self) -> keras.Model:
         return self._state.model
 
+    @property
+    def store(self) -> CheckpointStore | RemoteCheckpointStore:
+        """Where the chief's checkpoints are committed (a disk or a bucket);
+        every process of a cluster reads its notices through it."""
+        return self._chief_store
+
     def check_writable(self) -> None:
         """Fails early, naming `backup_dir`, if saves could not be written.
 
-        Also removes staging directories left by a writer that was killed
-        (the chief) or this worker's temporary directory (other workers).
+        Read-only for what is there: another process may be writing the
+        backup right now. What a killed writer left is removed by `lock()`,
+        once this process holds the directory.
 
         Raises:
             ValueError: if the directory cannot be created or written.
         """
-        if self.remote and self.task.is_chief:
-            self._chief_store.check_writable()
-            self._finish_earlier_write()
-            return  # Partial uploads are removed once the lease is held.
-        directory = self._write_dir()
+        # A worker's throwaway saves go to a local directory, whatever the store.
+        store = (
+            self._chief_store
+            if self.task.is_chief
+            else CheckpointStore(self._write_dir())
+        )
         try:
-            os.makedirs(directory, exist_ok=True)
-            with tempfile.TemporaryFile(dir=directory):
-                pass
-        except OSError as e:
-            raise ValueError(
-                f"Invalid value for argument `backup_dir`: cannot write to "
-                f"{directory!r} ({e.strerror or e}). Choose a directory this "
-                f"process can create and write. Received: "
-                f"backup_dir={self.backup_dir!r}"
-            ) from e
-        if not self.task.is_chief:
-            # A worker's directory only ever holds the save being written.
-            shutil.rmtree(directory, ignore_errors=True)
-            return
-        # A write still in flight from an earlier fit() in this process owns
-        # its staging directory: let it finish before cleaning up.
-        self._finish_earlier_write()
-        self._chief_store.remove_leftovers()
-        # Pieces of sharded saves that a kill kept from their commit.
-        sharded.remove_parts(self._chief_store.directory)
+            store.check_writable()
+        except ValueError as e:
+            raise ValueError(f"{e} Received: backup_dir={self.backup_dir!r}") from e
 
     def _finish_earlier_write(self) -> None:
         try:
@@ -202,15 +197,46 @@ class WorkerTrainingState:
         """Claims the backup for this process: one writer per directory.
 
         Only the chief locks; other workers never write the chief's directory.
-        The lock goes with `unlock()`, `delete_backup()` or the process.
+        Once it holds the lock, the chief removes what a killed writer left
+        (staging directories, partial uploads, pieces of sharded saves); a
+        worker empties its own temporary directory. The lock goes with
+        `unlock()`, `delete_backup()` or the process.
 
         Raises:
             keras_ft.DirectoryInUseError: if another live process holds it.
         """
-        if self.task.is_chief:
+        self._hold()
+        if not self.task.is_chief:
+            # A worker's directory only ever holds the save being written.
+            shutil.rmtree(self._write_dir(), ignore_errors=True)
+            return
+        # A write still in flight from an earlier fit() in this process owns
+        # its staging directory: let it finish before cleaning up.
+        self._finish_earlier_write()
+        try:
             self._lock.acquire()
-            if self.remote:  # A writer killed mid-upload left these.
-                self._chief_store.remove_leftovers()
+            self._chief_store.remove_leftovers()
+            if not self.remote:  # Pieces of sharded saves kept from a commit.
+                sharded.remove_parts(self._chief_store.directory)
+        except BaseException:
+            self.unlock()
+            raise
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[WorkerTrainingState]:
+        """`lock()` for a block: released if the block raises, held after it.
+
+        ```python
+        with state.locked():
+            resume = state.restore()  # A failed restore releases the lock.
+        ```
+        """
+        self.lock()
+        try:
+            yield self
+        except BaseException:
+            self.unlock()
+            raise
 
     def _write_dir(self) -> str:
         """This process's directory for its saves; a local one for a worker
@@ -222,7 +248,34 @@ class WorkerTrainingState:
         return write_dir(self.backup_dir, self.task)
 
     def unlock(self) -> None:
+        """Releases the lock (see `lock()`); the backup stays as it is."""
         self._lock.release()
+        self._let_go()
+
+    def close(self) -> None:
+        """Ends this training's background work: waits for its writes to
+        commit, releases the lock (which stops a lease's heartbeat) and,
+        if no other training of the process is running, closes the thread
+        pools its saves used. The backup stays as it is.
+
+        Raises:
+            keras_ft.CheckpointWriteError: if a write in flight failed (the
+                lock is released all the same).
+        """
+        try:
+            self.wait()
+        finally:
+            self.unlock()
+
+    def _hold(self) -> None:
+        if not self._holds_pools:
+            self._holds_pools = True
+            threads.hold()
+
+    def _let_go(self) -> None:
+        if self._holds_pools:
+            self._holds_pools = False
+            threads.let_go()
 
     def back_up(
         self,
@@ -279,7 +332,7 @@ class WorkerTrainingState:
             self.listeners,
             "before_save",
             epochs_completed,
-            self._state.optimizer_step(),
+            optimizer_step(self.model),
         )
         # The copy goes into the buffer the saves in flight share: each value
         # waits until the save before has written it out, and this save's
@@ -346,7 +399,7 @@ class WorkerTrainingState:
                 self.listeners,
                 "before_save",
                 epochs_completed,
-                self._state.optimizer_step(),
+                optimizer_step(self.model),
             )
             snapshot = self._state.snapshot(epochs_completed, batches_completed, extra)
             share = snapshot.share
@@ -358,7 +411,7 @@ class WorkerTrainingState:
         if not host.all_processes_agree(not bad):
             raise NonFiniteStateError(bad or ["(a piece another process holds)"])
         self._saves += 1
-        tag = f"{self._saves:08d}-{self._state.optimizer_step():012d}"
+        tag = f"{self._saves:08d}-{optimizer_step(self.model):012d}"
         directory = sharded.parts_dir(chief_dir(self.backup_dir), tag)
         process = self.task.task_index
         if not chief:
@@ -459,7 +512,7 @@ class WorkerTrainingState:
                 after,
                 supersedes,
             )
-        except OSError as e:
+        except (OSError, ProcessesDisagreeError) as e:
             try:
                 committed = self._chief_store.checkpoints()
             except Exception:  # A bucket out of reach cannot be listed either.
@@ -470,11 +523,13 @@ class WorkerTrainingState:
                 previous = f"the previous checkpoint {committed[-1].name} is intact"
             else:
                 previous = "no checkpoint had been committed yet"
-            fix = (
-                "Check that the bucket is reachable and the credentials valid"
-                if self.remote
-                else "Free some space or fix the directory's permissions"
-            )
+            if isinstance(e, ProcessesDisagreeError):
+                fix = (
+                    "Relaunch every process of the training together, with the "
+                    "same script and arguments"
+                )
+            else:
+                fix = self._chief_store.write_error_fix
             raise CheckpointWriteError(
                 e.errno,
                 f"Could not write a checkpoint to {self._chief_store.directory} "
@@ -505,7 +560,19 @@ class WorkerTrainingState:
             ValueError: if the backup does not match the model.
         """
         self._finish_earlier_write()
-        return self._load_newest(variables_only=False)
+        self._state.configuration()  # As set up, before anything is loaded.
+        point = self._load_newest(variables_only=False)
+        if point is not None and point.config_changes:
+            warnings.warn(
+                f"keras-ft: the backup {point.checkpoint} was written by a "
+                "training configured otherwise: "
+                f"{configuration.summary(point.config_changes)}. Its state is "
+                "restored and training continues with this configuration; use "
+                "another `backup_dir` to start afresh, or "
+                "`on_config_change='raise'` to refuse such a backup.",
+                stacklevel=2,
+            )
+        return point
 
     def _load_newest(self, variables_only: bool) -> ResumePoint | None:
         """Loads the newest good checkpoint; tells the listeners."""
@@ -518,9 +585,16 @@ class WorkerTrainingState:
         if found is None:
             return None
         checkpoint, metadata, values = found
-        point = self._state.apply(
-            checkpoint.path, metadata, values, variables_only=variables_only
-        )
+        try:
+            point = self._state.apply(
+                checkpoint.path,
+                metadata,
+                values,
+                variables_only=variables_only,
+                refuse_config_changes=self.on_config_change == "raise",
+            )
+        finally:
+            self._chief_store.release(checkpoint)  # A bucket's download.
         # A bucket's checkpoint is loaded from a local copy: name the original.
         point = dataclasses.replace(point, checkpoint=self._chief_store.url(checkpoint))
         notify(
@@ -584,6 +658,7 @@ class WorkerTrainingState:
         if not self.remote:
             with contextlib.suppress(OSError):
                 os.rmdir(self.backup_dir)
+        self._let_go()
 
 
 def _print(line: str) -> None:
@@ -615,6 +690,15 @@ def write_snapshot(snapshot: Snapshot, directory: str | Staging) -> None:
     finally:
         snapshot.release()
     staging.write_file(arrays.ARRAYS_FILE, [arrays.to_bytes(snapshot.arrays)])
+
+
+def validate_on_config_change(value: object) -> str:
+    if value not in ("warn", "raise"):
+        raise ValueError(
+            "Invalid value for argument `on_config_change`. Expected 'warn' or "
+            f"'raise'. Received: on_config_change={value!r}"
+        )
+    return value
 
 
 def validate_backup_dir(backup_dir: object) -> str:

@@ -7,6 +7,8 @@ import signal
 
 import pytest
 
+from keras_ft.checkpoint.remote import RemoteCheckpointStore
+from keras_ft.checkpoint.store import CheckpointStore
 from keras_ft.training.preemption import ClusterNotice, PreemptionWatcher, parse_signals
 
 
@@ -73,9 +75,24 @@ def test_install_outside_the_main_thread_warns_and_does_nothing():
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL
 
 
-def test_cluster_notice_first_published_wins(tmp_path):
-    first = ClusterNotice(str(tmp_path), resumed_from=40)
-    second = ClusterNotice(str(tmp_path), resumed_from=40)
+def notice_store(where, tmp_path):
+    """The store a cluster's notice goes through: a disk or a bucket."""
+    if where == "disk":
+        return CheckpointStore(str(tmp_path))
+    return RemoteCheckpointStore(f"memory://notice-{tmp_path.name}/chief")
+
+
+def names_in(store):
+    if isinstance(store, CheckpointStore):
+        return os.listdir(store.directory)
+    return [path.rsplit("/", 1)[-1] for path in store.fs.find(store.root)]
+
+
+@pytest.mark.parametrize("where", ["disk", "bucket"])
+def test_cluster_notice_first_published_wins(tmp_path, where):
+    store = notice_store(where, tmp_path)
+    first = ClusterNotice(store, resumed_from=40)
+    second = ClusterNotice(store, resumed_from=40)
     assert first.read() is None
     notice = first.publish(7, signal.SIGTERM, worker=1)
     assert notice == {
@@ -84,23 +101,30 @@ def test_cluster_notice_first_published_wins(tmp_path):
     # A worker signalled a moment later gets the notice already in force.
     assert second.publish(8, signal.SIGINT, worker=0) == notice
     assert second.read() == notice
-    assert os.listdir(tmp_path) == [ClusterNotice.FILE]  # No temporary files left.
+    assert names_in(store) == [ClusterNotice.NAME]  # No temporary files left.
+    assert store.checkpoints() == []  # A notice is never taken for one.
 
 
-def test_cluster_notice_of_an_earlier_run_or_damaged_is_ignored(tmp_path):
-    ClusterNotice(str(tmp_path), resumed_from=40).publish(7, signal.SIGTERM, 1)
-    later_run = ClusterNotice(str(tmp_path), resumed_from=47)
+@pytest.mark.parametrize("where", ["disk", "bucket"])
+def test_cluster_notice_of_an_earlier_run_or_damaged_is_ignored(tmp_path, where):
+    store = notice_store(where, tmp_path)
+    ClusterNotice(store, resumed_from=40).publish(7, signal.SIGTERM, 1)
+    later_run = ClusterNotice(store, resumed_from=47)
     assert later_run.read() is None
     later_run.clear()
-    assert not os.path.exists(os.path.join(tmp_path, ClusterNotice.FILE))
+    assert store.read_notice(ClusterNotice.NAME) is None
     later_run.clear()  # Nothing to clear: fine.
-    path = os.path.join(tmp_path, ClusterNotice.FILE)
     for text in ["{", "[]", '{"batch_end": "7", "signal": "SIGTERM", '
                  '"resumed_from": 47}', '{"batch_end": 7, "signal": "SIGNOPE", '
                  '"resumed_from": 47}']:  # fmt: skip
-        with open(path, "w") as f:
-            f.write(text)
+        later_run.clear()
+        assert store.create_notice(ClusterNotice.NAME, text.encode())
         assert later_run.read() is None, text
+
+
+def test_notice_names_are_plain():
+    with pytest.raises(ValueError, match="Not a notice name"):
+        CheckpointStore("/tmp/unused").create_notice("../escape.json", b"{}")
 
 
 class _Training:

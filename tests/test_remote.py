@@ -355,15 +355,11 @@ def test_large_uploads_report_progress(s3_server):
     assert lines[-1].split(": ", 2)[2].startswith("100% of 3 MB"), lines
 
 
-@ONCE
-def test_a_cluster_backs_up_to_a_bucket_and_resumes_from_it(s3_server, tmp_path):
-    """Two JAX processes: the chief commits to the bucket, the other worker's
-    throwaway saves stay local; one is killed, both resume from the bucket."""
-    import hashlib
+def run_cluster_on_bucket(s3_server, backup, *args):
+    """`examples/local_cluster.py`: two JAX workers backing up to `backup`;
+    worker 1 gets the fault; the run's `RESULT` numbers."""
     import json as json_module
-    import tempfile
 
-    backup = url("cluster")
     harness = os.path.join(
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         "examples", "local_cluster.py",
@@ -373,13 +369,25 @@ def test_a_cluster_backs_up_to_a_bucket_and_resumes_from_it(s3_server, tmp_path)
     result = subprocess.run(
         [sys.executable, harness, "--backend", "jax", "--workers", "2",
          "--epochs", "3", "--seconds-per-batch", "0.1", "--backup-dir", backup,
-         "--json", "--quiet", "--save-freq", "3", "--kill-window", "0.6",
-         "--kill-worker", "1", "--seed", "1"],
+         "--json", "--quiet", "--kill-worker", "1", *args],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
-    run = json_module.loads(line[len("RESULT ") :])
+    return json_module.loads(line[len("RESULT ") :])
+
+
+@ONCE
+def test_a_cluster_backs_up_to_a_bucket_and_resumes_from_it(s3_server, tmp_path):
+    """Two JAX processes: the chief commits to the bucket, the other worker's
+    throwaway saves stay local; one is killed, both resume from the bucket."""
+    import hashlib
+    import tempfile
+
+    backup = url("cluster")
+    run = run_cluster_on_bucket(
+        s3_server, backup, "--save-freq", "3", "--kill-window", "0.6", "--seed", "1"
+    )
     committed = run["committed_step"]
     assert committed and run["exit_codes"] == [0, 0], run
     assert run["resumed_steps"] == [committed, committed]
@@ -439,3 +447,72 @@ def test_a_failing_upload_is_retried_then_reported_like_a_disk_error(
             assert history.epoch == [0, 1, 2]  # Training went on.
     finally:
         server.kill()
+
+
+@ONCE
+def test_a_notice_is_created_once_on_the_s3_server(s3_server):
+    """The server honours S3's conditional create (If-None-Match), which
+    fsspec's `mode="create"` sends: the second writer is refused."""
+    from keras_ft.checkpoint.remote import RemoteCheckpointStore
+
+    store = RemoteCheckpointStore(url("notice") + "/chief")
+    assert store.create_notice("preempted.json", b'{"first": 1}')
+    assert not store.create_notice("preempted.json", b'{"second": 2}')
+    assert store.read_notice("preempted.json") == b'{"first": 1}'
+    store.remove_notice("preempted.json")
+    assert store.read_notice("preempted.json") is None
+
+
+@ONCE
+def test_sigterm_in_a_cluster_backed_up_to_a_bucket(s3_server):
+    """The preemption notice goes through the bucket: a SIGTERM to one of two
+    JAX workers backs up one step on both, and both exit with 143."""
+    run = run_cluster_on_bucket(
+        s3_server, url("preempted"), "--save-freq", "5", "--kill-window", "0.3",
+        "--signal", "TERM", "--seed", "3",
+    )  # fmt: skip
+    assert run["exit_codes_after_kill"] == {"0": 143, "1": 143}, run
+    committed = run["committed_step"]
+    assert committed > run["killed_after_step"]  # The signal's own backup.
+    assert run["exit_codes"] == [0, 0]
+    assert run["resumed_steps"] == [committed, committed]
+    assert run["final_steps"] == [3 * 8, 3 * 8]
+    assert run["weights"][0] == run["weights"][1]
+
+
+@ONCE
+def test_a_second_trainer_never_breaks_the_first_on_a_bucket(s3_server):
+    """Trainer A saves every batch to the bucket; trainer B starts on the same
+    prefix again and again while A uploads: B is refused by the lease before
+    it touches anything, and A finishes with every save committed."""
+    backup = url("second")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_script.py")
+    env = subprocess_env()
+    env.update(s3_server)
+    trainer = subprocess.Popen(
+        [sys.executable, script, backup, "--epochs", "6", "--save-freq", "1",
+         "--units", "20000", "--keep-backup"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    for line in trainer.stdout:
+        if '"first_batch_end"' in line:
+            break
+    refused = 0
+    try:
+        while refused < 3 and trainer.poll() is None:
+            second = keras_ft.WorkerTrainingState(make_model(), backup)
+            second.check_writable()
+            with pytest.raises(
+                keras_ft.DirectoryInUseError, match=f"pid {trainer.pid}"
+            ):
+                second.lock()
+            refused += 1
+        out, err = trainer.communicate(timeout=240)
+    finally:
+        trainer.kill()
+    assert trainer.returncode == 0, err
+    assert refused == 3
+    assert '"kind": "done", "step": 24' in out
+    state = keras_ft.WorkerTrainingState(make_model(units=20000), backup)
+    assert state.restore().step == 24
+    state.delete_backup()

@@ -24,7 +24,11 @@ import pytest
 from conftest import TESTS_DIR, iterations, make_data, make_model, subprocess_env
 
 import keras_ft
-from keras_ft.checkpoint.errors import CorruptCheckpointError, SaveCancelled
+from keras_ft.checkpoint.errors import (
+    CorruptCheckpointError,
+    ProcessesDisagreeError,
+    SaveCancelled,
+)
 from keras_ft.checkpoint.store import CheckpointStore
 from keras_ft.distribute import sharded
 from keras_ft.state import TrainingState, arrays
@@ -113,7 +117,7 @@ def test_a_process_missing_from_a_save_commits_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv(sharded.WAIT_ENV, "1")
     store = CheckpointStore(str(tmp_path / "chief"))
     first = commit(store, "00000001-000000000001")
-    with pytest.raises(TimeoutError, match=r"Processes \[1\] did not write"):
+    with pytest.raises(ProcessesDisagreeError, match=r"Processes \[1\] did not write"):
         commit(store, "00000002-000000000002", processes=(0,))
     assert store.checkpoints() == [first]
     # Pieces that do not cover a variable: not committed either.
@@ -124,7 +128,7 @@ def test_a_process_missing_from_a_save_commits_nothing(tmp_path, monkeypatch):
         parts = sharded.wait_for_parts(directory, 1, "00000003-000000000003")
         sharded.gather_parts(staging, directory, parts, SPECS, ["", ""])
 
-    with pytest.raises(OSError, match="cover 24 of its 48 values"):
+    with pytest.raises(ProcessesDisagreeError, match="cover 24 of its 48 values"):
         store.save(write, {})
     assert store.checkpoints() == [first]
     sharded.remove_parts(store.directory)
@@ -156,7 +160,7 @@ def test_waiting_for_parts_can_be_called_off_and_refuses_another_saves_part(
     with pytest.raises(SaveCancelled):
         sharded.wait_for_parts(directory, 2, "a", cancel)
     sharded.write_part(directory, 0, "b", pieces_of(0))
-    with pytest.raises(OSError, match="belongs to another save"):
+    with pytest.raises(ProcessesDisagreeError, match="belongs to another save"):
         sharded.wait_for_parts(directory, 1, "a")
 
 

@@ -6,8 +6,7 @@ import threading
 
 import pytest
 
-from keras_ft.checkpoint.store import SaveCancelled
-from keras_ft.threads import BackgroundWriter, Watermark
+from keras_ft.threads import BackgroundWriter, Cancelled, Watermark
 
 
 def held_write(name, gate, log, result=None):
@@ -109,7 +108,7 @@ def test_a_cancelled_write_has_neither_result_nor_error():
     writer = BackgroundWriter()
 
     def cancelled(previous):
-        raise SaveCancelled("called off")
+        raise Cancelled("called off")
 
     writer.submit(cancelled)
     assert writer.wait() is None
@@ -141,7 +140,7 @@ def test_an_abandoned_watermark_calls_its_waiters_off():
     def wait():
         try:
             mark.wait_for(100)
-        except SaveCancelled as e:
+        except Cancelled as e:
             errors.append(e)
 
     thread = threading.Thread(target=wait)
@@ -166,3 +165,33 @@ def test_a_writes_value_never_waits_or_raises():
     done = writer.submit(lambda previous: "committed")
     done.join()
     assert done.value == "committed"
+
+
+def keras_ft_threads():
+    return {t for t in threading.enumerate() if t.name.startswith("keras-ft")}
+
+
+@pytest.mark.parametrize("where", ["disk", "bucket"])
+def test_a_fit_leaves_no_thread_behind(tmp_path, where, monkeypatch):
+    """Writers, pools (copy, checksum, fsync, removal, transfers) and the
+    lease's heartbeat end with the fit(), kept or deleted backup alike."""
+    from conftest import make_data, make_model
+
+    import keras_ft
+    from keras_ft import threads
+
+    # Trainings of earlier tests that never ended hold the pools (and leases
+    # whose heartbeats go on): not this test's.
+    monkeypatch.setattr(threads, "_holders", 0)
+    threads.let_go()
+    before = keras_ft_threads()
+
+    backup = str(tmp_path) if where == "disk" else f"memory://threads-{tmp_path.name}"
+    x, y = make_data()
+    for keep in (True, False):
+        callback = keras_ft.BackupAndRestore(
+            backup, save_freq=1, delete_checkpoint=not keep
+        )
+        make_model().fit(x, y, epochs=2, batch_size=16, verbose=0, callbacks=[callback])
+        left = sorted(t.name for t in keras_ft_threads() - before)
+        assert left == [], keep

@@ -217,3 +217,36 @@ def test_the_evaluate_while_training_example(tmp_path):
             event = tf.compat.v1.Event.FromString(record.numpy())
             tags.update(v.tag for v in event.summary.value)
     assert "evaluation_loss_vs_iterations" in tags
+
+
+def test_an_evaluator_on_a_bucket_keeps_no_download(tmp_path, data, monkeypatch):
+    """watch() and load_checkpoint() over 20 commits of a bucket: each load
+    removes its download once the model holds the values, so the local disk
+    never holds more than the checkpoint being loaded."""
+    import tempfile
+
+    local_tmp = tmp_path / "tmp"
+    local_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(local_tmp))
+    backup = f"memory://keras-ft-watch-{os.getpid()}-{time.monotonic_ns()}"
+    x, y = data
+    model = make_model()
+    state = keras_ft.WorkerTrainingState(model, backup, keep=20)
+    saved = []
+    for epoch in range(20):
+        model.train_on_batch(x[:16], y[:16])
+        state.back_up(epoch)
+        saved.append(weights_of(model))
+    evaluator = make_model()
+    loaded = []
+    for checkpoint in keras_ft.watch(backup, timeout=0):
+        keras_ft.load_checkpoint(checkpoint, evaluator)
+        loaded.append(checkpoint.epoch)
+        for got, want in zip(
+            weights_of(evaluator), saved[checkpoint.epoch - 1], strict=True
+        ):
+            np.testing.assert_array_equal(got, want)
+        downloads = glob.glob(str(local_tmp / "keras-ft-remote-*" / "download-*"))
+        assert downloads == [], downloads
+    assert loaded == list(range(1, 21))
+    state.delete_backup()

@@ -345,9 +345,9 @@ def all_values(model):
     }
 
 
-@pytest.mark.parametrize(
-    "recipe", ["lora", "int8", "int8+lora", "int4", "int4+lora", "float8"]
-)
+# Quantized without LoRA, int8 and int4 store their variables as they are;
+# with LoRA, their kernels and scales are re-quantized merges.
+@pytest.mark.parametrize("recipe", ["lora", "int8+lora", "int4+lora", "float8"])
 def test_a_restore_gives_every_variable_its_own_value(tmp_path, recipe):
     import warnings
 
@@ -442,3 +442,22 @@ def test_the_exact_group_is_only_where_the_walk_changes_values(tmp_path, data):
 def layout_of(model, path):
     write(str(path), weights_layout.capture(model))
     return layout(str(path))
+
+
+def test_an_export_copy_is_keras_own_file(tmp_path):
+    """`keras-ft export` copies the weights file without the exact group:
+    what `save_weights()` writes, LoRA merged."""
+    x, y = token_data()
+    trained = adapted_model("lora", seed=1)
+    trained.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    written = tmp_path / "backup.weights.h5"
+    write(str(written), weights_layout.capture(trained))
+    exported = tmp_path / "exported.weights.h5"
+    weights_layout.copy_for_inference(str(written), str(exported))
+    keras_own = tmp_path / "keras.weights.h5"
+    trained.save_weights(str(keras_own))
+    assert weights_layout.EXACT_GROUP in layout(str(written))
+    found, expected = layout(str(exported)), layout(str(keras_own))
+    assert sorted(found) == sorted(expected)
+    for name, entry in expected.items():
+        assert found[name] == entry, name

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from conftest import (
 )
 
 from keras_ft import (
+    DirectoryInUseError,
     NonFiniteStateError,
     TaskSpec,
     WorkerTrainingState,
@@ -142,11 +144,61 @@ def test_check_writable_names_backup_dir(unwritable_dir):
         state.check_writable()
 
 
-def test_check_writable_removes_a_killed_writers_staging_directory(backup_dir):
+def test_only_the_lock_holder_removes_a_killed_writers_staging_directory(
+    backup_dir,
+):
     staging = os.path.join(backup_dir, "chief", ".staging-00000001-999-abcd")
     os.makedirs(staging)
-    WorkerTrainingState(make_model(), backup_dir).check_writable()
-    assert not os.path.exists(staging)
+    state = WorkerTrainingState(make_model(), backup_dir)
+    state.check_writable()
+    assert os.path.isdir(staging)  # Another process may be writing it.
+    with state.locked():
+        assert not os.path.exists(staging)
+    state.unlock()
+
+
+def test_a_failed_start_releases_the_lock(backup_dir):
+    state = WorkerTrainingState(make_model(), backup_dir)
+    with pytest.raises(RuntimeError, match="restore failed"), state.locked():
+        raise RuntimeError("restore failed")
+    other = WorkerTrainingState(make_model(), backup_dir)
+    with other.locked():  # Not held any more.
+        pass
+    other.unlock()
+
+
+def test_a_second_trainer_never_breaks_the_first(tmp_path):
+    """Trainer A saves every batch (a save in flight most of the time);
+    trainer B starts on the same directory again and again while A has a
+    staging directory: B is refused, and A finishes untouched."""
+    backup = str(tmp_path / "backup")
+    chief = os.path.join(backup, "chief")
+    script = os.path.join(TESTS_DIR, "train_script.py")
+    trainer = subprocess.Popen(
+        [sys.executable, script, backup, "--epochs", "6", "--save-freq", "1",
+         "--units", "200000", "--keep-backup"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=subprocess_env(),
+    )  # fmt: skip
+    refused = 0
+    deadline = time.monotonic() + 240
+    while refused < 5 and trainer.poll() is None:
+        assert time.monotonic() < deadline
+        names = os.listdir(chief) if os.path.isdir(chief) else []
+        if not any(n.startswith(".staging-") for n in names):
+            time.sleep(0.001)
+            continue
+        second = WorkerTrainingState(make_model(), backup)
+        second.check_writable()
+        with pytest.raises(DirectoryInUseError, match=f"pid {trainer.pid} on"):
+            second.lock()
+        refused += 1
+    out, err = trainer.communicate(timeout=240)
+    assert trainer.returncode == 0, err
+    assert refused == 5, "trainer A finished before B was refused five times"
+    assert '"kind": "done", "step": 24' in out
+    state = WorkerTrainingState(make_model(units=200000), backup)
+    assert state.restore().step == 24
 
 
 def test_fuzzed_newest_checkpoint_always_falls_back_to_the_previous(backup_dir, data):

@@ -66,10 +66,11 @@ def main() -> None:
     parser.add_argument("--seconds-per-batch", type=float, default=0.0)
     parser.add_argument("--keep-backup", action="store_true")
     parser.add_argument("--grace-period", type=float, default=25.0)
+    parser.add_argument("--units", type=int, default=8)
     args = parser.parse_args()
     save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
     x, y = make_data()
-    model = make_model()
+    model = make_model(units=args.units)
     history = model.fit(
         x,
         y,

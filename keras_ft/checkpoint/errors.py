@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from keras_ft.threads import Cancelled
+
 
 class CheckpointError(Exception):
     """Base class of the errors raised by keras-ft about stored checkpoints."""
@@ -20,9 +22,19 @@ class NoGoodCheckpointError(CheckpointError):
     """Checkpoints exist, but every one of them failed verification."""
 
 
+class DirectoryInUseError(RuntimeError):
+    """Another live process is writing the same backup directory."""
+
+
+class ProcessesDisagreeError(CheckpointError):
+    """The processes of one training disagree on a save (which save it is,
+    which pieces each holds, or whether each took part); nothing was
+    committed."""
+
+
 class CheckpointWriteError(CheckpointError, OSError):
     """A checkpoint could not be written; the previous ones are intact."""
 
 
-class SaveCancelled(CheckpointError):
+class SaveCancelled(CheckpointError, Cancelled):
     """A save was called off before its commit; nothing was committed."""

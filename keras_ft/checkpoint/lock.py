@@ -14,12 +14,16 @@ import os
 import socket
 import sys
 
+from keras_ft.checkpoint.errors import DirectoryInUseError
+
 try:
     import fcntl
 except ImportError:  # Windows: `import keras_ft` works, a backup does not.
     fcntl = None
 
 LOCK_FILE = ".lock"
+
+__all__ = ["LOCK_FILE", "DirectoryInUseError", "DirectoryLock", "check_platform"]
 
 # Locks this process holds, by path: a fit() that raised never reached train
 # end, and the next fit() in the same process (a notebook cell run again)
@@ -44,10 +48,6 @@ def check_platform() -> None:
             "`keras.callbacks.BackupAndRestore`, which works here without "
             "keras-ft's crash-safety guarantees."
         )
-
-
-class DirectoryInUseError(RuntimeError):
-    """Another live process is writing the same backup directory."""
 
 
 class DirectoryLock:

@@ -45,6 +45,7 @@ from keras_ft.checkpoint.errors import CorruptCheckpointError, SaveCancelled
 from keras_ft.checkpoint.lock import DirectoryInUseError
 from keras_ft.checkpoint.store import (
     MANIFEST_FILE,
+    MAX_NOTICE_BYTES,
     METADATA_FILE,
     Checkpoint,
     CheckpointStore,
@@ -52,6 +53,7 @@ from keras_ft.checkpoint.store import (
     ReadProgress,
     RetentionPolicy,
     Staging,
+    check_notice_name,
     checkpoint_name,
     digest_algorithm,
     manifest_files,
@@ -131,8 +133,18 @@ class RemoteCheckpointStore:
         self.progress = progress
         self.progress_bytes = progress_bytes
 
+    write_error_fix = "Check that the bucket is reachable and the credentials valid"
+
     def __repr__(self) -> str:
         return f"RemoteCheckpointStore({self.directory!r})"
+
+    @property
+    def identity(self) -> str:
+        return self.directory
+
+    def writer_lock(self) -> RemoteLease:
+        """The lock one writer holds: a lease object with a heartbeat."""
+        return RemoteLease(self)
 
     def url(self, checkpoint: Checkpoint) -> str:
         """Where `checkpoint` is in the bucket (its downloaded copy's too)."""
@@ -236,8 +248,13 @@ class RemoteCheckpointStore:
             ) from None
 
     def latest_good(self) -> tuple[Checkpoint, dict[str, Any]] | None:
+        """The newest checkpoint that verifies, and its metadata (its
+        download removed)."""
         found = self.latest_good_read(lambda checkpoint, progress: None)
-        return None if found is None else found[:2]
+        if found is None:
+            return None
+        self.release(found[0])
+        return Checkpoint(found[0].sequence, self.url(found[0])), found[1]
 
     def latest_good_read(
         self, read: Callable[[Checkpoint, ReadProgress], _T]
@@ -267,18 +284,20 @@ class RemoteCheckpointStore:
             )
         return None
 
-    def read(
-        self, checkpoint: Checkpoint, read: Callable[[Checkpoint, ReadProgress], _T]
-    ) -> tuple[dict[str, Any], _T]:
-        """Downloads `checkpoint`, verifies it and reads it (see `store.py`)."""
-        _, metadata, result = self.fetch(checkpoint, read)
-        return metadata, result
-
     def fetch(
         self, checkpoint: Checkpoint, read: Callable[[Checkpoint, ReadProgress], _T]
     ) -> tuple[Checkpoint, dict[str, Any], _T]:
-        """`read()`, with the verified local copy to load from."""
+        """`read()`, with the verified local copy to load from; `release()`
+        it once loaded."""
         return self._download_read(checkpoint, read)
+
+    def release(self, checkpoint: Checkpoint) -> None:
+        """Removes the local copy of a checkpoint that `fetch()` or
+        `latest_good_read()` returned, once it is loaded. Arrays a loader
+        mapped from it stay valid: an unlinked file lives on while mapped."""
+        root = os.path.dirname(checkpoint.path)
+        if self._local is not None and os.path.dirname(root) == self._local:
+            shutil.rmtree(root, ignore_errors=True)
 
     def _download_read(
         self, checkpoint: Checkpoint, read: Callable[[Checkpoint, ReadProgress], _T]
@@ -289,6 +308,18 @@ class RemoteCheckpointStore:
             os.path.join(local_root, checkpoint_name(checkpoint.sequence)),
         )
         os.makedirs(local.path)
+        try:
+            return self._download_read_into(checkpoint, local, read)
+        except BaseException:
+            shutil.rmtree(local_root, ignore_errors=True)
+            raise
+
+    def _download_read_into(
+        self,
+        checkpoint: Checkpoint,
+        local: Checkpoint,
+        read: Callable[[Checkpoint, ReadProgress], _T],
+    ) -> tuple[Checkpoint, dict[str, Any], _T]:
         try:
             self.fs.get_file(
                 self._key(checkpoint, MANIFEST_FILE), local.file(MANIFEST_FILE)
@@ -313,7 +344,9 @@ class RemoteCheckpointStore:
         ]
         for download in downloads:
             download.result()
-        metadata, result = CheckpointStore(local_root).read(local, read)
+        metadata, result = CheckpointStore(os.path.dirname(local.path)).read(
+            local, read
+        )
         return local, metadata, result
 
     def _download(self, checkpoint: Checkpoint, name: str, path: str) -> None:
@@ -438,6 +471,44 @@ class RemoteCheckpointStore:
             self.delete(checkpoint)
         self.remove_leftovers()
 
+    # Notices, as `CheckpointStore`'s: objects beside the checkpoints.
+
+    def create_notice(self, name: str, data: bytes) -> bool:
+        """Writes the notice `name` unless one exists: the first writer wins
+        where the store has a conditional create (S3's `If-None-Match`, what
+        fsspec's `mode="create"` asks for); elsewhere fsspec checks, then
+        writes, and two writers within one round trip may both write."""
+        check_notice_name(name)
+        key = f"{self.root}/{name}"
+        for attempt in range(_RETRIES):
+            try:
+                self.fs.pipe_file(key, data, mode="create")
+                return True
+            except FileExistsError:
+                return False
+            except Exception as e:  # Network and service errors differ.
+                if _precondition_failed(e):
+                    return False
+                if attempt == _RETRIES - 1:
+                    raise
+                time.sleep(0.25 * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def read_notice(self, name: str) -> bytes | None:
+        check_notice_name(name)
+        with contextlib.suppress(AttributeError):
+            self.fs.invalidate_cache(self.root)
+        try:
+            with self.fs.open(f"{self.root}/{name}", "rb") as f:
+                return f.read(MAX_NOTICE_BYTES)
+        except FileNotFoundError:
+            return None
+
+    def remove_notice(self, name: str) -> None:
+        check_notice_name(name)
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(f"{self.root}/{name}")
+
     def check_writable(self) -> None:
         """Writes and removes a small object, or raises naming the URL."""
         probe = f"{self.root}/.probe-{secrets.token_hex(6)}"
@@ -481,11 +552,22 @@ def open_store(
     path: str,
     retention: RetentionPolicy | None = None,
     storage_options: dict | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> CheckpointStore | RemoteCheckpointStore:
-    """The store of checkpoints at `path`: a local directory or a URL."""
+    """The store of checkpoints at `path`: a local directory or a URL
+    (`storage_options` and upload `progress` apply to a URL's)."""
     if is_url(path):
-        return RemoteCheckpointStore(path, retention, storage_options)
+        return RemoteCheckpointStore(path, retention, storage_options, progress)
     return CheckpointStore(local_path(path), retention)
+
+
+def checkpoints_dir(path: str) -> str:
+    """A backup directory's checkpoints: in `chief/`, or in `path` itself."""
+    if is_url(path):
+        return f"{path.rstrip('/')}/chief"
+    path = local_path(path)
+    chief = os.path.join(path, "chief")
+    return chief if os.path.isdir(chief) or not os.path.isdir(path) else path
 
 
 class RemoteLease:
@@ -508,6 +590,7 @@ class RemoteLease:
         )
         self._token: str | None = None
         self._stop = threading.Event()
+        self._beating: threading.Thread | None = None
 
     def _read(self) -> dict | None:
         try:
@@ -543,7 +626,7 @@ class RemoteLease:
             self._token = None
             raise self._in_use(held or {})
         self._stop.clear()
-        threads.start_daemon(self._heartbeat, "keras-ft-lease")
+        self._beating = threads.start_daemon(self._heartbeat, "keras-ft-lease")
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(max(self.seconds / 3, 0.5)):
@@ -554,6 +637,9 @@ class RemoteLease:
     def release(self, remove: bool = False) -> None:
         """Gives the lease back: its object is removed if it is still ours."""
         self._stop.set()
+        beating, self._beating = self._beating, None
+        if beating is not None and beating is not threading.current_thread():
+            beating.join(timeout=30)  # At most one write of the lease.
         token, self._token = self._token, None
         if token is None:
             return
@@ -589,6 +675,13 @@ class RemoteLease:
             f"whose heartbeat is older than {self.seconds:g} s "
             f"({LEASE_SECONDS_ENV}) is taken over."
         )
+
+
+def _precondition_failed(error: Exception) -> bool:
+    """Whether a conditional write was refused because the object exists
+    (S3 answers 412 Precondition Failed; clients raise their own types)."""
+    text = f"{type(error).__name__} {error}"
+    return "PreconditionFailed" in text or "412" in text
 
 
 def _as_os_error(action: Callable[[], _T], what: str) -> _T:

@@ -35,6 +35,7 @@ import os
 import re
 import secrets
 import shutil
+import tempfile
 import threading
 import time
 import warnings
@@ -83,6 +84,9 @@ _SPARE_PREFIX = ".spare-"
 # Files smaller than this are written anew rather than over a spare's.
 # A manifest or metadata file larger than this is not one we wrote.
 _MAX_JSON_BYTES = 64 * 1024 * 1024
+# Notices are small JSON files with plain names, never a checkpoint's.
+_NOTICE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}\.json")
+MAX_NOTICE_BYTES = 64 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +133,9 @@ class CheckpointStore:
         retention: What to keep after each commit, a `RetentionPolicy`, or
             `None` to keep everything. Defaults to `None`.
     """
+
+    # What to do when a write fails, for the error that says so.
+    write_error_fix = "Free some space or fix the directory's permissions"
 
     def __init__(self, directory: str, retention: RetentionPolicy | None = None):
         self.directory = os.fspath(directory)
@@ -280,6 +287,76 @@ class CheckpointStore:
         """`read()`, with the checkpoint to load from: here, `checkpoint`
         itself (a remote store returns a verified local copy)."""
         return (checkpoint, *self.read(checkpoint, read))
+
+    # Notices: small files beside the checkpoints that every process of a
+    # training reads (the cluster's preemption step). Never a checkpoint.
+
+    def create_notice(self, name: str, data: bytes) -> bool:
+        """Writes the notice `name` unless one exists: the first writer wins.
+
+        Returns:
+            Whether this call wrote it.
+        """
+        check_notice_name(name)
+        os.makedirs(self.directory, exist_ok=True)
+        path = os.path.join(self.directory, name)
+        temporary = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+        with open(temporary, "wb") as f:
+            f.write(data)
+        try:
+            os.link(temporary, path)  # Atomic, and fails if one exists.
+        except FileExistsError:
+            return False
+        finally:
+            os.remove(temporary)
+        return True
+
+    def read_notice(self, name: str) -> bytes | None:
+        """The notice `name`, or `None` if there is none."""
+        check_notice_name(name)
+        try:
+            with open(os.path.join(self.directory, name), "rb") as f:
+                return f.read(MAX_NOTICE_BYTES)
+        except FileNotFoundError:
+            return None
+
+    def remove_notice(self, name: str) -> None:
+        check_notice_name(name)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(self.directory, name))
+
+    def check_writable(self) -> None:
+        """Creates the directory and a file in it, or raises naming it.
+
+        Raises:
+            ValueError: if the directory cannot be created or written.
+        """
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            with tempfile.TemporaryFile(dir=self.directory):
+                pass
+        except OSError as e:
+            raise ValueError(
+                f"Invalid value for argument `backup_dir`: cannot write to "
+                f"{self.directory!r} ({e.strerror or e}). Choose a directory "
+                "this process can create and write."
+            ) from e
+
+    @property
+    def identity(self) -> str:
+        """The same for every store of this directory, whatever the path."""
+        return os.path.realpath(self.directory)
+
+    def writer_lock(self) -> Any:
+        """The lock one writer holds (`acquire()`, `release(remove=False)`):
+        an exclusive `flock` on the directory's `.lock`."""
+        from keras_ft.checkpoint.lock import DirectoryLock
+
+        return DirectoryLock(self.directory)
+
+    def release(self, checkpoint: Checkpoint) -> None:
+        """Done loading `checkpoint`: nothing to free on a local disk (an
+        object store removes its download here)."""
 
     def url(self, checkpoint: Checkpoint) -> str:
         """Where `checkpoint` is, as users name it."""
@@ -466,6 +543,11 @@ class CheckpointStore:
 
 # One thread removes deleted checkpoints; a kill leaves them as `.trash-*`
 # directories, which `remove_leftovers()` clears at the next start.
+
+
+def check_notice_name(name: str) -> None:
+    if not _NOTICE_NAME.fullmatch(name):
+        raise ValueError(f"Not a notice name: {name!r}.")
 
 
 def manifest_files(manifest: Any, where: str) -> dict[str, dict[str, Any]]:

@@ -12,6 +12,7 @@ from keras_ft.compat.multi_worker import (
     install_multi_worker_fixes,
     install_multi_worker_fixes_if_needed,
     keras_version,
+    strategy_cluster,
 )
 from keras_ft.compat.registry import (
     DISABLE_ENV,
@@ -67,6 +68,7 @@ __all__ = [
     "set_keras_global_seed_state",
     "stack_holds",
     "start_data_at_epoch",
+    "strategy_cluster",
     "tf_dataset_reshuffles",
     "usable",
 ]

@@ -32,7 +32,7 @@ from typing import Any
 
 import keras
 
-from keras_ft.compat.registry import register, usable
+from keras_ft.compat.registry import fail, register, usable
 
 # Keras (major, minor) versions checked to need, and to work with, the fixes.
 CHECKED_KERAS_VERSIONS = ((3, 10), (3, 11), (3, 12), (3, 13), (3, 14), (3, 15), (3, 16))
@@ -157,3 +157,45 @@ def _mean_across_replicas(strategy: Any, value: Any, original_reduce: Any) -> An
     if getattr(local, "shape", None) is not None and local.shape.rank == 0:
         return strategy.reduce("MEAN", value, axis=None)
     return original_reduce(value, strategy, "mean")
+
+
+def _under_tf_strategy() -> bool:
+    if "tensorflow" not in sys.modules:
+        return False
+    import tensorflow as tf
+
+    return tf.distribute.has_strategy()
+
+
+@register(
+    "tf_strategy_cluster",
+    "a process's role under a tf.distribute strategy is read from TF_CONFIG "
+    "only, not from the strategy's cluster resolver",
+    applies=_under_tf_strategy,
+)
+def _check_tf_strategy_cluster() -> bool:
+    from tensorflow.python.distribute import collective_all_reduce_strategy as car
+
+    return callable(car.CollectiveAllReduceExtended._in_multi_worker_mode)
+
+
+def strategy_cluster() -> tuple[str, int, dict] | None:
+    """`(task type, task index, cluster spec)` of the `tf.distribute` strategy
+    in scope, if it runs several workers; else (or unknown) `None`."""
+    if not _under_tf_strategy() or not usable("tf_strategy_cluster"):
+        return None
+    import tensorflow as tf
+
+    extended: Any = tf.distribute.get_strategy().extended
+    try:
+        in_multi_worker = getattr(extended, "_in_multi_worker_mode", None)
+        if in_multi_worker is None or not in_multi_worker():
+            return None
+        resolver = getattr(extended, "_cluster_resolver", None)
+        if resolver is None:
+            return None
+        spec = resolver.cluster_spec().as_dict()
+        return resolver.task_type, resolver.task_id or 0, spec
+    except Exception as e:  # A moved internal: TF_CONFIG still says.
+        fail("tf_strategy_cluster", e)
+        return None

@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
-from typing import Any
 
 CHIEF_DIR = "chief"
 _WORKER_TEMP_PREFIX = "workertemp_"
@@ -111,21 +109,12 @@ def current_task() -> TaskSpec:
 
 
 def _task_from_tf_strategy() -> TaskSpec | None:
-    if "tensorflow" not in sys.modules:
-        return None
-    import tensorflow as tf
+    from keras_ft import compat
 
-    if not tf.distribute.has_strategy():
+    found = compat.strategy_cluster()
+    if found is None:
         return None
-    extended: Any = tf.distribute.get_strategy().extended
-    in_multi_worker = getattr(extended, "_in_multi_worker_mode", None)
-    if in_multi_worker is None or not in_multi_worker():
-        return None
-    resolver = getattr(extended, "_cluster_resolver", None)
-    if resolver is None:
-        return None
-    task_type, task_index = resolver.task_type, resolver.task_id or 0
-    spec = resolver.cluster_spec().as_dict()
+    task_type, task_index, spec = found
     chiefs, workers = len(spec.get("chief", [])), len(spec.get("worker", []))
     is_chief = task_type == "chief" or (
         task_type == "worker" and chiefs == 0 and task_index == 0

@@ -50,11 +50,11 @@ from keras_ft.checkpoint import files as file_io
 from keras_ft.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
+    ProcessesDisagreeError,
     SaveCancelled,
 )
 from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.store import PIECEWISE
-from keras_ft.state.weights_copy import all_finite
 
 SHARDS_TABLE = "shards.json"
 TABLE_FORMAT = "keras-ft-shards"
@@ -158,7 +158,7 @@ def take_share(variables: list, reuse: Share | None = None) -> Share:
 
 def non_finite(share: Share, names: list[str]) -> list[str]:
     """Names of the variables of which a piece holds a NaN or an infinity."""
-    bad = {p.variable for p in share.pieces if not all_finite(p.data.reshape(-1))}
+    bad = {p.variable for p in share.pieces if not host.all_finite(p.data.reshape(-1))}
     return [names[i] for i in sorted(bad)]
 
 
@@ -240,7 +240,7 @@ def wait_for_parts(
             except FileNotFoundError:
                 continue
             if index.get("tag") != tag or index.get("process") != process:
-                raise OSError(
+                raise ProcessesDisagreeError(
                     f"{path} belongs to another save ({index.get('tag')!r}, "
                     f"not {tag!r}); the processes of this training disagree "
                     "on which save this is."
@@ -252,7 +252,7 @@ def wait_for_parts(
             raise SaveCancelled(f"The sharded save into {directory} was called off.")
         if time.monotonic() > deadline:
             missing = sorted(set(range(processes)) - set(found))
-            raise TimeoutError(
+            raise ProcessesDisagreeError(
                 f"Processes {missing} did not write their part of the save into "
                 f"{directory} within {timeout:.0f} s (set {WAIT_ENV} to wait "
                 "longer); this save is not committed."
@@ -321,7 +321,7 @@ def gather_parts(
     for variable in variables:
         covered = sum(_volume(p["start"], p["stop"]) for p in variable["pieces"])
         if covered != math.prod(variable["shape"]):
-            raise OSError(
+            raise ProcessesDisagreeError(
                 f"The processes' pieces of {variable['path']!r} cover {covered} "
                 f"of its {math.prod(variable['shape'])} values; this save is "
                 "not committed."

@@ -6,6 +6,7 @@ files a `Snapshot` describes.
 
 from keras_ft.state.training_state import (
     WEIGHTS_FILE,
+    ConfigurationChangedError,
     NonFiniteStateError,
     ResumePoint,
     Snapshot,
@@ -14,6 +15,7 @@ from keras_ft.state.training_state import (
 
 __all__ = [
     "WEIGHTS_FILE",
+    "ConfigurationChangedError",
     "NonFiniteStateError",
     "ResumePoint",
     "Snapshot",

@@ -26,11 +26,10 @@ from keras_ft import backend as host
 from keras_ft.checkpoint.errors import CheckpointError
 from keras_ft.checkpoint.files import ReadProgress
 from keras_ft.distribute import sharded
-from keras_ft.state import arrays, rng, weights_load
+from keras_ft.state import arrays, configuration, rng, weights_load
 from keras_ft.state.weights_copy import CapturedWeights
-from keras_ft.state.weights_layout import WeightsLayout, saved_variables
+from keras_ft.state.weights_layout import WEIGHTS_FILE, WeightsLayout, saved_variables
 
-WEIGHTS_FILE = "model.weights.h5"
 STATE_FORMAT_VERSION = 1
 
 
@@ -52,6 +51,24 @@ class NonFiniteStateError(CheckpointError):
         )
 
 
+class ConfigurationChangedError(ValueError):
+    """The backup was written by a training configured otherwise.
+
+    Attributes:
+        changes: What differs, one line each.
+    """
+
+    def __init__(self, directory: str, changes: list[str]):
+        self.changes = list(changes)
+        super().__init__(
+            f"The backup in {directory} was written by a training configured "
+            f"otherwise: {configuration.summary(self.changes)}. Use another "
+            "`backup_dir` to start this training afresh, or "
+            "`on_config_change='warn'` to continue the backup's training with "
+            "this configuration."
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class ResumePoint:
     """Where training continues after a restore.
@@ -66,6 +83,9 @@ class ResumePoint:
             time (`"rng"`) and at the start of the epoch (`"epoch_begin_rng"`),
             metric values (`"metrics"`), the last batch's logs (`"logs"`), and
             other callbacks' states (`"callbacks"`).
+        config_changes: How the model's, optimizer's or loss's configuration
+            differs from the one the backup was written with (see
+            `keras_ft.state.configuration`); empty when it is the same.
     """
 
     epoch: int
@@ -74,6 +94,7 @@ class ResumePoint:
     checkpoint: str
     saved_at: float
     extra: dict = dataclasses.field(default_factory=dict, repr=False)
+    config_changes: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -109,6 +130,7 @@ class TrainingState:
         self.model = model
         self._weights = WeightsLayout(model)
         self._share: sharded.Share | None = None  # The last sharded copy.
+        self._configuration: dict | None = None
 
     def snapshot(
         self,
@@ -187,13 +209,22 @@ class TrainingState:
             "state_format": STATE_FORMAT_VERSION,
             "epochs_completed": int(epochs_completed),
             "batches_completed": int(batches_completed),
-            "step": self.optimizer_step(),
+            "step": optimizer_step(self.model),
             "saved_at": time.time(),
             "keras_version": keras.__version__,
             "backend": keras.backend.backend(),
             "build_config": _jsonable(self.model.get_build_config()),
+            "configuration": self.configuration(),
             "variables": self.variable_specs(),
         }
+
+    def configuration(self) -> dict:
+        """The model's, optimizer's and loss's configuration, described once:
+        as the training was set up, before a restore or a callback (one
+        that lowers the learning rate, say) changed a variable."""
+        if self._configuration is None:
+            self._configuration = configuration.describe(self.model)
+        return self._configuration
 
     def read_ahead(
         self, directory: str, progress: ReadProgress | None = None
@@ -230,6 +261,7 @@ class TrainingState:
         values: weights_load.ReadWeights | list | None = None,
         *,
         variables_only: bool = False,
+        refuse_config_changes: bool = False,
     ) -> ResumePoint:
         """Loads a checkpoint's variables into the model.
 
@@ -238,12 +270,21 @@ class TrainingState:
         `values` are the checkpoint's weights from `read_ahead()`, if read.
         With `variables_only`, only the model's and optimizer's variables
         are loaded (a rollback, an evaluation): not the metrics, the seed
-        generators or the global random generators.
+        generators or the global random generators. With
+        `refuse_config_changes`, a backup written with another configuration
+        is refused before anything is loaded.
 
         Raises:
             ValueError: if the checkpoint's variables do not fit the model.
+            keras_ft.ConfigurationChangedError: with `refuse_config_changes`,
+                if the configuration differs.
         """
         _check_metadata(metadata, directory)
+        changes = configuration.differences(
+            metadata.get("configuration"), self.configuration()
+        )
+        if changes and refuse_config_changes:
+            raise ConfigurationChangedError(directory, changes)
         self._ensure_built(metadata)
         self._check_variables(metadata["variables"], directory)
         if sharded.is_sharded_checkpoint(directory):
@@ -282,6 +323,7 @@ class TrainingState:
             checkpoint=directory,
             saved_at=metadata["saved_at"],
             extra=extra,
+            config_changes=changes,
         )
 
     def apply_metrics(self, values: list) -> bool:
@@ -311,12 +353,6 @@ class TrainingState:
             return
         for state, value in zip(states, values, strict=True):
             state.assign(value)
-
-    def optimizer_step(self) -> int:
-        optimizer = getattr(self.model, "optimizer", None)
-        if optimizer is None or not optimizer.built:
-            return 0
-        return int(keras.ops.convert_to_numpy(optimizer.iterations))
 
     def variable_specs(self) -> list[list]:
         """`[group, path, shape, dtype]` of every saved variable, in save order."""
@@ -386,6 +422,14 @@ class TrainingState:
                     "optimizer, or use another `backup_dir` to start a new "
                     "training."
                 )
+
+
+def optimizer_step(model: keras.Model) -> int:
+    """The optimizer's `iterations`, as now (on JAX, read through a sync)."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or not optimizer.built:
+        return 0
+    return int(keras.ops.convert_to_numpy(optimizer.iterations))
 
 
 def _seed_states(model: keras.Model) -> list:

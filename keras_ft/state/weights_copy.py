@@ -16,10 +16,10 @@ import mmap
 import threading
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from keras_ft import threads
+from keras_ft.backend import all_finite
 from keras_ft.threads import Watermark
 
 
@@ -249,18 +249,3 @@ def _copy_pieces(values: list[np.ndarray], pieces: list[_Piece]) -> set[int]:
         if index not in non_finite and not all_finite(destination):
             non_finite.add(index)
     return non_finite
-
-
-def all_finite(array: np.ndarray) -> bool:
-    """Whether a float array holds no NaN or infinity; other types always do.
-
-    The sum of an array with a NaN or an infinity is not finite, and one
-    pass of summing costs much less than `isfinite()` and its mask; only an
-    overflowing sum of finite values needs the exact check.
-    """
-    if array.dtype.kind != "f" and array.dtype != ml_dtypes.bfloat16:
-        return True
-    accumulate = np.float32 if array.dtype.itemsize < 4 else None
-    if np.isfinite(np.add.reduce(array, dtype=accumulate)):
-        return True
-    return bool(np.isfinite(array).all())

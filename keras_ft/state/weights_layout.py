@@ -46,7 +46,6 @@ from keras_ft.state.weights_copy import (
     CapturedWeights,
     CopyBuffer,
     Slot,
-    all_finite,
     slot_view,
 )
 
@@ -62,6 +61,8 @@ _ALIGN_THRESHOLD = 64 * 1024
 _ALIGN = 4096
 # Element types a weights file may hold; anything else is not ours to read.
 _NUMERIC_KINDS = "biuf"
+# A checkpoint's weights file: the name `model.save_weights()` takes.
+WEIGHTS_FILE = "model.weights.h5"
 # The group holding the own values of the variables Keras' walk changes.
 EXACT_GROUP = "keras_ft_exact"
 
@@ -283,7 +284,7 @@ def _capture_public(model: keras.Model) -> CapturedWeights:
     in the training thread, its bytes then handed to the writer.
     """
     with tempfile.TemporaryDirectory(prefix="keras-ft-save-") as directory:
-        path = os.path.join(directory, "model.weights.h5")
+        path = os.path.join(directory, WEIGHTS_FILE)
         model.save_weights(path)
         # Without Keras' walk, which variables it changes is not known: the
         # own value of every one goes into the exact group.
@@ -297,7 +298,7 @@ def _capture_public(model: keras.Model) -> CapturedWeights:
     captured.non_finite.extend(
         v.path
         for v in saved_variables(model)
-        if not all_finite(np.asarray(keras.ops.convert_to_numpy(v)).reshape(-1))
+        if not host.all_finite(np.asarray(keras.ops.convert_to_numpy(v)).reshape(-1))
     )
     return captured
 

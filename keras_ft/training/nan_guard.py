@@ -14,7 +14,6 @@ import keras
 
 from keras_ft import backend
 from keras_ft.compat import print_msg
-from keras_ft.state.weights_copy import all_finite
 from keras_ft.training.resume import FastForward
 from keras_ft.training.services import BackupService
 
@@ -222,7 +221,7 @@ def _non_finite(logs: dict | None, model: keras.Model) -> str | None:
         if not math.isfinite(value):
             return f"the loss is {value}"
     for variable in model.trainable_variables:
-        if not all_finite(backend.view(variable).reshape(-1)):
+        if not backend.all_finite(backend.view(variable).reshape(-1)):
             return f"{variable.path} holds NaN or infinity"
     return None
 

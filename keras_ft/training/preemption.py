@@ -19,7 +19,6 @@ notebook after a failed `fit()` is a plain `KeyboardInterrupt` again.
 from __future__ import annotations
 
 import _thread
-import contextlib
 import json
 import os
 import signal
@@ -239,25 +238,26 @@ class ClusterNotice:
     at batch end `n` and publishes "stop at batch end `n + 1`" before its next
     step is seen by every other worker at batch end `n + 1` at the latest, and
     all of them take the final backup (a collective save) at the same step.
-    The notice is a file in `backup_dir` that every worker sees; the first
-    published wins, so two workers signalled at once still agree.
+    The notice is written through the checkpoint store every worker reads (a
+    shared disk or a bucket), with the store's create-if-absent: the first
+    notice published wins, so two workers signalled at once still agree.
 
     Args:
-        backup_dir: The backup directory shared by the workers.
+        store: The store of the chief's checkpoints (`create_notice()`,
+            `read_notice()`, `remove_notice()`).
         resumed_from: Optimizer step this run resumed at, so that a notice
             left by an earlier run is never taken for this one's.
     """
 
-    FILE = "preempted.json"
+    NAME = "preempted.json"
 
-    def __init__(self, backup_dir: str, resumed_from: int):
-        self.path = os.path.join(backup_dir, self.FILE)
+    def __init__(self, store: Any, resumed_from: int):
+        self.store = store
         self.resumed_from = resumed_from
 
     def clear(self) -> None:
         """Removes an earlier run's notice (the chief, before its first step)."""
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.path)
+        self.store.remove_notice(self.NAME)
 
     def publish(self, batch_end: int, signum: signal.Signals, worker: int) -> dict:
         """Publishes "stop at `batch_end`" unless a notice exists.
@@ -271,23 +271,17 @@ class ClusterNotice:
             "worker": worker,
             "resumed_from": self.resumed_from,
         }
-        temporary = f"{self.path}.{os.getpid()}.tmp"
-        with open(temporary, "w") as f:
-            json.dump(notice, f)
-        try:
-            os.link(temporary, self.path)  # Fails if one exists: first wins.
-        except FileExistsError:
-            pass
-        finally:
-            os.remove(temporary)
+        self.store.create_notice(self.NAME, json.dumps(notice).encode())
+        # Read back: where a store has no conditional create, two notices
+        # written at once leave the last one, which everybody then reads.
         return self.read() or notice
 
     def read(self) -> dict | None:
         """The notice for this run, if one was published."""
+        data = self.store.read_notice(self.NAME)
         try:
-            with open(self.path) as f:
-                notice = json.load(f)
-        except (FileNotFoundError, ValueError):
+            notice = json.loads(data) if data is not None else None
+        except ValueError:
             return None
         if not isinstance(notice, dict) or notice.get("resumed_from") != (
             self.resumed_from
@@ -320,16 +314,17 @@ class Preemption:
         self._stop_at: dict | None = None
 
     def start(
-        self, training: Any, backup_dir: str, num_workers: int, is_chief: bool,
+        self, training: Any, store: Any, num_workers: int, is_chief: bool,
         resumed_step: int,
     ) -> None:  # fmt: skip
-        """Installs the handlers for the `fit()` that `training` stands for."""
+        """Installs the handlers for the `fit()` that `training` stands for;
+        `store` carries the cluster's notice (see `ClusterNotice`)."""
         # Keras calls no callback when fit() raises: the handlers check that
         # this fit's CallbackList is still on the stack when a signal comes.
         self.watcher.install(training=training)
         self._batch_ends, self._stop_at, self._notice = 0, None, None
         if num_workers > 1:
-            self._notice = ClusterNotice(backup_dir, resumed_step)
+            self._notice = ClusterNotice(store, resumed_step)
             if is_chief:
                 self._notice.clear()
 

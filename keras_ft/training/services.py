@@ -47,11 +47,3 @@ class BackupService(keras.callbacks.Callback):
         if it has one. Returns `None` if training may go on.
         """
         return None
-
-
-def optimizer_step(model: keras.Model) -> int:
-    """The optimizer's `iterations`, as now (on JAX, read through a sync)."""
-    optimizer = getattr(model, "optimizer", None)
-    if optimizer is None or not optimizer.built:
-        return 0
-    return int(keras.ops.convert_to_numpy(optimizer.iterations))

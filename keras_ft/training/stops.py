@@ -10,8 +10,9 @@ from __future__ import annotations
 import time
 
 from keras_ft.compat import print_msg
+from keras_ft.state.training_state import optimizer_step
 from keras_ft.training.policy import check_seconds
-from keras_ft.training.services import BackupService, optimizer_step
+from keras_ft.training.services import BackupService
 
 
 class StopAtStep(BackupService):

@@ -24,11 +24,12 @@ import keras
 import numpy as np
 
 from keras_ft import compat
+from keras_ft.checkpoint.remote import checkpoints_dir
 from keras_ft.checkpoint.store import CheckpointStore
-from keras_ft.watching import checkpoints_dir
+from keras_ft.state.weights_layout import WEIGHTS_FILE
 
+# Where a `.keras` archive keeps its weights: Keras' archive format.
 _KERAS_ARCHIVE_WEIGHTS = "model.weights.h5"
-_BACKUP_WEIGHTS = "model.weights.h5"
 
 
 class WarmStart:
@@ -134,7 +135,7 @@ class WarmStart:
                     f"Cannot warm-start from {self.path}: the backup directory "
                     "holds no committed checkpoint."
                 )
-            yield found[0].file(_BACKUP_WEIGHTS)
+            yield found[0].file(WEIGHTS_FILE)
         else:
             yield self.path
 

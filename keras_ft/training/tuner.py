@@ -1,0 +1,61 @@
+"""One backup per Keras Tuner trial.
+
+`tuner.search(..., callbacks=[BackupAndRestore(backup_dir)])` runs one
+`fit()` per trial (and per execution of a trial) with copies of the same
+callbacks. A backup kept by one trial (stopped early, say) must not be
+continued by the next trial, which trains other hyperparameters: each
+trial's backup lives in `<backup_dir>/trial_<trial id>/`. A search killed
+mid-trial and run again with `overwrite=False` gets the same trial back
+from the tuner's oracle, and so its backup.
+
+Keras Tuner adds a callback to each trial's `fit()` that carries the trial
+(`callback.trial`, with its `trial_id`) and the tuner (`callback.tuner`,
+with `executions_per_trial`): those public attributes are what is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+from keras_ft.checkpoint.remote import is_url
+
+# The tuner callbacks seen for each trial in this process, in order: the
+# n-th `fit()` of a trial is its n-th execution. Entries go with the trial.
+_executions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SAFE_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def trial_backup_dir(backup_dir: str, callbacks: Iterable[Any]) -> str:
+    """`backup_dir`, or the trial's own directory below it inside a search."""
+    found = _tuner_callback(callbacks)
+    if found is None:
+        return backup_dir
+    callback, trial, tuner = found
+    trial_id = str(trial.trial_id)
+    if not _SAFE_ID.fullmatch(trial_id) or trial_id in (".", ".."):
+        trial_id = hashlib.sha1(trial_id.encode()).hexdigest()[:16]
+    parts = [f"trial_{trial_id}"]
+    if int(getattr(tuner, "executions_per_trial", 1) or 1) > 1:
+        seen = _executions.setdefault(trial, [])
+        if id(callback) not in seen:
+            seen.append(id(callback))
+        parts.append(f"execution_{seen.index(id(callback))}")
+    if is_url(backup_dir):
+        return "/".join([backup_dir.rstrip("/"), *parts])
+    return os.path.join(backup_dir, *parts)
+
+
+def _tuner_callback(callbacks: Iterable[Any]) -> tuple[Any, Any, Any] | None:
+    for callback in callbacks:
+        if not type(callback).__module__.startswith("keras_tuner"):
+            continue
+        trial = getattr(callback, "trial", None)
+        tuner = getattr(callback, "tuner", None)
+        if tuner is not None and getattr(trial, "trial_id", None) is not None:
+            return callback, trial, tuner
+    return None
