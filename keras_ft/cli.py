@@ -21,11 +21,10 @@ import os
 import sys
 from typing import Any
 
-from keras_ft.checkpoint.errors import CorruptCheckpointError
-from keras_ft.checkpoint.lock import DirectoryInUseError, DirectoryLock
+from keras_ft.checkpoint.errors import CheckpointError, CorruptCheckpointError
+from keras_ft.checkpoint.lock import DirectoryInUseError
 from keras_ft.checkpoint.remote import (
     RemoteCheckpointStore,
-    RemoteLease,
     is_url,
     local_path,
     open_store,
@@ -51,11 +50,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except UsageError as e:
-        print(f"keras-ft {args.command}: {e}", file=sys.stderr)
+        print(f"keras-ft {args.command}: {_shown(str(e))}", file=sys.stderr)
         return 2
     except DirectoryInUseError as e:
-        print(f"keras-ft {args.command}: refusing: {e}", file=sys.stderr)
+        print(f"keras-ft {args.command}: refusing: {_shown(str(e))}", file=sys.stderr)
         return 1
+    except (CheckpointError, ValueError, OSError) as e:
+        # A damaged or hostile backup is an answer, not a crash.
+        print(f"keras-ft {args.command}: {_shown(str(e))}", file=sys.stderr)
+        return 1
+
+
+def _shown(text: str) -> str:
+    """`text` with what is not printable escaped: names and messages from a
+    backup (which anyone may have written) never drive the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -184,20 +193,21 @@ def _ls(args: argparse.Namespace) -> int:
             if isinstance(saved, (int, float))
             else "?"
         )
-        state = "good" if row["problem"] is None else f"damaged: {row['problem']}"
+        problem = row["problem"]
+        state = "good" if problem is None else f"damaged: {_shown(problem)}"
         if row is resume:
             state += "  <- a resume uses this one"
         table.append((
             str(row["checkpoint"].sequence),
-            str(metadata.get("epochs_completed", "?")),
-            str(metadata.get("batches_completed", "?")),
-            str(metadata.get("step", "?")),
+            _shown(str(metadata.get("epochs_completed", "?"))),
+            _shown(str(metadata.get("batches_completed", "?"))),
+            _shown(str(metadata.get("step", "?"))),
             when,
             _human(row["size"]),
             state,
         ))  # fmt: skip
     for leftover in store.leftovers():
-        name = leftover.rstrip("/").rsplit("/", 1)[-1]
+        name = _shown(leftover.rstrip("/").rsplit("/", 1)[-1])
         table.append(("-", "-", "-", "-", "-", _human(_size(store, leftover)),
                       f"partial leftover ({name})"))  # fmt: skip
     print(f"{store.directory}:")
@@ -221,10 +231,11 @@ def _verify(args: argparse.Namespace) -> int:
             print(f"{store.url(checkpoint)}: good")
         else:
             print(
-                f"{store.url(checkpoint)}: DAMAGED: {row['problem']}", file=sys.stderr
+                f"{store.url(checkpoint)}: DAMAGED: {_shown(row['problem'])}",
+                file=sys.stderr,
             )
     for leftover in store.leftovers():
-        print(f"{leftover}: partial leftover (removed at the next training start)")
+        print(f"{_shown(leftover)}: partial leftover (removed at the next start)")
     resume = _resume_row(rows)
     if resume is None:
         what = "no checkpoint verifies" if rows else "there is no checkpoint"
@@ -278,16 +289,26 @@ def _prune(args: argparse.Namespace) -> int:
     if args.keep < 1:
         raise UsageError(f"--keep must be at least 1; got {args.keep}.")
     store = _store(args.backup_dir)
-    if isinstance(store, RemoteCheckpointStore):
-        lock: Any = RemoteLease(store)
-    else:
-        lock = DirectoryLock(store.directory)
+    lock: Any = store.writer_lock()
     lock.acquire()  # DirectoryInUseError while a training holds the backup.
     try:
         leftovers = store.leftovers()
         store.remove_leftovers()
         committed = store.checkpoints()
-        doomed = committed[: -args.keep]
+        # The newest N that verify; a damaged one counts for nothing. Only
+        # checkpoints older than the oldest kept one are deleted: nothing if
+        # no good one is found, and no damaged one newer than those kept.
+        kept, damaged = [], []
+        for checkpoint in reversed(committed):
+            if len(kept) == args.keep:
+                break
+            try:
+                store.verify(checkpoint)
+                kept.append(checkpoint)
+            except CorruptCheckpointError:
+                damaged.append(checkpoint)
+        oldest = kept[-1].sequence if len(kept) == args.keep else 0
+        doomed = [c for c in committed if c.sequence < oldest]
         for checkpoint in doomed:
             store.delete(checkpoint)
     finally:
@@ -295,9 +316,10 @@ def _prune(args: argparse.Namespace) -> int:
     from keras_ft.threads import wait_for_removals
 
     wait_for_removals()
-    kept = ", ".join(c.name for c in committed[-args.keep :]) or "none"
+    names = ", ".join(_shown(c.name) for c in reversed(kept)) or "none"
     print(
         f"removed {len(doomed)} checkpoints and {len(leftovers)} partial leftovers; "
-        f"kept {kept}"
+        f"kept the newest good ones: {names}"
+        + (f"; {len(damaged)} damaged ones left alone" if damaged else "")
     )
     return 0

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -28,7 +27,12 @@ from keras_ft.checkpoint.remote import (
     local_path,
     open_store,
 )
-from keras_ft.checkpoint.store import MANIFEST_FILE, Checkpoint, CheckpointStore
+from keras_ft.checkpoint.store import (
+    MANIFEST_FILE,
+    Checkpoint,
+    CheckpointStore,
+    checkpoint_sequence,
+)
 from keras_ft.training.policy import check_seconds
 
 if TYPE_CHECKING:
@@ -178,18 +182,28 @@ def load_checkpoint(
             )
         except CorruptCheckpointError:
             if wanted not in store.checkpoints():
-                raise CheckpointError(
-                    f"{wanted.path} was deleted before it could be loaded (the "
-                    "trainer's retention let it go). Keep more checkpoints, "
-                    "`BackupAndRestore(keep=...)`, or load each one sooner."
-                ) from None
+                raise _deleted(wanted) from None
             raise
     try:
         state.apply(local.path, metadata, values, variables_only=True)
+    except FileNotFoundError:
+        # A file not read ahead (the model's layout differs from the
+        # trainer's) was gone by the time it was loaded.
+        if local not in store.checkpoints():
+            raise _deleted(local) from None
+        raise
     finally:
         store.release(local)  # A bucket's download: evaluators run for days.
     named = Checkpoint(local.sequence, store.url(local))
     return _committed(named, metadata)
+
+
+def _deleted(checkpoint: Checkpoint) -> CheckpointError:
+    return CheckpointError(
+        f"{checkpoint.path} was deleted before it could be loaded (the "
+        "trainer's retention let it go). Keep more checkpoints, "
+        "`BackupAndRestore(keep=...)`, or load each one sooner."
+    )
 
 
 def _committed(checkpoint: Checkpoint, metadata: dict[str, Any]) -> CommittedCheckpoint:
@@ -214,16 +228,16 @@ def _checkpoint_at(
         return open_store(parent, None, storage_options), where
     path = os.fspath(where).rstrip("/")
     parent, _, name = path.rpartition("/")
-    match = re.fullmatch(r"ckpt-(\d{8,})", name)
+    sequence = checkpoint_sequence(name)
     if is_url(path):
-        if match:
+        if sequence is not None:
             store = RemoteCheckpointStore(parent, None, storage_options)
-            return store, Checkpoint(int(match.group(1)), path)
+            return store, Checkpoint(sequence, path)
         return RemoteCheckpointStore(checkpoints_dir(path), None, storage_options)
     path = local_path(path)
     if os.path.isfile(os.path.join(path, MANIFEST_FILE)):
-        sequence = int(match.group(1)) if match else 0
-        return CheckpointStore(os.path.dirname(path)), Checkpoint(sequence, path)
+        found = Checkpoint(sequence or 0, path)
+        return CheckpointStore(os.path.dirname(path)), found
     if not os.path.isdir(path):
         raise CheckpointError(
             f"{path!r} is neither a keras-ft checkpoint nor a backup directory."

@@ -150,3 +150,35 @@ def test_prune_refuses_while_a_training_holds_the_backup(backup):
     ]  # fmt: skip
     result = keras_ft_command("prune", backup_dir, "--keep", "0")
     assert result.returncode == 2 and "--keep" in result.stderr
+
+
+def test_prune_keeps_the_newest_good_checkpoints(backup):
+    """With the newest checkpoint damaged, `--keep 1` keeps the newest one that
+    verifies, deletes only older ones, and leaves the damaged one alone."""
+    backup_dir, _ = backup
+    damage(backup_dir, 3)
+    result = keras_ft_command("prune", backup_dir, "--keep", "1")
+    assert result.returncode == 0, result.stderr
+    assert "kept the newest good ones: ckpt-00000002" in result.stdout
+    assert "1 damaged ones left alone" in result.stdout
+    assert sorted(os.listdir(os.path.join(backup_dir, "chief"))) == [
+        ".lock", "ckpt-00000002", "ckpt-00000003",
+    ]  # fmt: skip
+    # A resume still finds a good checkpoint to restore.
+    assert "a resume would use" in keras_ft_command("verify", backup_dir).stdout
+
+
+def test_names_from_a_backup_are_printed_escaped_and_no_traceback(backup):
+    backup_dir, _ = backup
+    staging = os.path.join(backup_dir, "chief", ".staging-\x1b[2J\x1b]0;pwned\x07")
+    os.makedirs(staging)
+    result = keras_ft_command("ls", backup_dir)
+    assert result.returncode == 0, result.stderr
+    assert "\x1b" not in result.stdout and "\\x1b[2J" in result.stdout
+    lock = os.path.join(backup_dir, "chief", ".lock")
+    os.remove(lock)
+    os.symlink(os.path.join(backup_dir, "outside-lock"), lock)
+    result = keras_ft_command("prune", backup_dir, "--keep", "1")
+    assert result.returncode == 1 and "symlink" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not os.path.exists(os.path.join(backup_dir, "outside-lock"))

@@ -111,3 +111,34 @@ def test_import_works_without_posix_locks_and_a_backup_says_why(tmp_path):
     for line in refusals:
         assert "POSIX file locks" in line and "WSL2" in line
     assert not os.path.exists(backup_dir)
+
+
+def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(tmp_path):
+    target = tmp_path / "outside.txt"
+    target.write_text("precious")
+    backup = tmp_path / "chief"
+    backup.mkdir()
+    os.symlink(target, backup / ".lock")
+    with pytest.raises(ValueError, match="symlink"):
+        DirectoryLock(str(backup)).acquire()
+    assert target.read_text() == "precious"
+    dangling = tmp_path / "chief2"
+    dangling.mkdir()
+    os.symlink(tmp_path / "created-by-nobody", dangling / ".lock")
+    with pytest.raises(ValueError, match="symlink"):
+        DirectoryLock(str(dangling)).acquire()
+    assert not (tmp_path / "created-by-nobody").exists()
+
+
+def test_a_fifo_or_symlinked_directory_is_refused_without_blocking(tmp_path):
+    backup = tmp_path / "chief"
+    backup.mkdir()
+    os.mkfifo(backup / ".lock")
+    with pytest.raises(ValueError, match="not a regular file"):
+        DirectoryLock(str(backup)).acquire()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.symlink(elsewhere, tmp_path / "linked")
+    with pytest.raises(ValueError, match="is a symlink"):
+        DirectoryLock(str(tmp_path / "linked")).acquire()
+    assert list(elsewhere.iterdir()) == []

@@ -417,3 +417,26 @@ def test_sigkill_at_random_moments_always_leaves_a_verifiable_checkpoint(tmp_pat
         ):
             assert a.read() == b.read()
     assert store.checkpoints(), "no kill landed after a commit in 25 tries"
+
+
+def test_only_exact_checkpoint_names_are_checkpoints(tmp_path):
+    """Names a careless or hostile writer left beside the checkpoints are not
+    taken for them: another digit set, a trailing newline, extra leading
+    zeros, a number too long, a symlink to a directory elsewhere."""
+    store = CheckpointStore(str(tmp_path / "chief"))
+    good = store.save(lambda staging: None, {"i": 1})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    odd = [
+        "ckpt-\u0669\u0669\u0669\u0669\u0669\u0669\u0669\u0669",  # Arabic-Indic 9s.
+        "ckpt-99999999\n",
+        "ckpt-000000099",
+        "ckpt-" + "9" * 250,
+    ]
+    for name in odd:
+        os.mkdir(os.path.join(store.directory, name))
+    os.symlink(elsewhere, os.path.join(store.directory, "ckpt-99999998"))
+    assert store.checkpoints() == [good]
+    # The next save is numbered after the real one, and nothing was followed.
+    assert store.save(lambda staging: None, {"i": 2}).name == "ckpt-00000002"
+    assert list(elsewhere.iterdir()) == []

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from conftest import iterations, make_model, weights_of
 
+from keras_ft.checkpoint.errors import CorruptCheckpointError
 from keras_ft.state import TrainingState
 from keras_ft.worker_training_state import write_snapshot
 
@@ -83,7 +84,8 @@ def test_optimizer_mismatch_is_reported(tmp_path, data):
     ],
 )
 def test_malformed_metadata_is_refused(tmp_path, data, key, value):
+    """As a damaged checkpoint: a restore falls back to the one before."""
     _, directory, metadata = trained_state(tmp_path, data)
     metadata[key] = value
-    with pytest.raises(ValueError, match=f"bad {key}"):
+    with pytest.raises(CorruptCheckpointError, match=f"bad {key}"):
         TrainingState(make_model()).apply(directory, metadata)

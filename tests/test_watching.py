@@ -35,7 +35,7 @@ _TRAINER = textwrap.dedent(
 
     class Slow(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            time.sleep(0.1)
+            time.sleep(0.3)  # A commit lives 1.2 s (keep=2): time to load it.
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(64, 4)).astype("float32")
@@ -53,14 +53,19 @@ _TRAINER = textwrap.dedent(
 
 _WATCHER = textwrap.dedent(
     """
-    import sys, warnings
+    import os, sys, warnings
     import keras
     import keras_ft
 
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
                               keras.layers.Dense(1)])  # Not compiled.
     print("READY", flush=True)
-    for checkpoint in keras_ft.watch(sys.argv[1], timeout=4, poll_seconds=0.02):
+    # Waits on while the trainer runs (it starts after READY, which can take
+    # longer than the timeout on a loaded machine); stops once it is done.
+    trainer_done = lambda: os.path.exists(sys.argv[2])
+    for checkpoint in keras_ft.watch(
+        sys.argv[1], timeout=1, poll_seconds=0.02, timeout_fn=trainer_done
+    ):
         try:
             keras_ft.load_checkpoint(checkpoint, model)
             loaded = "loaded"
@@ -77,8 +82,9 @@ def test_a_watcher_beside_a_training_sees_every_commit_in_order(tmp_path):
     (tmp_path / "trainer.py").write_text(_TRAINER)
     (tmp_path / "watcher.py").write_text(_WATCHER)
     env = subprocess_env()
+    done = str(tmp_path / "trainer-done")
     watcher = subprocess.Popen(
-        [sys.executable, str(tmp_path / "watcher.py"), backup_dir],
+        [sys.executable, str(tmp_path / "watcher.py"), backup_dir, done],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     assert watcher.stdout.readline().strip() == "READY", watcher.stderr.read()
@@ -87,6 +93,7 @@ def test_a_watcher_beside_a_training_sees_every_commit_in_order(tmp_path):
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert trainer.returncode == 0, trainer.stderr
+    open(done, "w").close()
     out, err = watcher.communicate(timeout=120)
     assert watcher.returncode == 0, err
     committed = [

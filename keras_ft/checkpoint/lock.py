@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import os
 import socket
+import stat
 import sys
 
 from keras_ft.checkpoint.errors import DirectoryInUseError
@@ -50,6 +52,30 @@ def check_platform() -> None:
         )
 
 
+def _open_regular(path: str, flags: int) -> int:
+    """`os.open()` of a regular file, following no symlink, never blocking
+    (a FIFO); anything else is refused with a `ValueError`."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError(
+                f"{path!r} is a symlink; keras-ft follows no link in a backup "
+                "directory. Remove it."
+            ) from None
+        if e.errno not in (errno.ENXIO, errno.EISDIR):  # A FIFO, a directory.
+            raise
+        fd = None
+    if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode):
+        if fd is not None:
+            os.close(fd)
+        raise ValueError(
+            f"{path!r} is not a regular file (a FIFO, device or directory); "
+            "keras-ft does not use it. Remove it."
+        )
+    return fd
+
+
 class DirectoryLock:
     """An exclusive lock on `directory`, held until `release()` or death.
 
@@ -63,16 +89,26 @@ class DirectoryLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        """Takes the lock, or raises `DirectoryInUseError` naming its holder."""
+        """Takes the lock, or raises `DirectoryInUseError` naming its holder.
+
+        Raises:
+            ValueError: if the directory or its lock file is a symlink, or
+                the lock file is not a regular file (a backup directory is
+                untrusted input: keras-ft follows no link in it).
+        """
         key = os.path.realpath(self.path)
         if key in _held:
             _held[key].release()
         os.makedirs(self.directory, exist_ok=True)
+        if os.path.islink(self.directory):
+            raise ValueError(
+                f"{self.directory!r} is a symlink; keras-ft writes a backup only "
+                "into a real directory. Replace the link by a directory."
+            )
         # Held through a read-only descriptor: a file open for writing would
         # stop the filesystem from being remounted read-only under us.
-        if not os.path.exists(self.path):
-            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644))
-        fd = os.open(self.path, os.O_RDONLY)
+        os.close(_open_regular(self.path, os.O_WRONLY | os.O_CREAT))
+        fd = _open_regular(self.path, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -85,8 +121,12 @@ class DirectoryLock:
                 "one its own `backup_dir`, or stop the other process first."
             ) from None
         started = datetime.datetime.now().isoformat(timespec="seconds")
-        with open(self.path, "w") as note:
-            note.write(f"pid {os.getpid()} on {socket.gethostname()}, since {started}")
+        note = _open_regular(self.path, os.O_WRONLY | os.O_TRUNC)
+        try:
+            os.write(note, f"pid {os.getpid()} on {socket.gethostname()}, since "
+                     f"{started}".encode())  # fmt: skip
+        finally:
+            os.close(note)
         self._fd = fd
         _held[key] = self
 

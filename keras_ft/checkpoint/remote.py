@@ -55,12 +55,12 @@ from keras_ft.checkpoint.store import (
     Staging,
     check_notice_name,
     checkpoint_name,
+    checkpoint_sequence,
     digest_algorithm,
     manifest_files,
 )
 
 _T = TypeVar("_T")
-_CHECKPOINT_NAME = re.compile(r"^ckpt-(\d{8,})$")
 LEASE_FILE = ".lease.json"
 LEASE_SECONDS_ENV = "KERAS_FT_LEASE_SECONDS"
 _RETRIES = 4  # Attempts of each upload or download, with backoff between.
@@ -164,9 +164,9 @@ class RemoteCheckpointStore:
         for path in paths:
             relative = path[len(self.root) :].strip("/").split("/")
             if len(relative) == 2:
-                match = _CHECKPOINT_NAME.match(relative[0])
-                if match:
-                    found.setdefault(int(match.group(1)), set()).add(relative[1])
+                sequence = checkpoint_sequence(relative[0])
+                if sequence is not None:
+                    found.setdefault(sequence, set()).add(relative[1])
         return found
 
     def checkpoints(self) -> list[Checkpoint]:

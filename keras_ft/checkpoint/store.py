@@ -35,6 +35,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -77,7 +78,8 @@ FORMAT_VERSION = 1
 
 _T = TypeVar("_T")
 
-_CHECKPOINT_NAME = re.compile(r"^ckpt-(\d{8,})$")
+# ASCII digits only, and few enough: a name from a backup is untrusted.
+_CHECKPOINT_NAME = re.compile(r"ckpt-([0-9]{8,18})", re.ASCII)
 _STAGING_PREFIX = ".staging-"
 _TRASH_PREFIX = ".trash-"
 _SPARE_PREFIX = ".spare-"
@@ -125,6 +127,17 @@ def checkpoint_name(sequence: int) -> str:
     return f"ckpt-{sequence:08d}"
 
 
+def checkpoint_sequence(name: str) -> int | None:
+    """The number of the checkpoint directory `name`, or `None` if `name` is
+    not exactly one that `checkpoint_name()` gives (another digit set, a
+    trailing newline, extra leading zeros, a number too long)."""
+    match = _CHECKPOINT_NAME.fullmatch(name)
+    if match is None:
+        return None
+    sequence = int(match.group(1))
+    return sequence if checkpoint_name(sequence) == name else None
+
+
 class CheckpointStore:
     """Commits, lists, verifies and prunes checkpoints in one directory.
 
@@ -154,10 +167,11 @@ class CheckpointStore:
             return []
         found = []
         for name in names:
-            match = _CHECKPOINT_NAME.match(name)
+            sequence = checkpoint_sequence(name)
             path = os.path.join(self.directory, name)
-            if match and os.path.isdir(path):
-                found.append(Checkpoint(int(match.group(1)), path))
+            # A real directory: a symlink named like one is not followed.
+            if sequence is not None and _is_directory(path):
+                found.append(Checkpoint(sequence, path))
         return sorted(found, key=lambda c: c.sequence)
 
     def verify(
@@ -543,6 +557,13 @@ class CheckpointStore:
 
 # One thread removes deleted checkpoints; a kill leaves them as `.trash-*`
 # directories, which `remove_leftovers()` clears at the next start.
+
+
+def _is_directory(path: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def check_notice_name(name: str) -> None:

@@ -28,6 +28,7 @@ from keras_ft.compat.saving import (
     load_with_keras_walk,
     raise_loading_failure,
     record_saveables,
+    tensorflow_left_unimported,
 )
 from keras_ft.compat.training import (
     build_metrics,
@@ -67,6 +68,7 @@ __all__ = [
     "set_initial_epoch",
     "set_keras_global_seed_state",
     "stack_holds",
+    "tensorflow_left_unimported",
     "start_data_at_epoch",
     "strategy_cluster",
     "tf_dataset_reshuffles",

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from keras_ft.compat.registry import register
+from keras_ft.compat.registry import register, usable
 
 _SAVE_PARAMETERS = ["weights_store", "assets_store", "inner_path", "visited_saveables"]
 _LOAD_PARAMETERS = ["visited_saveables", "failed_saveables", "error_msgs"]
@@ -212,3 +212,45 @@ def _views_class() -> type:
             return key in self._current
 
     return Views
+
+
+def _not_tensorflow_backend() -> bool:
+    import keras
+
+    return keras.backend.backend() != "tensorflow"
+
+
+@register(
+    "config_without_tensorflow",
+    "describing a model's configuration for its backup imports TensorFlow, "
+    "once per process (seconds) on the JAX and PyTorch backends",
+    applies=_not_tensorflow_backend,
+)
+def _check_config_without_tensorflow() -> bool:
+    from keras.src.utils import module_utils
+
+    lazy = module_utils.tensorflow
+    # `vars()`: a plain attribute lookup of a missing name imports the module.
+    return isinstance(lazy, module_utils.LazyModule) and "_available" in vars(lazy)
+
+
+@contextlib.contextmanager
+def tensorflow_left_unimported() -> Iterator[None]:
+    """While TensorFlow is not imported, Keras' serialization (`get_config()`)
+    is told it is not there rather than importing it to check whether an
+    object is one of its types: none can be, if it was never imported."""
+    if "tensorflow" in sys.modules or not _not_tensorflow_backend():
+        yield
+        return
+    if not usable("config_without_tensorflow"):
+        yield
+        return
+    from keras.src.utils import module_utils
+
+    lazy = module_utils.tensorflow
+    saved = vars(lazy).get("_available")
+    lazy._available = False
+    try:
+        yield
+    finally:
+        lazy._available = saved

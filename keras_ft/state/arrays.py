@@ -9,15 +9,19 @@ array by a reference, so the tree goes into JSON and the arrays into HDF5;
 from __future__ import annotations
 
 import io
+import os
 import re
 from typing import Any
 
 import h5py
 import numpy as np
 
+from keras_ft.checkpoint.errors import CorruptCheckpointError
+from keras_ft.state import hdf5
+
 ARRAYS_FILE = "arrays.h5"
 _REF = "__keras_ft_array__"
-_NAME = re.compile(r"^a\d+$")
+_NAME = re.compile(r"a[0-9]{1,9}", re.ASCII)
 
 
 def split(tree: Any) -> tuple[Any, dict[str, np.ndarray]]:
@@ -67,17 +71,22 @@ def read(path: str) -> dict[str, np.ndarray]:
     """The arrays of a file `to_bytes()` made; other names are ignored.
 
     Raises:
-        ValueError: for a dataset that is not plain numbers or booleans.
+        keras_ft.CorruptCheckpointError: for a file `to_bytes()` did not
+            make: a dataset that is not plain numbers or booleans, or one that
+            is not stored whole inside the file (`hdf5.check_plain()`).
     """
     arrays = {}
     with h5py.File(path, "r") as f:
+        hdf5.check_plain(f, path)
         for name in f:
             dataset = f[name]
-            if not _NAME.match(name) or not isinstance(dataset, h5py.Dataset):
+            if not _NAME.fullmatch(name) or not isinstance(dataset, h5py.Dataset):
                 continue
-            if dataset.dtype.kind not in "biuf":
-                raise ValueError(
-                    f"{path}: dataset {name!r} holds {dataset.dtype}, not numbers"
+            if dataset.dtype.kind not in hdf5.NUMERIC_KINDS:
+                raise CorruptCheckpointError(
+                    os.path.dirname(path),
+                    f"{ARRAYS_FILE}: dataset {name!r} holds {dataset.dtype}, "
+                    "not numbers",
                 )
             arrays[name] = dataset[()]
     return arrays

@@ -19,6 +19,8 @@ from typing import Any
 
 import keras
 
+from keras_ft import compat
+
 # Keys that name things or wire layers by name, not what is trained.
 _WIRING = ("inbound_nodes", "input_layers", "output_layers", "build_config")
 _SHOWN = 5
@@ -31,6 +33,11 @@ def describe(model: keras.Model) -> dict[str, Any]:
     `get_config()`, a loss that is a lambda) is `None` and not compared.
     """
     optimizer = getattr(model, "optimizer", None)
+    with compat.tensorflow_left_unimported():  # Else 3 s, on JAX and torch.
+        return _describe(model, optimizer)
+
+
+def _describe(model: keras.Model, optimizer: Any) -> dict[str, Any]:
     return {
         "model": _described(model.get_config),
         "optimizer": None

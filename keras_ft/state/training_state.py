@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import time
 import warnings
@@ -23,14 +24,16 @@ import keras
 import numpy as np
 
 from keras_ft import backend as host
-from keras_ft.checkpoint.errors import CheckpointError
+from keras_ft.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from keras_ft.checkpoint.files import ReadProgress
+from keras_ft.checkpoint.store import METADATA_FILE
 from keras_ft.distribute import sharded
 from keras_ft.state import arrays, configuration, rng, weights_load
 from keras_ft.state.weights_copy import CapturedWeights
 from keras_ft.state.weights_layout import WEIGHTS_FILE, WeightsLayout, saved_variables
 
 STATE_FORMAT_VERSION = 1
+_MAX_METADATA_BYTES = 64 * 1024 * 1024
 
 
 class NonFiniteStateError(CheckpointError):
@@ -95,6 +98,15 @@ class ResumePoint:
     saved_at: float
     extra: dict = dataclasses.field(default_factory=dict, repr=False)
     config_changes: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class ReadAhead:
+    """What `TrainingState.read_ahead()` read of a checkpoint: its weights
+    (when they could be read ahead) and the rest of its state, checked."""
+
+    weights: weights_load.ReadWeights | list | None
+    extra: dict
 
 
 @dataclasses.dataclass
@@ -228,14 +240,24 @@ class TrainingState:
 
     def read_ahead(
         self, directory: str, progress: ReadProgress | None = None
-    ) -> weights_load.ReadWeights | list | None:
-        """Reads a checkpoint's weights for `apply()`, without loading them.
+    ) -> ReadAhead:
+        """Reads a checkpoint for `apply()`, without loading anything.
 
-        Safe on a checkpoint not yet verified: nothing is changed. `None`
-        when the model is not built yet or the file is not one this model's
-        layout wrote; `apply()` then reads the file itself. With `progress`
-        (of the checkpoint's verification), reads only what it has read.
+        Safe on a checkpoint not yet verified: nothing is changed. What a
+        backup holds is untrusted: its metadata and arrays are read and
+        checked here, so that a malformed checkpoint is reported as damaged
+        (`CorruptCheckpointError`, and a restore falls back to the one
+        before) before the model is touched. The weights are read too when
+        the model is built and the file is one this model's layout wrote;
+        else `apply()` reads them itself. With `progress` (of the
+        checkpoint's verification), reads only what it has read.
         """
+        extra = _extra(directory, _read_metadata(directory))
+        return ReadAhead(self._read_weights(directory, progress), extra)
+
+    def _read_weights(
+        self, directory: str, progress: ReadProgress | None
+    ) -> weights_load.ReadWeights | list | None:
         if not self.model.built:
             return None
         if sharded.is_sharded_checkpoint(directory):
@@ -258,7 +280,7 @@ class TrainingState:
         self,
         directory: str,
         metadata: dict,
-        values: weights_load.ReadWeights | list | None = None,
+        read: ReadAhead | None = None,
         *,
         variables_only: bool = False,
         refuse_config_changes: bool = False,
@@ -267,7 +289,7 @@ class TrainingState:
 
         Builds the model and optimizer first if `fit()` has not yet done so,
         and checks that every variable's shape matches before loading any.
-        `values` are the checkpoint's weights from `read_ahead()`, if read.
+        `read` is what `read_ahead()` read of it, if it was called.
         With `variables_only`, only the model's and optimizer's variables
         are loaded (a rollback, an evaluation): not the metrics, the seed
         generators or the global random generators. With
@@ -275,11 +297,14 @@ class TrainingState:
         is refused before anything is loaded.
 
         Raises:
+            keras_ft.CorruptCheckpointError: if what it holds is malformed.
             ValueError: if the checkpoint's variables do not fit the model.
             keras_ft.ConfigurationChangedError: with `refuse_config_changes`,
                 if the configuration differs.
         """
-        _check_metadata(metadata, directory)
+        if read is None:  # Checked before anything is loaded.
+            read = ReadAhead(None, _extra(directory, metadata))
+        values = read.weights
         changes = configuration.differences(
             metadata.get("configuration"), self.configuration()
         )
@@ -308,10 +333,7 @@ class TrainingState:
                 self._weights,
                 values,
             )
-        extra = arrays.join(
-            metadata.get("state", {}),
-            arrays.read(os.path.join(directory, arrays.ARRAYS_FILE)),
-        )
+        extra = read.extra
         if not variables_only:
             self._apply_seed_generators(extra.get("seed_generators", []))
             self.apply_metrics(extra.get("metrics", []))
@@ -447,10 +469,45 @@ def _seed_states(model: keras.Model) -> list:
     return found
 
 
-def _check_metadata(metadata: dict, directory: str) -> None:
+def _extra(directory: str, metadata: Any) -> dict:
+    """The state beside the variables (`ResumePoint.extra`), checked."""
+    _check_metadata(metadata, directory)
+    state = arrays.read(os.path.join(directory, arrays.ARRAYS_FILE))
+    try:
+        return arrays.join(metadata.get("state", {}), state)
+    except ValueError as e:
+        raise CorruptCheckpointError(directory, str(e)) from None
+
+
+def _read_metadata(directory: str) -> dict:
+    """A checkpoint's metadata, as the store verified it, or damaged."""
+    path = os.path.join(directory, METADATA_FILE)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_MAX_METADATA_BYTES + 1)
+        if len(data) > _MAX_METADATA_BYTES:
+            raise ValueError("too large")
+        metadata = json.loads(data)
+    except (OSError, ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(
+            directory, f"{METADATA_FILE} cannot be read ({e})"
+        ) from None
+    if not isinstance(metadata, dict):
+        raise CorruptCheckpointError(directory, f"{METADATA_FILE} is not an object")
+    return metadata
+
+
+def _check_metadata(metadata: Any, directory: str) -> None:
     def is_count(value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
+    if not isinstance(metadata, dict):
+        raise CorruptCheckpointError(directory, "its metadata is not an object")
+    build_config = metadata.get("build_config")
+    if build_config is not None and not isinstance(build_config, dict):
+        raise CorruptCheckpointError(directory, "its build_config is not an object")
+    if not isinstance(metadata.get("state", {}), dict):
+        raise CorruptCheckpointError(directory, "its state is not an object")
     problems = [
         key
         for key in ("epochs_completed", "batches_completed", "step")
@@ -472,10 +529,10 @@ def _check_metadata(metadata: dict, directory: str) -> None:
     if metadata.get("state_format") != STATE_FORMAT_VERSION:
         problems.append("state_format")
     if problems:
-        raise ValueError(
-            f"The backup in {directory} has metadata keras-ft cannot use "
-            f"(bad {', '.join(problems)}); it was written by another release or "
-            "edited by hand. Use another `backup_dir` to start a new training."
+        raise CorruptCheckpointError(
+            directory,
+            f"its metadata is not keras-ft's (bad {', '.join(problems)}); written "
+            "by another release, or edited by hand",
         )
 
 

@@ -42,6 +42,7 @@ import numpy as np
 
 from keras_ft import backend as host
 from keras_ft import compat
+from keras_ft.state import hdf5
 from keras_ft.state.weights_copy import (
     CapturedWeights,
     CopyBuffer,
@@ -361,6 +362,13 @@ def load_exact(model: keras.Model, path: str) -> None:
     it): afterwards, every variable holds the value it was saved with.
     """
     with h5py.File(path, "r") as f:
+        # Only keras-ft's own group: the rest is Keras' file, read by Keras.
+        link = f.get(EXACT_GROUP, getlink=True)
+        if link is None:
+            return
+        if not isinstance(link, h5py.HardLink):
+            hdf5.check_plain(f, path)  # Raises, naming the link.
+        hdf5.check_plain(f[EXACT_GROUP], path)
         group = f.get(f"{EXACT_GROUP}/vars")
         if group is None:
             return
