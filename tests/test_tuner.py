@@ -13,7 +13,7 @@ from conftest import TESTS_DIR, subprocess_env
 
 from keras_ft.training import tuner
 
-pytest.importorskip("keras_tuner")
+pytest.importorskip("keras_tuner", exc_type=ImportError)
 
 SCRIPT = os.path.join(TESTS_DIR, "tuner_script.py")
 

@@ -14,6 +14,7 @@ from conftest import (
     TESTS_DIR,
     iterations,
     make_model,
+    run_once_on,
     subprocess_env,
     tree_digest,
     weights_of,
@@ -167,6 +168,7 @@ def test_a_failed_start_releases_the_lock(backup_dir):
     other.unlock()
 
 
+@run_once_on("torch", "a lock and a directory: the backend does not matter")
 def test_a_second_trainer_never_breaks_the_first(tmp_path):
     """Trainer A saves every batch (a save in flight most of the time);
     trainer B starts on the same directory again and again while A has a
