@@ -191,7 +191,7 @@ def launch(args: argparse.Namespace) -> list[Worker]:
 
 def _store(backup_dir: str):
     sys.path.insert(0, os.path.dirname(EXAMPLES_DIR))
-    from keras_ft.checkpoint.remote import open_store  # Needs no backend.
+    from keras_ft.checkpoint.store import open_store  # Needs no backend.
 
     return open_store(backup_dir.rstrip("/") + "/chief")
 
@@ -207,21 +207,21 @@ def newest_committed_step(backup_dir: str) -> int | None:
 
 
 def _chief_entries(backup_dir: str) -> list[str]:
-    store = _store(backup_dir)
-    if not hasattr(store, "fs"):
+    bucket = _store(backup_dir).storage
+    if not hasattr(bucket, "fs"):
         return sorted(os.listdir(os.path.join(backup_dir, "chief")))
-    store.fs.invalidate_cache()
-    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in store.fs.ls(store.root))
+    bucket.fs.invalidate_cache()
+    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in bucket.fs.ls(bucket.root))
 
 
 def entries(path: str) -> list[str]:
     """The names in a directory, or under a prefix of a bucket."""
-    store = _store(path)  # Of `path/chief`.
-    if not hasattr(store, "fs"):
+    bucket = _store(path).storage  # Of `path/chief`.
+    if not hasattr(bucket, "fs"):
         return sorted(os.listdir(path))
-    store.fs.invalidate_cache()  # Object storage: list the prefix.
-    root = store.root.rsplit("/", 1)[0]
-    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in store.fs.ls(root))
+    bucket.fs.invalidate_cache()  # Object storage: list the prefix.
+    root = bucket.root.rsplit("/", 1)[0]
+    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in bucket.fs.ls(root))
 
 
 def run_launcher(args: argparse.Namespace) -> dict:

@@ -15,8 +15,9 @@ from typing import Any
 import keras
 
 from keras_ft import compat
+from keras_ft.checkpoint.format import is_url
 from keras_ft.checkpoint.lock import check_platform
-from keras_ft.checkpoint.remote import filesystem, is_url
+from keras_ft.checkpoint.remote import filesystem
 from keras_ft.checkpoint.store import CheckpointWriteError
 from keras_ft.distribute.cluster import TaskSpec
 from keras_ft.state import NonFiniteStateError, ResumePoint, rng

@@ -16,20 +16,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 from typing import Any
 
 from keras_ft.checkpoint.errors import CheckpointError, CorruptCheckpointError
+from keras_ft.checkpoint.format import is_url, local_path
 from keras_ft.checkpoint.lock import DirectoryInUseError
-from keras_ft.checkpoint.remote import (
-    RemoteCheckpointStore,
-    is_url,
-    local_path,
-    open_store,
-)
-from keras_ft.checkpoint.store import METADATA_FILE, Checkpoint, CheckpointStore
+from keras_ft.checkpoint.store import CheckpointStore, checkpoints_dir
 
 
 class UsageError(Exception):
@@ -102,11 +96,11 @@ def _parser() -> argparse.ArgumentParser:
 # What a backup holds.
 
 
-def _store(backup_dir: str) -> CheckpointStore | RemoteCheckpointStore:
+def _store(backup_dir: str) -> CheckpointStore:
     """The chief's checkpoints of `backup_dir`, or a `UsageError` saying why not."""
-    if is_url(backup_dir):
+    if is_url(backup_dir):  # A bucket has no directories to look at first.
         try:
-            return open_store(f"{backup_dir.rstrip('/')}/chief")
+            return CheckpointStore(checkpoints_dir(backup_dir))
         except (ImportError, ValueError) as e:
             raise UsageError(str(e)) from None
     path = local_path(backup_dir)
@@ -133,34 +127,10 @@ def _examine(store: Any) -> list[dict[str, Any]]:
             metadata = store.verify(checkpoint)
         except CorruptCheckpointError as e:
             row["problem"] = e.reason
-            metadata = _metadata_anyway(store, checkpoint)
-        row.update(metadata=metadata, size=_size(store, checkpoint.path))
+            metadata = store.unverified_metadata(checkpoint)
+        row.update(metadata=metadata, size=store.usage(checkpoint.path))
         rows.append(row)
     return rows
-
-
-def _metadata_anyway(store: Any, checkpoint: Checkpoint) -> dict:
-    try:
-        if isinstance(store, RemoteCheckpointStore):
-            return json.loads(store.fs.cat_file(store._key(checkpoint, METADATA_FILE)))
-        with open(checkpoint.file(METADATA_FILE), encoding="utf-8") as f:
-            value = json.load(f)
-        return value if isinstance(value, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _size(store: Any, path: str) -> int:
-    try:
-        if isinstance(store, RemoteCheckpointStore):
-            return int(store.fs.du(path.split("://", 1)[-1]))
-        return sum(
-            os.path.getsize(os.path.join(root, name))
-            for root, _, names in os.walk(path)
-            for name in names
-        )
-    except OSError:
-        return 0
 
 
 def _resume_row(rows: list[dict]) -> dict | None:
@@ -208,7 +178,7 @@ def _ls(args: argparse.Namespace) -> int:
         ))  # fmt: skip
     for leftover in store.leftovers():
         name = _shown(leftover.rstrip("/").rsplit("/", 1)[-1])
-        table.append(("-", "-", "-", "-", "-", _human(_size(store, leftover)),
+        table.append(("-", "-", "-", "-", "-", _human(store.usage(leftover)),
                       f"partial leftover ({name})"))  # fmt: skip
     print(f"{store.directory}:")
     if len(table) == 1:

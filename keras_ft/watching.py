@@ -20,18 +20,14 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from keras_ft.checkpoint.errors import CheckpointError, CorruptCheckpointError
-from keras_ft.checkpoint.remote import (
-    RemoteCheckpointStore,
-    checkpoints_dir,
-    is_url,
-    local_path,
-    open_store,
-)
+from keras_ft.checkpoint.format import is_url, local_path
 from keras_ft.checkpoint.store import (
     MANIFEST_FILE,
     Checkpoint,
     CheckpointStore,
     checkpoint_sequence,
+    checkpoints_dir,
+    open_store,
 )
 from keras_ft.training.policy import check_seconds
 
@@ -231,9 +227,8 @@ def _checkpoint_at(
     sequence = checkpoint_sequence(name)
     if is_url(path):
         if sequence is not None:
-            store = RemoteCheckpointStore(parent, None, storage_options)
-            return store, Checkpoint(sequence, path)
-        return RemoteCheckpointStore(checkpoints_dir(path), None, storage_options)
+            return open_store(parent, None, storage_options), Checkpoint(sequence, path)
+        return open_store(checkpoints_dir(path), None, storage_options)
     path = local_path(path)
     if os.path.isfile(os.path.join(path, MANIFEST_FILE)):
         found = Checkpoint(sequence or 0, path)

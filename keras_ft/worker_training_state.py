@@ -5,11 +5,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -20,16 +18,21 @@ from keras_ft import backend as host
 from keras_ft import threads
 from keras_ft.checkpoint.errors import CheckpointWriteError, ProcessesDisagreeError
 from keras_ft.checkpoint.files import Staging
+from keras_ft.checkpoint.format import is_url, local_path
 from keras_ft.checkpoint.lock import check_platform
-from keras_ft.checkpoint.remote import (
-    RemoteCheckpointStore,
-    is_url,
-    local_path,
+from keras_ft.checkpoint.store import (
+    Checkpoint,
+    CheckpointStore,
+    open_storage,
     open_store,
 )
-from keras_ft.checkpoint.store import Checkpoint, CheckpointStore
 from keras_ft.distribute import sharded
-from keras_ft.distribute.cluster import TaskSpec, chief_dir, current_task, write_dir
+from keras_ft.distribute.cluster import (
+    TaskSpec,
+    chief_dir,
+    current_task,
+    worker_temp_name,
+)
 from keras_ft.state import (
     WEIGHTS_FILE,
     NonFiniteStateError,
@@ -137,14 +140,15 @@ class WorkerTrainingState:
         self.task = task if task is not None else current_task()
         self._retention = KeepLast(keep)
         self._state = TrainingState(model)
-        self.remote = is_url(self.backup_dir)
-        # A disk (rename commit, flock) or a bucket (manifest-last commit, lease).
+        # A disk (rename commit, flock) or a bucket (manifest-last commit,
+        # lease): one protocol, and nothing here asks which.
         self._chief_store = open_store(
             chief_dir(self.backup_dir),
             self._retention,
             storage_options,
             progress=_print if verbose else None,
         )
+        self._root = open_storage(self.backup_dir, storage_options)
         self._lock = self._chief_store.writer_lock()
         self.async_save = bool(async_save)
         self._writer = _writers.setdefault(
@@ -161,7 +165,7 @@ class WorkerTrainingState:
         return self._state.model
 
     @property
-    def store(self) -> CheckpointStore | RemoteCheckpointStore:
+    def store(self) -> CheckpointStore:
         """Where the chief's checkpoints are committed (a disk or a bucket);
         every process of a cluster reads its notices through it."""
         return self._chief_store
@@ -176,11 +180,10 @@ class WorkerTrainingState:
         Raises:
             ValueError: if the directory cannot be created or written.
         """
-        # A worker's throwaway saves go to a local directory, whatever the store.
         store = (
             self._chief_store
             if self.task.is_chief
-            else CheckpointStore(self._write_dir())
+            else CheckpointStore(self._worker_dir())
         )
         try:
             store.check_writable()
@@ -208,16 +211,15 @@ class WorkerTrainingState:
         self._hold()
         if not self.task.is_chief:
             # A worker's directory only ever holds the save being written.
-            shutil.rmtree(self._write_dir(), ignore_errors=True)
+            shutil.rmtree(self._worker_dir(), ignore_errors=True)
             return
         # A write still in flight from an earlier fit() in this process owns
         # its staging directory: let it finish before cleaning up.
         self._finish_earlier_write()
         try:
             self._lock.acquire()
+            # Staging directories, partial uploads, pieces of sharded saves.
             self._chief_store.remove_leftovers()
-            if not self.remote:  # Pieces of sharded saves kept from a commit.
-                sharded.remove_parts(self._chief_store.directory)
         except BaseException:
             self.unlock()
             raise
@@ -238,14 +240,13 @@ class WorkerTrainingState:
             self.unlock()
             raise
 
-    def _write_dir(self) -> str:
-        """This process's directory for its saves; a local one for a worker
-        of a training that backs up to object storage."""
-        if self.remote and not self.task.is_chief:
-            digest = hashlib.sha1(self.backup_dir.encode()).hexdigest()[:12]
-            local = os.path.join(tempfile.gettempdir(), f"keras-ft-{digest}")
-            return write_dir(local, self.task)
-        return write_dir(self.backup_dir, self.task)
+    def _worker_dir(self) -> str:
+        """Where a worker that is not the chief writes the save it throws
+        away: beside the chief's directory on a disk, a local directory for
+        a bucket."""
+        return self._chief_store.storage.scratch_dir(
+            worker_temp_name(self.task.task_index)
+        )
 
     def unlock(self) -> None:
         """Releases the lock (see `lock()`); the backup stays as it is."""
@@ -320,7 +321,7 @@ class WorkerTrainingState:
             snapshot = self._state.snapshot(
                 epochs_completed, batches_completed, extra, copy=False
             )
-            temp_dir = self._write_dir()
+            temp_dir = self._worker_dir()
             try:
                 CheckpointStore(temp_dir).save(
                     functools.partial(write_snapshot, snapshot), snapshot.metadata
@@ -382,7 +383,8 @@ class WorkerTrainingState:
         background into the save's parts directory; the chief's write then
         waits for every process's part and commits (`distribute/sharded.py`).
         """
-        if self.remote:
+        parts_root = self._chief_store.storage.filesystem_path
+        if parts_root is None:
             raise ValueError(
                 "Invalid value for argument `backup_dir`: the model's variables "
                 "are split across processes (keras.distribution.ModelParallel), "
@@ -412,7 +414,7 @@ class WorkerTrainingState:
             raise NonFiniteStateError(bad or ["(a piece another process holds)"])
         self._saves += 1
         tag = f"{self._saves:08d}-{optimizer_step(self.model):012d}"
-        directory = sharded.parts_dir(chief_dir(self.backup_dir), tag)
+        directory = sharded.parts_dir(parts_root, tag)
         process = self.task.task_index
         if not chief:
             self._writer.submit(
@@ -427,7 +429,7 @@ class WorkerTrainingState:
         def write(staging: Staging) -> None:
             sharded.write_part(directory, process, tag, share)
             # Parts of saves called off (or killed) before this one.
-            sharded.remove_parts(chief_dir(self.backup_dir), before=tag)
+            sharded.remove_parts(parts_root, before=tag)
             sharded.commit_parts(staging, directory, processes, tag, specs, layouts)
             staging.write_file(arrays.ARRAYS_FILE, [arrays.to_bytes(snapshot.arrays)])
 
@@ -495,8 +497,12 @@ class WorkerTrainingState:
         replaced: PendingWrite | None = None,
         write: Callable[[Staging], None] | None = None,
     ) -> Checkpoint:
-        # Commits keep the order of the saves: the one before goes first.
-        after = previous.join if previous is not None else None
+        def after() -> None:
+            # Commits keep the order of the saves: the one before goes first.
+            if previous is not None:
+                previous.join()
+            self._lock.check()  # A lapsed lease: another writer may commit.
+
         supersedes = None
         if replaced is not None:
 
@@ -634,7 +640,7 @@ class WorkerTrainingState:
     def delete_backup(self) -> None:
         """Deletes what this backup wrote; other files in `backup_dir` stay."""
         self._writer.wait()
-        if self.task.is_chief and self.remote:
+        if self.task.is_chief:
             try:
                 self._chief_store.clear()
             except Exception as e:  # A bucket out of reach: say so, go on.
@@ -646,18 +652,10 @@ class WorkerTrainingState:
                     stacklevel=3,
                 )
             self._lock.release(remove=True)
-        elif self.task.is_chief:
-            self._chief_store.remove_leftovers()
-            sharded.remove_parts(self._chief_store.directory)
-            for checkpoint in self._chief_store.checkpoints():
-                self._chief_store.delete(checkpoint)
-            self._lock.release(remove=True)
-            self._chief_store.clear()
+            self._chief_store.storage.remove_root()  # Emptied of its lock file.
         else:
-            shutil.rmtree(self._write_dir(), ignore_errors=True)
-        if not self.remote:
-            with contextlib.suppress(OSError):
-                os.rmdir(self.backup_dir)
+            shutil.rmtree(self._worker_dir(), ignore_errors=True)
+        self._root.remove_root()  # `backup_dir` itself, if nothing else is in it.
         self._let_go()
 
 

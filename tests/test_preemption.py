@@ -7,7 +7,6 @@ import signal
 
 import pytest
 
-from keras_ft.checkpoint.remote import RemoteCheckpointStore
 from keras_ft.checkpoint.store import CheckpointStore
 from keras_ft.training.preemption import ClusterNotice, PreemptionWatcher, parse_signals
 
@@ -79,13 +78,14 @@ def notice_store(where, tmp_path):
     """The store a cluster's notice goes through: a disk or a bucket."""
     if where == "disk":
         return CheckpointStore(str(tmp_path))
-    return RemoteCheckpointStore(f"memory://notice-{tmp_path.name}/chief")
+    return CheckpointStore(f"memory://notice-{tmp_path.name}/chief")
 
 
 def names_in(store):
-    if isinstance(store, CheckpointStore):
+    if store.storage.filesystem_path is not None:
         return os.listdir(store.directory)
-    return [path.rsplit("/", 1)[-1] for path in store.fs.find(store.root)]
+    bucket = store.storage
+    return [path.rsplit("/", 1)[-1] for path in bucket.fs.find(bucket.root)]
 
 
 @pytest.mark.parametrize("where", ["disk", "bucket"])

@@ -333,12 +333,13 @@ def test_the_command_line_reads_and_prunes_a_bucket(s3_server, data):
 
 
 def test_large_uploads_report_progress(s3_server):
-    from keras_ft.checkpoint.remote import RemoteCheckpointStore
+    from keras_ft.checkpoint.remote import ObjectStorage
+    from keras_ft.checkpoint.store import CheckpointStore
 
     lines: list[str] = []
-    store = RemoteCheckpointStore(
-        url("progress") + "/chief", progress=lines.append, progress_bytes=1 << 20
-    )
+    where = url("progress") + "/chief"
+    storage = ObjectStorage(where, progress=lines.append, progress_bytes=1 << 20)
+    store = CheckpointStore(where, storage=storage)
 
     def write(staging):
         staging.write_file("big.bin", [os.urandom(3 << 20)])
@@ -453,9 +454,9 @@ def test_a_failing_upload_is_retried_then_reported_like_a_disk_error(
 def test_a_notice_is_created_once_on_the_s3_server(s3_server):
     """The server honours S3's conditional create (If-None-Match), which
     fsspec's `mode="create"` sends: the second writer is refused."""
-    from keras_ft.checkpoint.remote import RemoteCheckpointStore
+    from keras_ft.checkpoint.store import CheckpointStore
 
-    store = RemoteCheckpointStore(url("notice") + "/chief")
+    store = CheckpointStore(url("notice") + "/chief")
     assert store.create_notice("preempted.json", b'{"first": 1}')
     assert not store.create_notice("preempted.json", b'{"second": 2}')
     assert store.read_notice("preempted.json") == b'{"first": 1}'
@@ -516,3 +517,33 @@ def test_a_second_trainer_never_breaks_the_first_on_a_bucket(s3_server):
     state = keras_ft.WorkerTrainingState(make_model(units=20000), backup)
     assert state.restore().step == 24
     state.delete_backup()
+
+
+def test_a_lease_that_cannot_be_renewed_stops_the_next_commit(data, monkeypatch):
+    """The bucket goes out of reach for the heartbeat: once a takeover could
+    have happened, the writer's next save is refused before its commit, and
+    the checkpoints committed before are intact."""
+    from keras_ft.checkpoint import remote
+
+    monkeypatch.setenv(remote.LEASE_SECONDS_ENV, "1.5")
+    backup = f"memory://lapsed-{os.getpid()}-{time.monotonic_ns()}"
+    state = keras_ft.WorkerTrainingState(make_model(), backup)
+    x, y = data
+    state.model.fit(x, y, epochs=1, verbose=0)
+    state.lock()
+    try:
+        time.sleep(2.5)  # Renewed by its heartbeat: in force.
+        state.back_up(0)
+
+        def unreachable(*args, **kwargs):
+            raise ConnectionError("bucket out of reach")
+
+        # The lease's writes; uploads use put_file and still work.
+        monkeypatch.setattr(state.store.storage.fs, "pipe_file", unreachable)
+        time.sleep(2.5)
+        with pytest.raises(keras_ft.DirectoryInUseError, match="not renewed"):
+            state.back_up(1)
+        assert [c.name for c in state.checkpoints()] == ["ckpt-00000001"]
+    finally:
+        monkeypatch.undo()
+        state.unlock()

@@ -17,7 +17,7 @@ from conftest import tree_digest
 
 from keras_ft import threads
 from keras_ft.checkpoint import files
-from keras_ft.checkpoint import store as store_module
+from keras_ft.checkpoint import format as format_module
 from keras_ft.checkpoint.store import (
     CheckpointStore,
     CorruptCheckpointError,
@@ -234,7 +234,7 @@ def rewrite_manifest(checkpoint, change):
         manifest = json.load(f)
     change(manifest)
     body = {k: v for k, v in manifest.items() if k != "digest"}
-    manifest["digest"] = store_module._json_digest(body)
+    manifest["digest"] = format_module._json_digest(body)
     with open(checkpoint.file("manifest.json"), "w") as f:
         json.dump(manifest, f)
 
@@ -248,7 +248,7 @@ def test_manifest_cannot_point_outside_the_checkpoint(tmp_path):
         manifest = json.load(f)
     manifest["files"]["../secret"] = {"size": 1, "sha256": "0" * 64}
     body = {k: v for k, v in manifest.items() if k != "digest"}
-    manifest["digest"] = store_module._json_digest(body)
+    manifest["digest"] = format_module._json_digest(body)
     with open(manifest_path, "w") as f:
         json.dump(manifest, f)
     with pytest.raises(CorruptCheckpointError, match="outside the checkpoint"):

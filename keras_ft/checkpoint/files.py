@@ -158,8 +158,10 @@ class Staging(os.PathLike):
             # A reader that opened it before it stopped being a checkpoint
             # still holds a shared lock: then leave it to the reader.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(errno.EINVAL, "not a regular file")
+            status = os.fstat(fd)
+            # A second hard link (a `cp -al` snapshot) would see the write.
+            if not stat.S_ISREG(status.st_mode) or status.st_nlink != 1:
+                raise OSError(errno.EINVAL, "not a regular file of its own")
             os.rename(old, path)
         except OSError:
             os.close(fd)
@@ -368,7 +370,7 @@ def file_digest(
 ) -> str:
     """The file's checksum; `read(n)` is told when its first n bytes were read."""
     digest = DIGESTS[algorithm]()
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as f:
         # So that the file is not recycled while it is read (see the module).
         fcntl.flock(f.fileno(), fcntl.LOCK_SH)
         size = os.fstat(f.fileno()).st_size
@@ -391,6 +393,56 @@ def file_digest(
             if read is not None:
                 read(done)
     return digest.hexdigest()
+
+
+def open_regular(path: str, flags: int = os.O_RDONLY) -> int:
+    """`os.open()` of a regular file, following no symlink, never blocking
+    (a FIFO). A backup is untrusted input: anything else is refused.
+
+    Raises:
+        FileNotFoundError: if there is no file at `path`.
+        ValueError: if `path` is a symlink, FIFO, device or directory.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError(
+                f"{path!r} is a symlink; keras-ft follows no link in a backup "
+                "directory. Remove it."
+            ) from None
+        if e.errno not in (errno.ENXIO, errno.EISDIR):  # A FIFO, a directory.
+            raise
+        fd = None
+    if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode):
+        if fd is not None:
+            os.close(fd)
+        raise ValueError(
+            f"{path!r} is not a regular file (a FIFO, device or directory); "
+            "keras-ft does not use it. Remove it."
+        )
+    if not flags & (os.O_WRONLY | os.O_RDWR):
+        os.set_blocking(fd, True)  # Regular files never block; reads expect it.
+    return fd
+
+
+def read_regular(path: str, limit: int) -> bytes:
+    """The whole regular file at `path`, at most `limit` bytes (see
+    `open_regular()`); its size is checked on the open file.
+
+    Raises:
+        FileNotFoundError: if there is no file at `path`.
+        ValueError: if it is not a regular file, or larger than `limit`.
+    """
+    fd = open_regular(path)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise ValueError(
+                f"{os.path.basename(path)} is too large ({size} bytes; at most "
+                f"{limit} are read)"
+            )
+        return f.read(limit + 1)[:limit]
 
 
 def fsync_path(path: str) -> None:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
 import os
 import socket
-import stat
 import sys
 
 from keras_ft.checkpoint.errors import DirectoryInUseError
+from keras_ft.checkpoint.files import open_regular
 
 try:
     import fcntl
@@ -52,30 +51,6 @@ def check_platform() -> None:
         )
 
 
-def _open_regular(path: str, flags: int) -> int:
-    """`os.open()` of a regular file, following no symlink, never blocking
-    (a FIFO); anything else is refused with a `ValueError`."""
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise ValueError(
-                f"{path!r} is a symlink; keras-ft follows no link in a backup "
-                "directory. Remove it."
-            ) from None
-        if e.errno not in (errno.ENXIO, errno.EISDIR):  # A FIFO, a directory.
-            raise
-        fd = None
-    if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode):
-        if fd is not None:
-            os.close(fd)
-        raise ValueError(
-            f"{path!r} is not a regular file (a FIFO, device or directory); "
-            "keras-ft does not use it. Remove it."
-        )
-    return fd
-
-
 class DirectoryLock:
     """An exclusive lock on `directory`, held until `release()` or death.
 
@@ -107,8 +82,8 @@ class DirectoryLock:
             )
         # Held through a read-only descriptor: a file open for writing would
         # stop the filesystem from being remounted read-only under us.
-        os.close(_open_regular(self.path, os.O_WRONLY | os.O_CREAT))
-        fd = _open_regular(self.path, os.O_RDONLY)
+        os.close(open_regular(self.path, os.O_WRONLY | os.O_CREAT))
+        fd = open_regular(self.path, os.O_RDONLY)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -121,7 +96,7 @@ class DirectoryLock:
                 "one its own `backup_dir`, or stop the other process first."
             ) from None
         started = datetime.datetime.now().isoformat(timespec="seconds")
-        note = _open_regular(self.path, os.O_WRONLY | os.O_TRUNC)
+        note = open_regular(self.path, os.O_WRONLY | os.O_TRUNC)
         try:
             os.write(note, f"pid {os.getpid()} on {socket.gethostname()}, since "
                      f"{started}".encode())  # fmt: skip
@@ -129,6 +104,10 @@ class DirectoryLock:
             os.close(note)
         self._fd = fd
         _held[key] = self
+
+    def check(self) -> None:
+        """Nothing to check: the kernel holds a `flock` until the process
+        ends (a bucket's lease can lapse; see `RemoteLease.check()`)."""
 
     def release(self, remove: bool = False) -> None:
         """Releases the lock; with `remove=True` also deletes the lock file.

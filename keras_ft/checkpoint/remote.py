@@ -9,10 +9,12 @@ partial upload (a writer killed mid-upload), never read, removed by the next
 writer. Old checkpoints are deleted only after a newer one is committed,
 manifest first, so that a half-deleted one is never taken for a good one.
 
-The files themselves are made by the local store's protocol (`store.py`),
-in a local staging directory: the same bytes, the same manifest. A restore
-downloads a checkpoint into a local directory, verifies it there and loads it
-like a local one, so a resume on a new machine needs nothing but the bucket.
+The storage protocol (`store.py`) stages a checkpoint's files in a local
+temporary directory, the same bytes and manifest as on disk; this module
+uploads them. A restore downloads the files the manifest lists into a local
+directory, verifies them there and loads them like a local checkpoint, and
+the download is removed once loaded, so a resume on a new machine needs
+nothing but the bucket.
 
 One writer per prefix: there is no `flock` on a bucket, so the writer holds a
 lease, an object `.lease.json` with its host, pid and a heartbeat it renews
@@ -23,41 +25,30 @@ process on the same host that no longer runs.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno
+import functools
+import hashlib
 import json
 import os
-import re
 import secrets
 import shutil
 import socket
 import tempfile
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from keras_ft import threads
 from keras_ft.checkpoint import files as file_io
-from keras_ft.checkpoint.errors import CorruptCheckpointError, SaveCancelled
-from keras_ft.checkpoint.lock import DirectoryInUseError
-from keras_ft.checkpoint.store import (
+from keras_ft.checkpoint.errors import DirectoryInUseError, SaveCancelled
+from keras_ft.checkpoint.files import Staging
+from keras_ft.checkpoint.format import (
     MANIFEST_FILE,
-    MAX_NOTICE_BYTES,
-    METADATA_FILE,
     Checkpoint,
-    CheckpointStore,
-    NoGoodCheckpointError,
-    ReadProgress,
-    RetentionPolicy,
-    Staging,
-    check_notice_name,
     checkpoint_name,
     checkpoint_sequence,
-    digest_algorithm,
-    manifest_files,
 )
 
 _T = TypeVar("_T")
@@ -65,18 +56,6 @@ LEASE_FILE = ".lease.json"
 LEASE_SECONDS_ENV = "KERAS_FT_LEASE_SECONDS"
 _RETRIES = 4  # Attempts of each upload or download, with backoff between.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
-
-
-def is_url(path: str) -> bool:
-    """Whether `path` names object storage (`s3://`, `memory://`, ...), not a
-    local path. `file://` URLs are local paths."""
-    scheme, sep, _ = path.partition("://")
-    return bool(sep) and scheme != "file" and re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme)
-
-
-def local_path(path: str) -> str:
-    """`path` without a `file://` scheme."""
-    return path[len("file://") :] if path.startswith("file://") else path
 
 
 def filesystem(url: str, storage_options: dict | None = None) -> tuple[Any, str]:
@@ -104,12 +83,12 @@ def filesystem(url: str, storage_options: dict | None = None) -> tuple[Any, str]
         ) from None
 
 
-class RemoteCheckpointStore:
-    """`CheckpointStore` over an fsspec filesystem; the manifest is the commit.
+class ObjectStorage:
+    """Checkpoints under one prefix of an fsspec filesystem; the manifest,
+    uploaded last, is the commit.
 
     Args:
         url: Where committed checkpoints live (`s3://bucket/run/chief`).
-        retention: What to keep after each commit, or `None` for everything.
         storage_options: Passed to fsspec. Defaults to `None`.
         progress: If set, called with a line of text at each quarter of an
             upload of at least `progress_bytes`. Defaults to `None`.
@@ -117,43 +96,51 @@ class RemoteCheckpointStore:
             Defaults to 256 MiB.
     """
 
+    write_error_fix = "Check that the bucket is reachable and the credentials valid"
+    filesystem_path = None  # No POSIX path: processes share the bucket.
+    start_over_fix = "Remove the prefix to start training from scratch."
+
     def __init__(
         self,
         url: str,
-        retention: RetentionPolicy | None = None,
         storage_options: dict | None = None,
         progress: Callable[[str], None] | None = None,
         progress_bytes: int = 256 << 20,
     ):
-        self.directory = url.rstrip("/")
-        self.retention = retention
-        self.fs, self.root = filesystem(self.directory, storage_options)
-        self.root = self.root.rstrip("/")
-        self._local: str | None = None  # Staging and downloads, this process.
+        self.location = url.rstrip("/")
+        self.fs, root = filesystem(self.location, storage_options)
+        self.root = root.rstrip("/")
         self.progress = progress
         self.progress_bytes = progress_bytes
 
-    write_error_fix = "Check that the bucket is reachable and the credentials valid"
-
     def __repr__(self) -> str:
-        return f"RemoteCheckpointStore({self.directory!r})"
+        return f"ObjectStorage({self.location!r})"
 
     @property
     def identity(self) -> str:
-        return self.directory
-
-    def writer_lock(self) -> RemoteLease:
-        """The lock one writer holds: a lease object with a heartbeat."""
-        return RemoteLease(self)
+        return self.location
 
     def url(self, checkpoint: Checkpoint) -> str:
         """Where `checkpoint` is in the bucket (its downloaded copy's too)."""
         return self._path(checkpoint.sequence)
 
-    # Reading.
+    def scratch_dir(self, name: str) -> str:
+        """A local directory for a process's throwaway saves: a bucket is
+        no place for them."""
+        digest = hashlib.sha1(self.location.encode()).hexdigest()[:12]
+        return os.path.join(tempfile.gettempdir(), f"keras-ft-{digest}", name)
+
+    def _path(self, sequence: int) -> str:
+        return f"{self.location}/{checkpoint_name(sequence)}"
+
+    def _key(self, checkpoint: Checkpoint, name: str = "") -> str:
+        key = f"{self.root}/{checkpoint_name(checkpoint.sequence)}"
+        return f"{key}/{name}" if name else key
+
+    # Listing.
 
     def _listing(self) -> dict[int, set[str]]:
-        """`{sequence: names of the files}` of every checkpoint directory."""
+        """`{sequence: names of the files}` of every checkpoint prefix."""
         with contextlib.suppress(AttributeError):
             self.fs.invalidate_cache(self.root)
         try:
@@ -178,244 +165,56 @@ class RemoteCheckpointStore:
         ]
 
     def leftovers(self) -> list[str]:
-        """Checkpoint directories without a manifest: partial uploads."""
+        """Checkpoint prefixes without a manifest: partial uploads."""
         return [
             self._path(sequence)
             for sequence, names in sorted(self._listing().items())
             if MANIFEST_FILE not in names
         ]
 
-    def _path(self, sequence: int) -> str:
-        return f"{self.directory}/{checkpoint_name(sequence)}"
+    def remove_leftovers(self) -> None:
+        for sequence, names in self._listing().items():
+            if MANIFEST_FILE not in names:
+                self._remove(Checkpoint(sequence, self._path(sequence)), True)
 
-    def _key(self, checkpoint: Checkpoint, name: str = "") -> str:
-        key = f"{self.root}/{checkpoint_name(checkpoint.sequence)}"
-        return f"{key}/{name}" if name else key
+    # Writing: files staged locally, uploaded, the manifest last.
 
-    def verify(
-        self, checkpoint: Checkpoint, progress: ReadProgress | None = None
-    ) -> dict[str, Any]:
-        """Checks every object of `checkpoint` against its manifest, streaming.
+    def stage(self, cancel: threading.Event | None) -> Staging:
+        path = tempfile.mkdtemp(prefix="keras-ft-upload-")
+        return Staging(path, cancel, sync=False)  # Uploaded, not kept.
 
-        Returns:
-            The checkpoint's metadata.
-
-        Raises:
-            CorruptCheckpointError: naming what is wrong.
-        """
-        manifest = self._read_json(checkpoint, MANIFEST_FILE)
-        for name, expected in manifest_files(manifest, checkpoint.path).items():
-            key = self._key(checkpoint, name)
-            try:
-                size = self.fs.size(key)
-            except FileNotFoundError:
-                raise CorruptCheckpointError(
-                    checkpoint.path, f"{name} is missing"
-                ) from None
-            if size != expected["size"]:
-                raise CorruptCheckpointError(
-                    checkpoint.path,
-                    f"{name} has {size} bytes, the manifest says "
-                    f"{expected['size']} (truncated or overwritten)",
-                )
-            algorithm = digest_algorithm(expected)
-            digest = file_io.DIGESTS[algorithm]()
-            with self.fs.open(key, "rb", block_size=8 << 20) as f:
-                while chunk := f.read(8 << 20):
-                    digest.update(chunk)
-            if digest.hexdigest() != expected[algorithm]:
-                raise CorruptCheckpointError(
-                    checkpoint.path,
-                    f"{name} does not match its "
-                    f"{file_io.DIGEST_NAMES[algorithm]} checksum",
-                )
-        metadata = self._read_json(checkpoint, METADATA_FILE)
-        if not isinstance(metadata, dict):
-            raise CorruptCheckpointError(checkpoint.path, "metadata is not an object")
-        return metadata
-
-    def _read_json(self, checkpoint: Checkpoint, name: str) -> Any:
-        try:
-            with self.fs.open(self._key(checkpoint, name), "rb") as f:
-                return json.loads(f.read(64 << 20))
-        except FileNotFoundError:
-            raise CorruptCheckpointError(
-                checkpoint.path, f"{name} is missing"
-            ) from None
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CorruptCheckpointError(
-                checkpoint.path, f"{name} is not valid JSON ({e})"
-            ) from None
-
-    def latest_good(self) -> tuple[Checkpoint, dict[str, Any]] | None:
-        """The newest checkpoint that verifies, and its metadata (its
-        download removed)."""
-        found = self.latest_good_read(lambda checkpoint, progress: None)
-        if found is None:
-            return None
-        self.release(found[0])
-        return Checkpoint(found[0].sequence, self.url(found[0])), found[1]
-
-    def latest_good_read(
-        self, read: Callable[[Checkpoint, ReadProgress], _T]
-    ) -> tuple[Checkpoint, dict[str, Any], _T] | None:
-        """The newest checkpoint that verifies, downloaded and read locally.
-
-        As `CheckpointStore.latest_good_read()`, but the checkpoint returned
-        is the local copy (its `path` a local directory); `url()` says where
-        it came from.
-        """
-        candidates = self.checkpoints()
-        problems = []
-        for checkpoint in reversed(candidates):
-            try:
-                return self._download_read(checkpoint, read)
-            except CorruptCheckpointError as e:
-                problems.append(str(e))
-                warnings.warn(
-                    f"{e}. Falling back to the previous checkpoint.", stacklevel=2
-                )
-        if candidates:
-            raise NoGoodCheckpointError(
-                f"None of the {len(candidates)} checkpoints in {self.directory} "
-                "can be restored; nothing was deleted. Problems found:\n  "
-                + "\n  ".join(problems)
-                + "\nRemove the prefix to start training from scratch."
-            )
-        return None
-
-    def fetch(
-        self, checkpoint: Checkpoint, read: Callable[[Checkpoint, ReadProgress], _T]
-    ) -> tuple[Checkpoint, dict[str, Any], _T]:
-        """`read()`, with the verified local copy to load from; `release()`
-        it once loaded."""
-        return self._download_read(checkpoint, read)
-
-    def release(self, checkpoint: Checkpoint) -> None:
-        """Removes the local copy of a checkpoint that `fetch()` or
-        `latest_good_read()` returned, once it is loaded. Arrays a loader
-        mapped from it stay valid: an unlinked file lives on while mapped."""
-        root = os.path.dirname(checkpoint.path)
-        if self._local is not None and os.path.dirname(root) == self._local:
-            shutil.rmtree(root, ignore_errors=True)
-
-    def _download_read(
-        self, checkpoint: Checkpoint, read: Callable[[Checkpoint, ReadProgress], _T]
-    ) -> tuple[Checkpoint, dict[str, Any], _T]:
-        local_root = os.path.join(self._local_dir(), f"download-{secrets.token_hex(4)}")
-        local = Checkpoint(
-            checkpoint.sequence,
-            os.path.join(local_root, checkpoint_name(checkpoint.sequence)),
-        )
-        os.makedirs(local.path)
-        try:
-            return self._download_read_into(checkpoint, local, read)
-        except BaseException:
-            shutil.rmtree(local_root, ignore_errors=True)
-            raise
-
-    def _download_read_into(
-        self,
-        checkpoint: Checkpoint,
-        local: Checkpoint,
-        read: Callable[[Checkpoint, ReadProgress], _T],
-    ) -> tuple[Checkpoint, dict[str, Any], _T]:
-        try:
-            self.fs.get_file(
-                self._key(checkpoint, MANIFEST_FILE), local.file(MANIFEST_FILE)
-            )
-        except FileNotFoundError:
-            raise CorruptCheckpointError(
-                checkpoint.path, "manifest is missing (deleted?)"
-            ) from None
-        with open(local.file(MANIFEST_FILE), "rb") as f:
-            try:
-                manifest = json.loads(f.read(64 << 20))
-            except ValueError as e:
-                raise CorruptCheckpointError(
-                    checkpoint.path, f"manifest is not valid JSON ({e})"
-                ) from None
-        names = list(manifest_files(manifest, checkpoint.path))
-        downloads = [
-            threads.submit(
-                threads.transfer, self._download, checkpoint, name, local.file(name)
-            )
-            for name in names
-        ]
-        for download in downloads:
-            download.result()
-        metadata, result = CheckpointStore(os.path.dirname(local.path)).read(
-            local, read
-        )
-        return local, metadata, result
-
-    def _download(self, checkpoint: Checkpoint, name: str, path: str) -> None:
-        with contextlib.suppress(FileNotFoundError):  # Verification says so.
-            _retried(lambda: self.fs.get_file(self._key(checkpoint, name), path))
-
-    def _local_dir(self) -> str:
-        if self._local is None:
-            self._local = tempfile.mkdtemp(prefix="keras-ft-remote-")
-            atexit.register(shutil.rmtree, self._local, ignore_errors=True)
-        return self._local
-
-    # Writing.
-
-    def save(
-        self,
-        write_files: Callable[[Staging], None],
-        metadata: dict[str, Any],
-        cancel: threading.Event | None = None,
-        after: Callable[[], None] | None = None,
-        supersedes: Callable[[], Checkpoint | None] | None = None,
+    def commit(
+        self, staging: Staging, names: list[str], before_number: Callable[[], None]
     ) -> Checkpoint:
-        """Writes a checkpoint locally, uploads it, then commits its manifest.
-
-        See `CheckpointStore.save()`. An upload that fails after retries is
-        an `OSError`; what was uploaded of it is removed.
-        """
-        staging_root = os.path.join(self._local_dir(), f"up-{secrets.token_hex(4)}")
-        local = CheckpointStore(staging_root).save(write_files, metadata, cancel, after)
+        """Uploads the staged files concurrently, then the manifest: the
+        commit. What was uploaded of a failed or called-off commit is
+        removed; an upload that fails after retries is an `OSError`."""
+        before_number()
+        staging.check_cancelled()
+        listing = _as_os_error(self._listing, f"listing {self.location}")
+        sequence = max(listing, default=0) + 1
+        committed = Checkpoint(sequence, self._path(sequence))
+        local = functools.partial(os.path.join, staging.path)
         try:
-            if cancel is not None and cancel.is_set():
-                raise SaveCancelled()
-            listing = _as_os_error(self._listing, f"listing {self.directory}")
-            sequence = max(listing, default=0) + 1
-            committed = Checkpoint(sequence, self._path(sequence))
-            names = [n for n in sorted(os.listdir(local.path)) if n != MANIFEST_FILE]
-            try:
-                uploads = [
-                    threads.submit(
-                        threads.transfer, self._upload, local.file(n),
-                        self._key(committed, n), cancel,
-                    )
-                    for n in names
-                ]  # fmt: skip
-                for upload in uploads:
-                    upload.result()
-                if cancel is not None and cancel.is_set():
-                    raise SaveCancelled()
-                # The commit: one object, written last.
-                self._upload(
-                    local.file(MANIFEST_FILE), self._key(committed, MANIFEST_FILE)
+            uploads = [
+                threads.submit(
+                    threads.transfer, self._upload, local(n),
+                    self._key(committed, n), staging.cancel,
                 )
-            except BaseException:
-                self._remove(committed, ignore_errors=True)
-                raise
-        finally:
-            shutil.rmtree(staging_root, ignore_errors=True)
-        try:  # Committed: a failed clean-up is retried after the next commit.
-            replaced = supersedes() if supersedes is not None else None
-            if replaced is not None:
-                self.delete(replaced)
-            self.prune()
-        except Exception as e:  # Any backend's error.
-            warnings.warn(
-                f"keras-ft: {committed.path} is committed, but deleting older "
-                f"checkpoints failed ({type(e).__name__}: {e}); retried later.",
-                stacklevel=2,
-            )
+                for n in names
+                if n != MANIFEST_FILE
+            ]  # fmt: skip
+            for upload in uploads:
+                upload.result()
+            staging.check_cancelled()
+            self._upload(local(MANIFEST_FILE), self._key(committed, MANIFEST_FILE))
+        except BaseException:
+            self._remove(committed, ignore_errors=True)
+            raise
         return committed
+
+    def unstage(self, staging: Staging) -> None:
+        shutil.rmtree(staging.path, ignore_errors=True)
 
     def _upload(
         self, path: str, key: str, cancel: threading.Event | None = None
@@ -435,14 +234,8 @@ class RemoteCheckpointStore:
 
         _as_os_error(put, f"upload of {key}")
 
-    def prune(self) -> None:
-        """Deletes the checkpoints that the retention policy lets go."""
-        if self.retention is None:
-            return
-        committed = self.checkpoints()
-        for checkpoint in self.retention.select_for_deletion(committed):
-            if checkpoint != committed[-1]:
-                self.delete(checkpoint)
+    def retire(self, checkpoint: Checkpoint) -> None:
+        self.delete(checkpoint)
 
     def delete(self, checkpoint: Checkpoint) -> None:
         """Deletes one checkpoint: its manifest first, so that it is never
@@ -459,26 +252,89 @@ class RemoteCheckpointStore:
             if not ignore_errors:
                 raise
 
-    def remove_leftovers(self) -> None:
-        """Removes partial uploads (checkpoint directories without manifest)."""
-        for sequence, names in self._listing().items():
-            if MANIFEST_FILE not in names:
-                self._remove(Checkpoint(sequence, self._path(sequence)), True)
+    def remove_root(self) -> None:
+        """Nothing to do: a prefix is gone with its last object."""
 
-    def clear(self) -> None:
-        """Deletes every checkpoint and leftover this store made."""
-        for checkpoint in self.checkpoints():
-            self.delete(checkpoint)
-        self.remove_leftovers()
+    # Reading.
 
-    # Notices, as `CheckpointStore`'s: objects beside the checkpoints.
+    def size(self, checkpoint: Checkpoint, name: str) -> int:
+        return int(self.fs.size(self._key(checkpoint, name)))
 
-    def create_notice(self, name: str, data: bytes) -> bool:
-        """Writes the notice `name` unless one exists: the first writer wins
-        where the store has a conditional create (S3's `If-None-Match`, what
-        fsspec's `mode="create"` asks for); elsewhere fsspec checks, then
-        writes, and two writers within one round trip may both write."""
-        check_notice_name(name)
+    def digest(
+        self,
+        checkpoint: Checkpoint,
+        name: str,
+        algorithm: str,
+        read: Callable[[int], None] | None = None,
+    ) -> str:
+        """The object's checksum, streamed: nothing is stored locally."""
+        digest = file_io.DIGESTS[algorithm]()
+        done = 0
+        with self.fs.open(self._key(checkpoint, name), "rb", block_size=8 << 20) as f:
+            while chunk := f.read(8 << 20):
+                digest.update(chunk)
+                done += len(chunk)
+                if read is not None:
+                    read(done)
+        return digest.hexdigest()
+
+    def read_bytes(self, checkpoint: Checkpoint, name: str, limit: int) -> bytes:
+        # A listing of this prefix cached while it was being uploaded
+        # would hide the files uploaded since (fsspec keeps one per prefix).
+        with contextlib.suppress(AttributeError):
+            self.fs.invalidate_cache(self._key(checkpoint))
+        with self.fs.open(self._key(checkpoint, name), "rb") as f:
+            data = f.read(limit + 1)
+        if len(data) > limit:
+            raise ValueError(f"{name} is too large (at most {limit} bytes are read)")
+        return data
+
+    def local_copy(self, checkpoint: Checkpoint, names: list[str]) -> Checkpoint:
+        """Downloads the files `names` of `checkpoint` concurrently into a
+        local directory, removed by `release()`."""
+        root = tempfile.mkdtemp(prefix="keras-ft-download-")
+        local = Checkpoint(
+            checkpoint.sequence,
+            os.path.join(root, checkpoint_name(checkpoint.sequence)),
+        )
+        try:
+            os.mkdir(local.path)
+            downloads = [
+                threads.submit(
+                    threads.transfer, self._download, checkpoint, name,
+                    local.file(name),
+                )
+                for name in names
+            ]  # fmt: skip
+            for download in downloads:
+                download.result()
+        except BaseException:
+            shutil.rmtree(root, ignore_errors=True)
+            raise
+        return local
+
+    def _download(self, checkpoint: Checkpoint, name: str, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):  # Verification says so.
+            _retried(lambda: self.fs.get_file(self._key(checkpoint, name), path))
+
+    def release(self, local: Checkpoint) -> None:
+        """Removes a download of `local_copy()` once it is loaded. Arrays a
+        loader mapped from it stay valid: an unlinked file lives on while
+        mapped."""
+        root = os.path.dirname(local.path)
+        if os.path.basename(root).startswith("keras-ft-download-"):
+            shutil.rmtree(root, ignore_errors=True)
+
+    def usage(self, path: str) -> int:
+        return int(self.fs.du(path.split("://", 1)[-1]))
+
+    # Notices: objects beside the checkpoints.
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        """Writes `name` unless it exists: the first writer wins where the
+        store has a conditional create (S3's `If-None-Match`, what fsspec's
+        `mode="create"` asks for); elsewhere fsspec checks, then writes, and
+        two writers within one round trip may both write."""
         key = f"{self.root}/{name}"
         for attempt in range(_RETRIES):
             try:
@@ -494,20 +350,24 @@ class RemoteCheckpointStore:
                 time.sleep(0.25 * 2**attempt)
         raise AssertionError("unreachable")
 
-    def read_notice(self, name: str) -> bytes | None:
-        check_notice_name(name)
+    def read_small(self, name: str, limit: int) -> bytes | None:
         with contextlib.suppress(AttributeError):
             self.fs.invalidate_cache(self.root)
         try:
             with self.fs.open(f"{self.root}/{name}", "rb") as f:
-                return f.read(MAX_NOTICE_BYTES)
+                return f.read(limit)
         except FileNotFoundError:
             return None
 
-    def remove_notice(self, name: str) -> None:
-        check_notice_name(name)
+    def remove(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(f"{self.root}/{name}")
+
+    # One writer.
+
+    def writer_lock(self) -> RemoteLease:
+        """A lease object with a heartbeat."""
+        return RemoteLease(self)
 
     def check_writable(self) -> None:
         """Writes and removes a small object, or raises naming the URL."""
@@ -520,7 +380,7 @@ class RemoteCheckpointStore:
         except Exception as e:  # Any backend's error: say which URL.
             raise ValueError(
                 f"Invalid value for argument `backup_dir`: cannot write to "
-                f"{self.directory!r} ({type(e).__name__}: {e}). Check the bucket "
+                f"{self.location!r} ({type(e).__name__}: {e}). Check the bucket "
                 "exists and the credentials (fsspec's configuration, or "
                 "`storage_options=`)."
             ) from e
@@ -548,28 +408,6 @@ def _progress(key: str, size: int, say: Callable[[str], None]) -> Any:
     return Quarters(size=size)
 
 
-def open_store(
-    path: str,
-    retention: RetentionPolicy | None = None,
-    storage_options: dict | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> CheckpointStore | RemoteCheckpointStore:
-    """The store of checkpoints at `path`: a local directory or a URL
-    (`storage_options` and upload `progress` apply to a URL's)."""
-    if is_url(path):
-        return RemoteCheckpointStore(path, retention, storage_options, progress)
-    return CheckpointStore(local_path(path), retention)
-
-
-def checkpoints_dir(path: str) -> str:
-    """A backup directory's checkpoints: in `chief/`, or in `path` itself."""
-    if is_url(path):
-        return f"{path.rstrip('/')}/chief"
-    path = local_path(path)
-    chief = os.path.join(path, "chief")
-    return chief if os.path.isdir(chief) or not os.path.isdir(path) else path
-
-
 class RemoteLease:
     """One writer per prefix of a bucket: a lease object with a heartbeat.
 
@@ -579,9 +417,9 @@ class RemoteLease:
             the lease over. Defaults to `KERAS_FT_LEASE_SECONDS` or 30.
     """
 
-    def __init__(self, store: RemoteCheckpointStore, seconds: float | None = None):
+    def __init__(self, store: ObjectStorage, seconds: float | None = None):
         self.fs = store.fs
-        self.directory = store.directory
+        self.directory = store.location
         self.key = f"{store.root}/{LEASE_FILE}"
         self.seconds = (
             seconds
@@ -591,12 +429,14 @@ class RemoteLease:
         self._token: str | None = None
         self._stop = threading.Event()
         self._beating: threading.Thread | None = None
+        self._renewed = 0.0  # time.monotonic() of the last heartbeat written.
+        self._failure: Exception | None = None  # Of the beats since then.
 
     def _read(self) -> dict | None:
         try:
             with self.fs.open(self.key, "rb") as f:
                 value = json.loads(f.read(1 << 16))
-        except (FileNotFoundError, ValueError):
+        except (FileNotFoundError, ValueError, RecursionError):
             return None
         return value if isinstance(value, dict) else None
 
@@ -625,14 +465,40 @@ class RemoteLease:
         if held is None or held.get("token") != self._token:
             self._token = None
             raise self._in_use(held or {})
+        self._renewed, self._failure = time.monotonic(), None
         self._stop.clear()
         self._beating = threads.start_daemon(self._heartbeat, "keras-ft-lease")
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(max(self.seconds / 3, 0.5)):
-            with contextlib.suppress(Exception):  # Retried at the next beat.
-                if self._token is not None:
-                    self._write()
+            if self._token is None:
+                continue
+            try:
+                self._write()
+            except Exception as e:  # Retried at the next beat; see check().
+                self._failure = e
+            else:
+                self._renewed, self._failure = time.monotonic(), None
+
+    def check(self) -> None:
+        """Raises if the lease may have gone to another writer: its heartbeat
+        could not be written for longer than a takeover waits. A writer
+        calls it before each commit.
+
+        Raises:
+            DirectoryInUseError: naming the last heartbeat's error.
+        """
+        if self._token is None:
+            return
+        silent = time.monotonic() - self._renewed
+        if silent > self.seconds:
+            raise DirectoryInUseError(
+                f"The lease on {self.directory} was not renewed for {silent:.0f} s "
+                f"(last error: {type(self._failure).__name__}: {self._failure}); "
+                "another training may have taken the backup over, so this save "
+                "is not committed. Check that the bucket is reachable; the next "
+                "fit() takes the lease again."
+            )
 
     def release(self, remove: bool = False) -> None:
         """Gives the lease back: its object is removed if it is still ours."""

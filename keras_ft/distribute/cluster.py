@@ -127,13 +127,7 @@ def chief_dir(backup_dir: str) -> str:
     return os.path.join(backup_dir, CHIEF_DIR)
 
 
-def worker_temp_dir(backup_dir: str, task_index: int) -> str:
-    """Where a non-chief worker writes a save it then throws away."""
-    return os.path.join(backup_dir, f"{_WORKER_TEMP_PREFIX}{task_index}")
-
-
-def write_dir(backup_dir: str, task: TaskSpec) -> str:
-    """The directory `task` writes its saves into."""
-    if task.is_chief:
-        return chief_dir(backup_dir)
-    return worker_temp_dir(backup_dir, task.task_index)
+def worker_temp_name(task_index: int) -> str:
+    """The name of the directory a non-chief worker writes a save into, to
+    throw it away (beside the chief's directory, on a disk)."""
+    return f"{_WORKER_TEMP_PREFIX}{task_index}"

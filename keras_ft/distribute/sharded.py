@@ -54,11 +54,11 @@ from keras_ft.checkpoint.errors import (
     SaveCancelled,
 )
 from keras_ft.checkpoint.files import Staging
-from keras_ft.checkpoint.store import PIECEWISE
+from keras_ft.checkpoint.format import PIECEWISE
+from keras_ft.checkpoint.local import PARTS_PREFIX
 
 SHARDS_TABLE = "shards.json"
 TABLE_FORMAT = "keras-ft-shards"
-PARTS_PREFIX = ".parts-"
 # How long the chief's commit waits for the other processes' pieces.
 WAIT_ENV = "KERAS_FT_SHARD_WAIT_SECONDS"
 _WAIT_SECONDS = 600.0

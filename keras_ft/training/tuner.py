@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from keras_ft.checkpoint.remote import is_url
+from keras_ft.checkpoint.format import is_url
 
 # The tuner callbacks seen for each trial in this process, in order: the
 # n-th `fit()` of a trial is its n-th execution. Entries go with the trial.

@@ -24,8 +24,7 @@ import keras
 import numpy as np
 
 from keras_ft import compat
-from keras_ft.checkpoint.remote import checkpoints_dir
-from keras_ft.checkpoint.store import CheckpointStore
+from keras_ft.checkpoint.store import CheckpointStore, checkpoints_dir
 from keras_ft.state.weights_layout import WEIGHTS_FILE
 
 # Where a `.keras` archive keeps its weights: Keras' archive format.

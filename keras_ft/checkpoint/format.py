@@ -1,0 +1,181 @@
+"""What a checkpoint is on any storage: its name, its files, its manifest.
+
+Shared by the storage protocol (`store.py`) and its two storages
+(`local.py`, `remote.py`); nothing here touches a file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from keras_ft.checkpoint import files as file_io
+from keras_ft.checkpoint.errors import CorruptCheckpointError
+
+MANIFEST_FILE = "manifest.json"
+METADATA_FILE = "metadata.json"
+# A manifest entry's mark: the file's reader checks each piece it reads
+# (sharded checkpoints), so a restore checks only its size.
+PIECEWISE = "piecewise"
+FORMAT_NAME = "keras-ft-checkpoint"
+FORMAT_VERSION = 1
+# A manifest or metadata file larger than this is not one keras-ft wrote.
+MAX_JSON_BYTES = 64 * 1024 * 1024
+# Notices are small JSON files with plain names, never a checkpoint's.
+MAX_NOTICE_BYTES = 64 * 1024
+
+# ASCII digits only, and few enough: a name from a backup is untrusted.
+_CHECKPOINT_NAME = re.compile(r"ckpt-([0-9]{8,18})", re.ASCII)
+_NOTICE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}\.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint.
+
+    Attributes:
+        sequence: The checkpoint's number; a newer checkpoint has a larger one.
+        path: The checkpoint's directory (or prefix, in object storage).
+    """
+
+    sequence: int
+    path: str
+
+    @property
+    def name(self) -> str:
+        return self.path.rstrip("/").rsplit("/", 1)[-1]
+
+    def file(self, name: str) -> str:
+        """Returns the path of the file `name` inside this checkpoint."""
+        return f"{self.path.rstrip('/')}/{name}"
+
+
+class RetentionPolicy(Protocol):
+    """Decides which committed checkpoints to delete after a new commit."""
+
+    def select_for_deletion(
+        self, checkpoints: Sequence[Checkpoint]
+    ) -> list[Checkpoint]:
+        """Returns the checkpoints to delete; `checkpoints` is oldest first."""
+        ...
+
+
+def checkpoint_name(sequence: int) -> str:
+    """The directory name of the checkpoint numbered `sequence`."""
+    return f"ckpt-{sequence:08d}"
+
+
+def checkpoint_sequence(name: str) -> int | None:
+    """The number of the checkpoint directory `name`, or `None` if `name` is
+    not exactly one that `checkpoint_name()` gives (another digit set, a
+    trailing newline, extra leading zeros, a number too long)."""
+    match = _CHECKPOINT_NAME.fullmatch(name)
+    if match is None:
+        return None
+    sequence = int(match.group(1))
+    return sequence if checkpoint_name(sequence) == name else None
+
+
+def is_url(path: str) -> bool:
+    """Whether `path` names object storage (`s3://`, `memory://`, ...), not a
+    local path. `file://` URLs are local paths."""
+    scheme, sep, _ = path.partition("://")
+    return bool(sep) and scheme != "file" and re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme)
+
+
+def local_path(path: str) -> str:
+    """`path` without a `file://` scheme."""
+    return path[len("file://") :] if path.startswith("file://") else path
+
+
+def check_notice_name(name: str) -> None:
+    if not _NOTICE_NAME.fullmatch(name):
+        raise ValueError(f"Not a notice name: {name!r}.")
+
+
+def manifest_body(files: dict[str, dict[str, Any]], created_at: float) -> dict:
+    """A manifest listing `files`, with the digest that seals it."""
+    body = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "created_at": created_at,
+        "files": files,
+    }
+    return {**body, "digest": _json_digest(body)}
+
+
+def manifest_files(manifest: Any, where: str) -> dict[str, dict[str, Any]]:
+    """A manifest's `{file name: {"size": ..., algorithm: digest}}`, checked.
+
+    Raises:
+        CorruptCheckpointError: naming what is wrong with the manifest.
+    """
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise CorruptCheckpointError(where, "manifest has no format tag")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            where,
+            f"manifest version {manifest.get('version')!r} is not "
+            f"{FORMAT_VERSION}; written by another keras-ft release?",
+        )
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    if manifest.get("digest") != _json_digest(body):
+        raise CorruptCheckpointError(where, "manifest digest mismatch")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or METADATA_FILE not in files:
+        raise CorruptCheckpointError(where, "manifest lists no files")
+    for name, expected in files.items():
+        if (
+            not isinstance(name, str)
+            or name in ("", ".", "..", MANIFEST_FILE)
+            or "/" in name
+            or "\\" in name
+            or "\0" in name
+        ):
+            raise CorruptCheckpointError(
+                where, f"manifest names a file outside the checkpoint: {name!r}"
+            )
+        algorithm = digest_algorithm(expected)
+        if (
+            algorithm is None
+            or not isinstance(expected.get("size"), int)
+            or isinstance(expected.get("size"), bool)
+            or expected["size"] < 0
+            or not isinstance(expected.get(algorithm), str)
+        ):
+            raise CorruptCheckpointError(
+                where, f"manifest entry for {name} is malformed"
+            )
+    return files
+
+
+def digest_algorithm(entry: Any) -> str | None:
+    """The checksum algorithm of a manifest entry, if one keras-ft knows."""
+    if not isinstance(entry, dict):
+        return None
+    return next((a for a in file_io.DIGESTS if a in entry), None)
+
+
+def parse_json(data: bytes, where: str, name: str) -> Any:
+    """`data` as JSON, or `CorruptCheckpointError` saying why not."""
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CorruptCheckpointError(
+            where, f"{name} is not valid JSON ({type(e).__name__}: {e})"
+        ) from None
+
+
+def json_bytes(obj: Any, indent: int | None = None) -> bytes:
+    # Without indentation json uses its C encoder: metadata with a model's
+    # variable list and random states encodes ~10x faster.
+    return json.dumps(obj, sort_keys=True, indent=indent).encode("utf-8")
+
+
+def _json_digest(obj: Any) -> str:
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()

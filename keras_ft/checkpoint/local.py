@@ -1,0 +1,289 @@
+"""The storage protocol on a POSIX filesystem: rename-commit, fsync, flock.
+
+A checkpoint's files are written into `<directory>/.staging-*`, every file and
+the directory are fsync'ed, and the directory is renamed to `ckpt-<n>`: the
+rename is the commit. A reader only ever looks at directories with a final
+name.
+
+A checkpoint that retention lets go is not always deleted: the first becomes
+the spare, and the next save overwrites its big files in place rather than
+allocating new ones (on the disks measured, a write into a file's existing
+blocks, with nothing freed, took half as long as a new file plus the deletion
+of an old one). Only a directory no reader can name is ever overwritten: the
+spare was renamed away from its committed name first. A reader that opened a
+file before that holds a shared `flock` on it while it reads (verification,
+and the weights loader for as long as its mapping lives), and a file so held
+is not recycled, nor is one with a second hard link.
+
+A backup directory is untrusted input: a checkpoint directory or file that is
+a symlink, a FIFO or a device is never followed or opened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import stat
+import tempfile
+import threading
+from collections.abc import Callable
+
+from keras_ft import threads
+from keras_ft.checkpoint import files as file_io
+from keras_ft.checkpoint.files import Staging
+from keras_ft.checkpoint.format import (
+    Checkpoint,
+    checkpoint_name,
+    checkpoint_sequence,
+)
+from keras_ft.checkpoint.lock import DirectoryLock
+
+_STAGING_PREFIX = ".staging-"
+_TRASH_PREFIX = ".trash-"
+_SPARE_PREFIX = ".spare-"
+# Where the processes of a sharded save put their pieces before the chief's
+# commit gathers them (`distribute/sharded.py`): what a killed save left.
+PARTS_PREFIX = ".parts-"
+_LEFTOVERS = (_STAGING_PREFIX, _TRASH_PREFIX, _SPARE_PREFIX, PARTS_PREFIX)
+
+
+class LocalStorage:
+    """Checkpoints in one directory of a POSIX filesystem.
+
+    Args:
+        directory: Where committed checkpoints live. Created on first save.
+    """
+
+    write_error_fix = "Free some space or fix the directory's permissions"
+    start_over_fix = "Move the directory away to start training from scratch."
+
+    def __init__(self, directory: str):
+        self.directory = os.fspath(directory)
+
+    @property
+    def location(self) -> str:
+        return self.directory
+
+    @property
+    def filesystem_path(self) -> str:
+        """The directory, on a filesystem all processes may share."""
+        return self.directory
+
+    @property
+    def identity(self) -> str:
+        """The same for every storage of this directory, whatever the path."""
+        return os.path.realpath(self.directory)
+
+    def url(self, checkpoint: Checkpoint) -> str:
+        return checkpoint.path
+
+    def scratch_dir(self, name: str) -> str:
+        """A local directory beside this one, for a process's throwaway saves."""
+        return os.path.join(os.path.dirname(self.directory), name)
+
+    # Listing.
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """Committed checkpoints, oldest first. Unverified."""
+        found = []
+        for name in self._names():
+            sequence = checkpoint_sequence(name)
+            path = os.path.join(self.directory, name)
+            # A real directory: a symlink named like one is not followed.
+            if sequence is not None and _is_directory(path):
+                found.append(Checkpoint(sequence, path))
+        return sorted(found, key=lambda c: c.sequence)
+
+    def leftovers(self) -> list[str]:
+        """Staging, trash, spare and parts directories: partial or deleted saves."""
+        return [
+            os.path.join(self.directory, n) for n in sorted(self._names(_LEFTOVERS))
+        ]
+
+    def remove_leftovers(self) -> None:
+        for path in self.leftovers():
+            _remove_tree(path)
+
+    def _names(self, prefix: str | tuple[str, ...] = "") -> list[str]:
+        try:
+            return [n for n in os.listdir(self.directory) if n.startswith(prefix)]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    # Writing.
+
+    def stage(self, cancel: threading.Event | None) -> Staging:
+        """A new staging directory, with the spare to write over, if any."""
+        os.makedirs(self.directory, exist_ok=True)
+        path = os.path.join(
+            self.directory, f"{_STAGING_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        )
+        os.mkdir(path)
+        return Staging(path, cancel, recycle=self._take_spare(path), sync=False)
+
+    def commit(
+        self, staging: Staging, names: list[str], before_number: Callable[[], None]
+    ) -> Checkpoint:
+        """Syncs the staged files and renames the directory: the commit."""
+        # Every file and the directory reach the disk before the commit;
+        # synced together, the filesystem can flush them in one go.
+        unsynced = [n for n in names if n not in staging.synced]
+        file_io.fsync_together(
+            [os.path.join(staging.path, n) for n in unsynced] + [staging.path]
+        )
+        before_number()
+        staging.check_cancelled()
+        committed = self.checkpoints()
+        sequence = committed[-1].sequence + 1 if committed else 1
+        final = os.path.join(self.directory, checkpoint_name(sequence))
+        # rename() of a directory is atomic, and refuses to replace a
+        # non-empty directory, so no committed checkpoint is ever overwritten.
+        os.rename(staging.path, final)
+        file_io.fsync_path(self.directory)
+        return Checkpoint(sequence, final)
+
+    def unstage(self, staging: Staging) -> None:
+        """Removes what `stage()` made and the commit did not take."""
+        if os.path.isdir(staging.path):
+            shutil.rmtree(staging.path, ignore_errors=True)
+        if staging.recycle is not None:  # What of the spare was not reused.
+            threads.remove_in_background(staging.recycle)
+
+    def _take_spare(self, staging: str) -> str | None:
+        for name in self._names(_SPARE_PREFIX):
+            taken = f"{staging}.recycle"
+            try:
+                # Atomic: of two saves in flight, one gets it.
+                os.rename(os.path.join(self.directory, name), taken)
+            except OSError:
+                continue
+            return taken
+        return None
+
+    def retire(self, checkpoint: Checkpoint) -> None:
+        """Lets a checkpoint go: kept as the spare if it is worth reusing."""
+        if self._names(_SPARE_PREFIX) or not file_io.has_big_file(checkpoint.path):
+            self.delete(checkpoint)
+            return
+        # Renamed away from its committed name, so that no reader can find
+        # it any more, and kept for the next save to reuse.
+        name = f"{_SPARE_PREFIX}{secrets.token_hex(6)}"
+        os.rename(checkpoint.path, os.path.join(self.directory, name))
+
+    def delete(self, checkpoint: Checkpoint) -> None:
+        # Rename first, so a kill during the removal never leaves a
+        # half-deleted directory under a committed name. Removing big files
+        # takes a while (more with online discard): not on the saver's time.
+        # A kill leaves `.trash-*`, removed as a leftover at the next start.
+        trash = os.path.join(self.directory, f"{_TRASH_PREFIX}{secrets.token_hex(6)}")
+        os.rename(checkpoint.path, trash)
+        threads.remove_in_background(trash)
+
+    def remove_root(self) -> None:
+        """Removes the directory if nothing else is left in it."""
+        with contextlib.suppress(OSError):
+            os.rmdir(self.directory)
+
+    # Reading: regular files only, no link followed, sizes of the open file.
+
+    def size(self, checkpoint: Checkpoint, name: str) -> int:
+        """The size of a regular file; `FileNotFoundError` for anything else."""
+        try:
+            status = os.lstat(os.path.join(checkpoint.path, name))
+        except NotADirectoryError:
+            raise FileNotFoundError(name) from None
+        if not stat.S_ISREG(status.st_mode):
+            raise FileNotFoundError(f"{name} is not a regular file")
+        return status.st_size
+
+    def digest(
+        self,
+        checkpoint: Checkpoint,
+        name: str,
+        algorithm: str,
+        read: Callable[[int], None] | None = None,
+    ) -> str:
+        return file_io.file_digest(os.path.join(checkpoint.path, name), algorithm, read)
+
+    def read_bytes(self, checkpoint: Checkpoint, name: str, limit: int) -> bytes:
+        return file_io.read_regular(os.path.join(checkpoint.path, name), limit)
+
+    def local_copy(self, checkpoint: Checkpoint, names: list[str]) -> Checkpoint:
+        """The checkpoint to load from: on disk, itself."""
+        return checkpoint
+
+    def release(self, local: Checkpoint) -> None:
+        """Nothing to free: `local_copy()` made no copy."""
+
+    def usage(self, path: str) -> int:
+        """Bytes in the files below `path`."""
+        return sum(
+            os.lstat(os.path.join(root, name)).st_size
+            for root, _, names in os.walk(path)
+            for name in names
+        )
+
+    # Notices: small files every process of a training reads.
+
+    def create_exclusive(self, name: str, data: bytes) -> bool:
+        """Writes `name` unless it exists (a hard link: the first wins)."""
+        os.makedirs(self.directory, exist_ok=True)
+        path = os.path.join(self.directory, name)
+        temporary = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        try:
+            os.link(temporary, path)  # Atomic, and fails if one exists.
+        except FileExistsError:
+            return False
+        finally:
+            os.remove(temporary)
+        return True
+
+    def read_small(self, name: str, limit: int) -> bytes | None:
+        try:
+            return file_io.read_regular(os.path.join(self.directory, name), limit)
+        except FileNotFoundError:
+            return None
+
+    def remove(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(self.directory, name))
+
+    # One writer.
+
+    def writer_lock(self) -> DirectoryLock:
+        """An exclusive `flock` on the directory's `.lock`."""
+        return DirectoryLock(self.directory)
+
+    def check_writable(self) -> None:
+        """Creates the directory and a file in it, or raises naming it."""
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            with tempfile.TemporaryFile(dir=self.directory):
+                pass
+        except OSError as e:
+            raise ValueError(
+                f"Invalid value for argument `backup_dir`: cannot write to "
+                f"{self.directory!r} ({e.strerror or e}). Choose a directory "
+                "this process can create and write."
+            ) from e
+
+
+def _is_directory(path: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _remove_tree(path: str) -> None:
+    # A leftover that is a symlink goes, not what it points to.
+    if os.path.islink(path) or not os.path.isdir(path):
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
