@@ -341,34 +341,48 @@ class WorkerTrainingState:
         snapshot = self._state.snapshot(
             epochs_completed, batches_completed, extra, copy=True, fill=False
         )
-        cancel = threading.Event()
-        replaced = self._last[1] if replaces_last and self._last else None
-        if replaces_last and self._last:
-            # Called off before this copy waits for its write to pass.
-            self._last[0].set()
         try:
-            pending = self._writer.submit(
-                lambda previous: self._commit(snapshot, cancel, previous, replaced)
-            )
+            cancel = self._start_commit(snapshot, replaces_last)
         except BaseException:
             snapshot.release()  # Never written: the next copy must not wait.
             raise
-        self._track(cancel, pending)
         snapshot.weights.fill()  # On failure, the write sees it and calls off.
         if snapshot.weights.non_finite:
             cancel.set()  # The write stops where it is and commits nothing.
             raise NonFiniteStateError(snapshot.weights.non_finite)
-        if self.async_save:
-            return None
-        self._cancels = []
-        return self._writer.wait()
+        return self._committed_unless_async()
 
-    def _track(self, cancel: threading.Event, pending: PendingWrite) -> None:
+    def _start_commit(
+        self,
+        snapshot: Snapshot,
+        replaces_last: bool,
+        write: Callable[[Staging], None] | None = None,
+    ) -> threading.Event:
+        """Hands `snapshot`'s write and commit to the writer thread.
+
+        Returns:
+            The event that calls this save off.
+        """
+        cancel = threading.Event()
+        replaced = None
+        if replaces_last and self._last:
+            cancel_last, replaced = self._last
+            cancel_last.set()  # Before this copy waits for its write to pass.
+        pending = self._writer.submit(
+            lambda previous: self._commit(snapshot, cancel, previous, replaced, write)
+        )
         self._last = (cancel, pending)
         self._cancels.append(cancel)
         # Only the newest `depth` saves can still be in flight (`submit()`
         # waited for the others): a long run keeps no more events than that.
         del self._cancels[: -self._writer.depth]
+        return cancel
+
+    def _committed_unless_async(self) -> Checkpoint | None:
+        if self.async_save:
+            return None
+        self._cancels = []
+        return self._writer.wait()
 
     def _back_up_sharded(
         self,
@@ -433,18 +447,8 @@ class WorkerTrainingState:
             sharded.commit_parts(staging, directory, processes, tag, specs, layouts)
             staging.write_file(arrays.ARRAYS_FILE, [arrays.to_bytes(snapshot.arrays)])
 
-        cancel = threading.Event()
-        replaced = self._last[1] if replaces_last and self._last else None
-        if replaces_last and self._last:
-            self._last[0].set()
-        pending = self._writer.submit(
-            lambda previous: self._commit(snapshot, cancel, previous, replaced, write)
-        )
-        self._track(cancel, pending)
-        if self.async_save:
-            return None
-        self._cancels = []
-        return self._writer.wait()
+        self._start_commit(snapshot, replaces_last, write)
+        return self._committed_unless_async()
 
     def wait(self) -> Checkpoint | None:
         """Waits for a background write; returns the checkpoint it committed.
