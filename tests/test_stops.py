@@ -108,8 +108,10 @@ def test_stop_at_time_stops_at_the_first_batch_past_the_budget(backup_dir, data)
         callbacks=[keras_ft.BackupAndRestore(backup_dir), Slow(0.05), stop, used],
     )  # fmt: skip
     # The budget was spent at the last batch trained, not at the one before
-    # (looked at microseconds after the stop did).
-    assert used.used[-1] >= 0.6 and used.used[-2] < 0.6 + 0.01
+    # (looked at microseconds after the stop did). On a loaded machine the
+    # first batch (which compiles) may spend all of it by itself.
+    assert used.used[-1] >= 0.6
+    assert len(used.used) == 1 or used.used[-2] < 0.6 + 0.01
     assert stop.stopped is not None
     stopped_at = iterations(model)
     assert stopped_at < 100 * STEPS_PER_EPOCH
