@@ -15,7 +15,7 @@ from typing import Any
 import keras
 
 from keras_ft import compat
-from keras_ft.checkpoint.format import is_url
+from keras_ft.checkpoint.format import is_url, signing_key
 from keras_ft.checkpoint.lock import check_platform
 from keras_ft.checkpoint.remote import filesystem
 from keras_ft.checkpoint.store import CheckpointWriteError
@@ -154,6 +154,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             before anything is loaded. Inside a Keras Tuner search each
             trial has its own backup (`<backup_dir>/trial_<id>/`), so trials
             never continue each other's. Defaults to `"warn"`.
+        manifest_key: A secret (string or bytes) for a backup others can
+            write to (a shared bucket or disk): every manifest is signed with
+            it (HMAC-SHA256), and a checkpoint whose manifest is unsigned or
+            signed with another key is refused as damaged, falling back to an
+            older one. Defaults to `None`: the environment's
+            `KERAS_FT_MANIFEST_KEY` if set, else no signatures.
 
     Attributes:
         backup_seconds: Seconds the saves of the current `fit()` have held
@@ -182,6 +188,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         listeners: Sequence[CheckpointListener] | None = None,
         storage_options: dict | None = None,
         on_config_change: str = "warn",
+        manifest_key: str | bytes | None = None,
     ):
         super().__init__()
         check_platform()
@@ -194,6 +201,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         self.storage_options = storage_options
         self.on_config_change = validate_on_config_change(on_config_change)
+        signing_key(manifest_key)  # Validated now rather than at train begin.
+        self.manifest_key = manifest_key
         if is_url(self.backup_dir):
             filesystem(self.backup_dir, storage_options)  # Fails early if missing.
         self.warm_start = warm_start_from(warm_start)
@@ -277,6 +286,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             storage_options=self.storage_options,
             verbose=self.verbose,
             on_config_change=self.on_config_change,
+            manifest_key=self.manifest_key,
         )
         try:
             self._check_cluster(self._state.task)

@@ -100,7 +100,7 @@ def _store(backup_dir: str) -> CheckpointStore:
     """The chief's checkpoints of `backup_dir`, or a `UsageError` saying why not."""
     if is_url(backup_dir):  # A bucket has no directories to look at first.
         try:
-            return CheckpointStore(checkpoints_dir(backup_dir))
+            return _open(checkpoints_dir(backup_dir))
         except (ImportError, ValueError) as e:
             raise UsageError(str(e)) from None
     path = local_path(backup_dir)
@@ -108,14 +108,21 @@ def _store(backup_dir: str) -> CheckpointStore:
         raise UsageError(f"{path!r} does not exist or is not a directory.")
     chief = os.path.join(path, "chief")
     if os.path.isdir(chief):
-        return CheckpointStore(chief)
+        return _open(chief)
     if CheckpointStore(path).checkpoints():  # Pointed at chief/ itself.
-        return CheckpointStore(path)
+        return _open(path)
     raise UsageError(
         f"{path!r} is not a keras-ft backup directory: it has no chief/ "
         "directory of checkpoints. Pass the `backup_dir` given to "
         "keras_ft.BackupAndRestore."
     )
+
+
+def _open(location: str) -> CheckpointStore:
+    """A store whose `verify()` checks contents too, as a restore does."""
+    from keras_ft.state.contents import inspect
+
+    return CheckpointStore(location, inspect=inspect)
 
 
 def _examine(store: Any) -> list[dict[str, Any]]:

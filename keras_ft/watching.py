@@ -29,6 +29,7 @@ from keras_ft.checkpoint.store import (
     checkpoints_dir,
     open_store,
 )
+from keras_ft.state import contents
 from keras_ft.training.policy import check_seconds
 
 if TYPE_CHECKING:
@@ -105,7 +106,12 @@ def watch(
         )
     if timeout is not None:
         check_seconds("timeout", timeout, zero=True)
-    store = open_store(checkpoints_dir(os.fspath(backup_dir)), None, storage_options)
+    # Verified as a restore would: checksums, then what the files hold.
+    store = CheckpointStore(
+        checkpoints_dir(os.fspath(backup_dir)),
+        storage_options=storage_options,
+        inspect=contents.inspect,
+    )
     last = 0
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:

@@ -106,6 +106,12 @@ class WorkerTrainingState:
             otherwise: `"warn"` to restore it and warn, naming what differs,
             or `"raise"` to refuse it with `keras_ft.ConfigurationChangedError`
             before loading anything. Defaults to `"warn"`.
+        manifest_key: A secret (string or bytes) for a backup others can
+            write to (a shared bucket or disk): every manifest is signed with
+            it (HMAC-SHA256), and a checkpoint whose manifest is unsigned or
+            signed with another key is refused as damaged, falling back to an
+            older one. Defaults to `None`: the environment's
+            `KERAS_FT_MANIFEST_KEY` if set, else no signatures.
 
     Example:
 
@@ -132,6 +138,7 @@ class WorkerTrainingState:
         storage_options: dict | None = None,
         verbose: int = 0,
         on_config_change: str = "warn",
+        manifest_key: str | bytes | None = None,
     ):
         check_platform()
         self.backup_dir = validate_backup_dir(backup_dir)
@@ -147,6 +154,7 @@ class WorkerTrainingState:
             self._retention,
             storage_options,
             progress=_print if verbose else None,
+            manifest_key=manifest_key,
         )
         self._root = open_storage(self.backup_dir, storage_options)
         self._lock = self._chief_store.writer_lock()

@@ -233,7 +233,7 @@ def rewrite_manifest(checkpoint, change):
     with open(checkpoint.file("manifest.json")) as f:
         manifest = json.load(f)
     change(manifest)
-    body = {k: v for k, v in manifest.items() if k != "digest"}
+    body = {k: v for k, v in manifest.items() if k not in ("digest", "signature")}
     manifest["digest"] = format_module._json_digest(body)
     with open(checkpoint.file("manifest.json"), "w") as f:
         json.dump(manifest, f)
@@ -440,3 +440,49 @@ def test_only_exact_checkpoint_names_are_checkpoints(tmp_path):
     # The next save is numbered after the real one, and nothing was followed.
     assert store.save(lambda staging: None, {"i": 2}).name == "ckpt-00000002"
     assert list(elsewhere.iterdir()) == []
+
+
+def test_with_a_manifest_key_only_checkpoints_signed_with_it_are_trusted(tmp_path):
+    """Someone who can write the directory but has not the key commits a
+    newer checkpoint (a re-sealed copy of a signed one, or an unsigned one):
+    it is refused as damaged and the newest signed one is restored."""
+    key = "a-secret"
+    store = CheckpointStore(str(tmp_path), manifest_key=key)
+    signed = store.save(write_payload(b"good"), {"i": 1})
+    with open(signed.file("manifest.json")) as f:
+        signature = json.load(f)["signature"]
+    assert signature
+    assert store.verify(signed) == {"i": 1}
+
+    forged = CheckpointStore(str(tmp_path)).save(write_payload(b"evil"), {"i": 2})
+    with pytest.warns(UserWarning, match="not signed"):
+        assert store.latest_good() == (signed, {"i": 1})
+
+    # The forger copies the signature onto its own manifest.
+    def copy_signature(manifest):
+        manifest["signature"] = signature
+
+    rewrite_manifest(forged, copy_signature)
+    with pytest.raises(CorruptCheckpointError, match="signature does not match"):
+        store.verify(forged)
+    with pytest.raises(CorruptCheckpointError, match="signature does not match"):
+        CheckpointStore(str(tmp_path), manifest_key="another").verify(signed)
+    # Without a key, signatures are not asked for (nor checked).
+    assert CheckpointStore(str(tmp_path)).verify(forged) == {"i": 2}
+
+
+def test_the_manifest_key_comes_from_the_environment(tmp_path, monkeypatch):
+    CheckpointStore(str(tmp_path)).save(write_payload(b"x"), {})
+    monkeypatch.setenv("KERAS_FT_MANIFEST_KEY", "from-env")
+    with pytest.raises(NoGoodCheckpointError, match="not signed"):
+        CheckpointStore(str(tmp_path)).latest_good()
+    signed = CheckpointStore(str(tmp_path)).save(write_payload(b"y"), {"i": 3})
+    monkeypatch.delenv("KERAS_FT_MANIFEST_KEY")
+    with pytest.raises(CorruptCheckpointError, match="does not match"):
+        CheckpointStore(str(tmp_path), manifest_key="other").verify(signed)
+
+
+@pytest.mark.parametrize("key", ["", b"", 42])
+def test_a_bad_manifest_key_is_named(tmp_path, key):
+    with pytest.raises(ValueError, match="argument `manifest_key`"):
+        CheckpointStore(str(tmp_path), manifest_key=key)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import json
+import os
 import re
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -27,6 +29,8 @@ FORMAT_VERSION = 1
 MAX_JSON_BYTES = 64 * 1024 * 1024
 # Notices are small JSON files with plain names, never a checkpoint's.
 MAX_NOTICE_BYTES = 64 * 1024
+# The secret manifests are signed with, where no argument gives one.
+MANIFEST_KEY_ENV = "KERAS_FT_MANIFEST_KEY"
 
 # ASCII digits only, and few enough: a name from a backup is untrusted.
 _CHECKPOINT_NAME = re.compile(r"ckpt-([0-9]{8,18})", re.ASCII)
@@ -97,19 +101,53 @@ def check_notice_name(name: str) -> None:
         raise ValueError(f"Not a notice name: {name!r}.")
 
 
-def manifest_body(files: dict[str, dict[str, Any]], created_at: float) -> dict:
-    """A manifest listing `files`, with the digest that seals it."""
+def signing_key(
+    key: str | bytes | None, argument: str = "manifest_key"
+) -> bytes | None:
+    """The HMAC key manifests are signed and checked with: `key`, else the
+    environment's `KERAS_FT_MANIFEST_KEY`, else `None` (no signatures).
+
+    Raises:
+        ValueError: for an empty key or one of another type, naming `argument`.
+    """
+    if key is None:
+        key = os.environ.get(MANIFEST_KEY_ENV) or None
+        argument = MANIFEST_KEY_ENV
+    if key is None:
+        return None
+    if isinstance(key, str):
+        key = key.encode("utf-8")
+    if not isinstance(key, bytes) or not key:
+        raise ValueError(
+            f"Invalid value for argument `{argument}`. Expected a non-empty "
+            f"string or bytes, the secret that signs every manifest. Received: "
+            f"{argument}={key!r}"
+        )
+    return key
+
+
+def manifest_body(
+    files: dict[str, dict[str, Any]], created_at: float, key: bytes | None = None
+) -> dict:
+    """A manifest listing `files`, with the digest that seals it, and with a
+    `key`, its HMAC-SHA256 signature."""
     body = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "created_at": created_at,
         "files": files,
     }
-    return {**body, "digest": _json_digest(body)}
+    sealed = {**body, "digest": _json_digest(body)}
+    if key is not None:
+        sealed["signature"] = _signature(key, sealed)
+    return sealed
 
 
-def manifest_files(manifest: Any, where: str) -> dict[str, dict[str, Any]]:
-    """A manifest's `{file name: {"size": ..., algorithm: digest}}`, checked.
+def manifest_files(
+    manifest: Any, where: str, key: bytes | None = None
+) -> dict[str, dict[str, Any]]:
+    """A manifest's `{file name: {"size": ..., algorithm: digest}}`, checked;
+    with a `key`, only if its signature is that key's.
 
     Raises:
         CorruptCheckpointError: naming what is wrong with the manifest.
@@ -122,9 +160,24 @@ def manifest_files(manifest: Any, where: str) -> dict[str, dict[str, Any]]:
             f"manifest version {manifest.get('version')!r} is not "
             f"{FORMAT_VERSION}; written by another keras-ft release?",
         )
-    body = {k: v for k, v in manifest.items() if k != "digest"}
+    body = {k: v for k, v in manifest.items() if k not in ("digest", "signature")}
     if manifest.get("digest") != _json_digest(body):
         raise CorruptCheckpointError(where, "manifest digest mismatch")
+    if key is not None:
+        signature = manifest.get("signature")
+        sealed = {k: v for k, v in manifest.items() if k != "signature"}
+        if not isinstance(signature, str):
+            raise CorruptCheckpointError(
+                where,
+                "manifest is not signed, and a manifest key is set: refused "
+                "(written by a training without the key, or by someone else)",
+            )
+        if not hmac.compare_digest(signature, _signature(key, sealed)):
+            raise CorruptCheckpointError(
+                where,
+                "manifest signature does not match the manifest key: refused "
+                "(signed with another key, or altered)",
+            )
     files = manifest.get("files")
     if not isinstance(files, dict) or METADATA_FILE not in files:
         raise CorruptCheckpointError(where, "manifest lists no files")
@@ -174,6 +227,11 @@ def json_bytes(obj: Any, indent: int | None = None) -> bytes:
     # Without indentation json uses its C encoder: metadata with a model's
     # variable list and random states encodes ~10x faster.
     return json.dumps(obj, sort_keys=True, indent=indent).encode("utf-8")
+
+
+def _signature(key: bytes, sealed: dict) -> str:
+    text = json.dumps(sealed, sort_keys=True, separators=(",", ":"))
+    return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
 
 
 def _json_digest(obj: Any) -> str:

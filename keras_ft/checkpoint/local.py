@@ -29,6 +29,7 @@ import stat
 import tempfile
 import threading
 from collections.abc import Callable
+from typing import IO
 
 from keras_ft import threads
 from keras_ft.checkpoint import files as file_io
@@ -107,6 +108,11 @@ class LocalStorage:
             _remove_tree(path)
 
     def _names(self, prefix: str | tuple[str, ...] = "") -> list[str]:
+        if os.path.islink(self.directory):
+            raise ValueError(
+                f"{self.directory!r} is a symlink; keras-ft follows no link in a "
+                "backup directory. Replace the link by the directory it points to."
+            )
         try:
             return [n for n in os.listdir(self.directory) if n.startswith(prefix)]
         except (FileNotFoundError, NotADirectoryError):
@@ -188,6 +194,9 @@ class LocalStorage:
 
     # Reading: regular files only, no link followed, sizes of the open file.
 
+    def names(self, checkpoint: Checkpoint) -> set[str]:
+        return set(os.listdir(checkpoint.path))
+
     def size(self, checkpoint: Checkpoint, name: str) -> int:
         """The size of a regular file; `FileNotFoundError` for anything else."""
         try:
@@ -206,6 +215,10 @@ class LocalStorage:
         read: Callable[[int], None] | None = None,
     ) -> str:
         return file_io.file_digest(os.path.join(checkpoint.path, name), algorithm, read)
+
+    def open_file(self, checkpoint: Checkpoint, name: str) -> IO[bytes]:
+        path = os.path.join(checkpoint.path, name)
+        return os.fdopen(file_io.open_regular(path), "rb")
 
     def read_bytes(self, checkpoint: Checkpoint, name: str, limit: int) -> bytes:
         return file_io.read_regular(os.path.join(checkpoint.path, name), limit)

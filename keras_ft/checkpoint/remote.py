@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 from keras_ft import threads
 from keras_ft.checkpoint import files as file_io
@@ -257,6 +257,16 @@ class ObjectStorage:
 
     # Reading.
 
+    def names(self, checkpoint: Checkpoint) -> set[str]:
+        prefix = self._key(checkpoint)
+        with contextlib.suppress(AttributeError):
+            self.fs.invalidate_cache(prefix)
+        return {
+            path[len(prefix) :].strip("/")
+            for path in self.fs.find(prefix)
+            if path.startswith(prefix + "/")
+        }
+
     def size(self, checkpoint: Checkpoint, name: str) -> int:
         return int(self.fs.size(self._key(checkpoint, name)))
 
@@ -277,6 +287,9 @@ class ObjectStorage:
                 if read is not None:
                     read(done)
         return digest.hexdigest()
+
+    def open_file(self, checkpoint: Checkpoint, name: str) -> IO[bytes]:
+        return self.fs.open(self._key(checkpoint, name), "rb", block_size=1 << 20)
 
     def read_bytes(self, checkpoint: Checkpoint, name: str, limit: int) -> bytes:
         # A listing of this prefix cached while it was being uploaded

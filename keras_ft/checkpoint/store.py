@@ -30,7 +30,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import IO, Any, Protocol, TypeVar
 
 from keras_ft import threads
 from keras_ft.checkpoint import files as file_io
@@ -60,6 +60,7 @@ from keras_ft.checkpoint.format import (
     manifest_body,
     manifest_files,
     parse_json,
+    signing_key,
 )
 from keras_ft.checkpoint.local import LocalStorage
 
@@ -146,6 +147,10 @@ class Storage(Protocol):
         """Removes the (emptied) directory itself, where there is one."""
         ...
 
+    def names(self, checkpoint: Checkpoint) -> set[str]:
+        """The names of the files stored in `checkpoint`."""
+        ...
+
     def size(self, checkpoint: Checkpoint, name: str) -> int:
         """A file's size; `FileNotFoundError` if it is not a regular file."""
         ...
@@ -157,6 +162,10 @@ class Storage(Protocol):
         algorithm: str,
         read: Callable[[int], None] | None = None,
     ) -> str: ...
+
+    def open_file(self, checkpoint: Checkpoint, name: str) -> IO[bytes]:
+        """A file of `checkpoint`, open for reading (regular files only)."""
+        ...
 
     def read_bytes(self, checkpoint: Checkpoint, name: str, limit: int) -> bytes:
         """A small file's bytes; `ValueError` if over `limit` or not a
@@ -214,6 +223,16 @@ class CheckpointStore:
             go. Defaults to `None`.
         storage: The `Storage` to use instead of the one `directory` names.
             Defaults to `None`.
+        inspect: Called by `verify()` as `inspect(metadata, open_file,
+            where)` once the checksums match, to check what the files hold
+            (`open_file(name)` opens one for reading); raises
+            `CorruptCheckpointError` for contents the writer's format does not
+            allow. Defaults to `None`: checksums only.
+        manifest_key: A secret (string or bytes): every manifest written is
+            signed with it (HMAC-SHA256), and a checkpoint whose manifest is
+            unsigned or signed otherwise is refused as damaged. For a backup
+            others can write to. Defaults to `None`: the environment's
+            `KERAS_FT_MANIFEST_KEY`, if set, else no signatures.
     """
 
     def __init__(
@@ -224,7 +243,11 @@ class CheckpointStore:
         storage_options: dict | None = None,
         progress: Callable[[str], None] | None = None,
         storage: Storage | None = None,
+        manifest_key: str | bytes | None = None,
+        inspect: Callable[[dict, Callable[[str], IO[bytes]], str], None] | None = None,
     ):
+        self._key = signing_key(manifest_key)
+        self._inspect = inspect
         self.storage = storage or open_storage(
             os.fspath(directory), storage_options, progress
         )
@@ -292,12 +315,31 @@ class CheckpointStore:
             CorruptCheckpointError: naming what is wrong.
         """
         files = self._manifest(checkpoint)
-        return _verify(self.storage, checkpoint, files, progress, whole)
+        _check_names(self.storage, checkpoint, files)
+        metadata = _verify(self.storage, checkpoint, files, progress, whole)
+        self._inspected(self.storage, checkpoint, metadata, checkpoint.path)
+        return metadata
+
+    def _inspected(
+        self, storage: Storage, checkpoint: Checkpoint, metadata: dict, where: str
+    ) -> None:
+        """Runs `inspect` (see the class), if there is one, on a verified
+        checkpoint."""
+        if self._inspect is None:
+            return
+        try:
+            self._inspect(
+                metadata, lambda name: storage.open_file(checkpoint, name), where
+            )
+        except (OSError, ValueError) as e:
+            raise CorruptCheckpointError(
+                where, f"its contents cannot be read ({e})"
+            ) from None
 
     def _manifest(self, checkpoint: Checkpoint) -> dict[str, dict[str, Any]]:
         data = _read_small(self.storage, checkpoint, MANIFEST_FILE)
         return manifest_files(
-            parse_json(data, checkpoint.path, MANIFEST_FILE), checkpoint.path
+            parse_json(data, checkpoint.path, MANIFEST_FILE), checkpoint.path, self._key
         )
 
     def latest_good(self) -> tuple[Checkpoint, dict[str, Any]] | None:
@@ -375,6 +417,7 @@ class CheckpointStore:
             CorruptCheckpointError: if `checkpoint` does not verify.
         """
         files = self._manifest(checkpoint)
+        _check_names(self.storage, checkpoint, files)
         try:
             local = self.storage.local_copy(checkpoint, list(files))
         except OSError as e:
@@ -383,12 +426,19 @@ class CheckpointStore:
             ) from None
         # What is loaded is the local copy: it is what gets verified.
         on_disk = LocalStorage(os.path.dirname(local.path))
+        try:
+            _check_sizes(on_disk, local, files)
+        except BaseException:
+            self.storage.release(local)
+            raise
         progress = ReadProgress()
 
         def verify() -> dict[str, Any]:
             try:
                 # A reader checks what it reads of a piecewise file itself.
-                return _verify(on_disk, local, files, progress, whole=False)
+                metadata = _verify(on_disk, local, files, progress, whole=False)
+                self._inspected(on_disk, local, metadata, checkpoint.path)
+                return metadata
             finally:
                 progress.finish()
 
@@ -501,7 +551,8 @@ class CheckpointStore:
                 files[name] = staging.digests.get(name) or file_io.entry(path)
             with open(os.path.join(staging.path, MANIFEST_FILE), "wb") as f:
                 # Indented: people read manifests too.
-                f.write(json_bytes(manifest_body(files, time.time()), indent=1))
+                body = manifest_body(files, time.time(), self._key)
+                f.write(json_bytes(body, indent=1))
             committed = self.storage.commit(
                 staging, [*files, MANIFEST_FILE], after or (lambda: None)
             )
@@ -560,11 +611,16 @@ def open_store(
     retention: RetentionPolicy | None = None,
     storage_options: dict | None = None,
     progress: Callable[[str], None] | None = None,
+    manifest_key: str | bytes | None = None,
 ) -> CheckpointStore:
     """The store of checkpoints at `path`: a local directory or a URL
     (`storage_options` and upload `progress` apply to a URL's)."""
     return CheckpointStore(
-        path, retention, storage_options=storage_options, progress=progress
+        path,
+        retention,
+        storage_options=storage_options,
+        progress=progress,
+        manifest_key=manifest_key,
     )
 
 
@@ -588,6 +644,46 @@ def _read_small(storage: Storage, checkpoint: Checkpoint, name: str) -> bytes:
         raise CorruptCheckpointError(
             checkpoint.path, f"{name} could not be read ({e})"
         ) from None
+
+
+def _check_names(
+    storage: Storage, checkpoint: Checkpoint, files: dict[str, dict[str, Any]]
+) -> None:
+    """A checkpoint holds the files its manifest lists and nothing else: a
+    loader looks for some files by name, and an unlisted one must never be
+    taken for part of the checkpoint."""
+    try:
+        present = storage.names(checkpoint)
+    except OSError as e:
+        raise CorruptCheckpointError(
+            checkpoint.path, f"cannot be listed ({e})"
+        ) from None
+    unlisted = sorted(present - set(files) - {MANIFEST_FILE})
+    if unlisted:
+        names = ", ".join(map(repr, unlisted))
+        raise CorruptCheckpointError(
+            checkpoint.path, f"it holds files its manifest does not list: {names}"
+        )
+
+
+def _check_sizes(
+    storage: LocalStorage, checkpoint: Checkpoint, files: dict[str, dict[str, Any]]
+) -> None:
+    """Before a loader opens anything: each listed file is a regular file
+    (no link to follow, no FIFO to block on) of the size listed."""
+    for name, expected in files.items():
+        try:
+            size = storage.size(checkpoint, name)
+        except (FileNotFoundError, NotADirectoryError):
+            raise CorruptCheckpointError(
+                checkpoint.path, f"{name} is missing or not a regular file"
+            ) from None
+        if size != expected["size"]:
+            raise CorruptCheckpointError(
+                checkpoint.path,
+                f"{name} has {size} bytes, the manifest says {expected['size']} "
+                "(truncated or overwritten)",
+            )
 
 
 def _verify(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import os
 import re
-from typing import Any
+from typing import IO, Any
 
 import h5py
 import numpy as np
@@ -67,16 +67,21 @@ def to_bytes(arrays: dict[str, np.ndarray]) -> bytes:
     return image.getvalue()
 
 
-def read(path: str) -> dict[str, np.ndarray]:
+def read(source: str | IO[bytes], path: str | None = None) -> dict[str, np.ndarray]:
     """The arrays of a file `to_bytes()` made; other names are ignored.
+
+    Args:
+        source: The file's path, or the file open for reading.
+        path: Where the file is, for errors. Defaults to `source`.
 
     Raises:
         keras_ft.CorruptCheckpointError: for a file `to_bytes()` did not
             make: a dataset that is not plain numbers or booleans, or one that
             is not stored whole inside the file (`hdf5.check_plain()`).
     """
+    path = path or os.fspath(source)
     arrays = {}
-    with h5py.File(path, "r") as f:
+    with h5py.File(source, "r") as f:
         hdf5.check_plain(f, path)
         for name in f:
             dataset = f[name]

@@ -28,11 +28,10 @@ from keras_ft.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from keras_ft.checkpoint.files import ReadProgress
 from keras_ft.checkpoint.store import METADATA_FILE
 from keras_ft.distribute import sharded
-from keras_ft.state import arrays, configuration, rng, weights_load
+from keras_ft.state import arrays, configuration, contents, rng, weights_load
 from keras_ft.state.weights_copy import CapturedWeights
 from keras_ft.state.weights_layout import WEIGHTS_FILE, WeightsLayout, saved_variables
 
-STATE_FORMAT_VERSION = 1
 _MAX_METADATA_BYTES = 64 * 1024 * 1024
 
 
@@ -218,7 +217,7 @@ class TrainingState:
     def metadata(self, epochs_completed: int, batches_completed: int) -> dict:
         """The JSON metadata of a save taken now, without the state tree."""
         return {
-            "state_format": STATE_FORMAT_VERSION,
+            "state_format": contents.STATE_FORMAT_VERSION,
             "epochs_completed": int(epochs_completed),
             "batches_completed": int(batches_completed),
             "step": optimizer_step(self.model),
@@ -471,7 +470,7 @@ def _seed_states(model: keras.Model) -> list:
 
 def _extra(directory: str, metadata: Any) -> dict:
     """The state beside the variables (`ResumePoint.extra`), checked."""
-    _check_metadata(metadata, directory)
+    contents.check_metadata(metadata, directory)
     state = arrays.read(os.path.join(directory, arrays.ARRAYS_FILE))
     try:
         return arrays.join(metadata.get("state", {}), state)
@@ -495,45 +494,6 @@ def _read_metadata(directory: str) -> dict:
     if not isinstance(metadata, dict):
         raise CorruptCheckpointError(directory, f"{METADATA_FILE} is not an object")
     return metadata
-
-
-def _check_metadata(metadata: Any, directory: str) -> None:
-    def is_count(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-    if not isinstance(metadata, dict):
-        raise CorruptCheckpointError(directory, "its metadata is not an object")
-    build_config = metadata.get("build_config")
-    if build_config is not None and not isinstance(build_config, dict):
-        raise CorruptCheckpointError(directory, "its build_config is not an object")
-    if not isinstance(metadata.get("state", {}), dict):
-        raise CorruptCheckpointError(directory, "its state is not an object")
-    problems = [
-        key
-        for key in ("epochs_completed", "batches_completed", "step")
-        if not is_count(metadata.get(key))
-    ]
-    if not isinstance(metadata.get("saved_at"), (int, float)):
-        problems.append("saved_at")
-    variables = metadata.get("variables")
-    if not isinstance(variables, list) or not all(
-        isinstance(v, list)
-        and len(v) == 4
-        and v[0] in ("model", "optimizer")
-        and isinstance(v[1], str)
-        and isinstance(v[2], list)
-        and all(is_count(d) for d in v[2])
-        for v in variables
-    ):
-        problems.append("variables")
-    if metadata.get("state_format") != STATE_FORMAT_VERSION:
-        problems.append("state_format")
-    if problems:
-        raise CorruptCheckpointError(
-            directory,
-            f"its metadata is not keras-ft's (bad {', '.join(problems)}); written "
-            "by another release, or edited by hand",
-        )
 
 
 def _jsonable(value: Any) -> Any:

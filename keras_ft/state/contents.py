@@ -1,0 +1,74 @@
+"""What a checkpoint's own files must hold, checked without Keras: its
+metadata's shape and its arrays file. A backup is untrusted input: a
+checkpoint whose checksums match but whose contents are not keras-ft's is
+damaged (`keras-ft verify`, `watch()` and the restore agree on that).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import IO, Any
+
+from keras_ft.checkpoint.errors import CorruptCheckpointError
+from keras_ft.state import arrays
+
+STATE_FORMAT_VERSION = 1
+
+
+def inspect(metadata: Any, open_file: Callable[[str], IO[bytes]], where: str) -> None:
+    """Checks a verified checkpoint's metadata and arrays file.
+
+    Args:
+        metadata: The checkpoint's metadata.
+        open_file: Opens one of the checkpoint's files for reading.
+        where: The checkpoint, for the error.
+
+    Raises:
+        CorruptCheckpointError: naming what is not keras-ft's.
+    """
+    check_metadata(metadata, where)
+    with open_file(arrays.ARRAYS_FILE) as f:
+        arrays.read(f, os.path.join(where, arrays.ARRAYS_FILE))
+
+
+def check_metadata(metadata: Any, directory: str) -> None:
+    """Raises `CorruptCheckpointError` unless `metadata` has the shape
+    keras-ft writes (counters, variable list, state format)."""
+
+    def is_count(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    if not isinstance(metadata, dict):
+        raise CorruptCheckpointError(directory, "its metadata is not an object")
+    build_config = metadata.get("build_config")
+    if build_config is not None and not isinstance(build_config, dict):
+        raise CorruptCheckpointError(directory, "its build_config is not an object")
+    if not isinstance(metadata.get("state", {}), dict):
+        raise CorruptCheckpointError(directory, "its state is not an object")
+    problems = [
+        key
+        for key in ("epochs_completed", "batches_completed", "step")
+        if not is_count(metadata.get(key))
+    ]
+    if not isinstance(metadata.get("saved_at"), (int, float)):
+        problems.append("saved_at")
+    variables = metadata.get("variables")
+    if not isinstance(variables, list) or not all(
+        isinstance(v, list)
+        and len(v) == 4
+        and v[0] in ("model", "optimizer")
+        and isinstance(v[1], str)
+        and isinstance(v[2], list)
+        and all(is_count(d) for d in v[2])
+        for v in variables
+    ):
+        problems.append("variables")
+    if metadata.get("state_format") != STATE_FORMAT_VERSION:
+        problems.append("state_format")
+    if problems:
+        raise CorruptCheckpointError(
+            directory,
+            f"its metadata is not keras-ft's (bad {', '.join(problems)}); written "
+            "by another release, or edited by hand",
+        )

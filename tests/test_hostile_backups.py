@@ -1,0 +1,415 @@
+"""A backup is untrusted input: hostile backups, built here, through every
+way keras-ft reads one (the restore, `watch()`, `keras-ft ls / verify /
+export / prune`).
+
+Each case alters the newest of three real checkpoints. Whatever it does,
+keras-ft must not read or change anything outside the backup directory (an
+`outside/` directory beside it, whose files' access times are watched), must
+end in bounded time and memory, and must fall back to the checkpoint before
+or fail with a clear error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import resource
+import shutil
+import threading
+import time
+import warnings
+
+import h5py
+import numpy as np
+import pytest
+from conftest import make_data, make_model, run_once_on
+
+import keras_ft
+from keras_ft import cli
+from keras_ft.checkpoint import files as file_io
+from keras_ft.checkpoint.format import MANIFEST_FILE, manifest_body
+
+ONCE = run_once_on("torch", "files and processes; the backend does not matter")
+SECRET = b"the contents of a file outside the backup " * 64
+MEMORY_BOUND = 512 << 20  # Bytes a case may add to the process's peak.
+
+
+def bounded(action, seconds: float = 60.0):
+    """`action()`, failing the test if it has not ended in `seconds` (a
+    read blocked on a FIFO, say) or raised past the bound."""
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["value"] = action()
+        except BaseException as e:  # Handed to the test.
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s: a hang"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
+def reseal(checkpoint: str, key: bytes | None = None) -> None:
+    """Writes a valid manifest for the listed files as they are now: what a
+    writer who knows the format (but not a manifest key) can do."""
+    with open(os.path.join(checkpoint, MANIFEST_FILE)) as f:
+        listed = json.load(f)["files"]
+    files = {
+        name: file_io.entry(os.path.join(checkpoint, name))
+        for name in listed
+        if os.path.isfile(os.path.join(checkpoint, name))
+    }
+    with open(os.path.join(checkpoint, MANIFEST_FILE), "wb") as f:
+        f.write(json.dumps(manifest_body(files, time.time(), key)).encode())
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    """A real backup of three checkpoints."""
+    root = tmp_path_factory.mktemp("pristine")
+    x, y = make_data()
+    model = make_model()
+    state = keras_ft.WorkerTrainingState(model, str(root / "backup"), keep=3)
+    for epoch in range(3):
+        model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+        state.back_up(epoch)
+    state.wait()
+    return str(root / "backup")
+
+
+@pytest.fixture
+def world(pristine, tmp_path):
+    """`(backup, newest checkpoint, outside)`: a fresh copy of the backup and
+    a directory outside it whose files' access times are set in the past,
+    so that a read of one moves it (relatime)."""
+    backup = str(tmp_path / "backup")
+    shutil.copytree(pristine, backup)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(SECRET)
+    with h5py.File(outside / "secret.h5", "w") as f:
+        f["vars/0"] = np.full((8,), 7.0, "float32")
+    for name in os.listdir(outside):
+        os.utime(outside / name, (0, time.time()))
+    newest = os.path.join(backup, "chief", "ckpt-00000003")
+    return backup, newest, str(outside)
+
+
+def outside_state(outside: str) -> dict[str, tuple]:
+    found = {}
+    for root, _, names in os.walk(outside):
+        for name in names:
+            path = os.path.join(root, name)
+            status = os.lstat(path)
+            with open(path, "rb") as f:
+                found[path] = (f.read(), status.st_mtime_ns, status.st_atime_ns)
+            # This look was a read too: put the access time back.
+            os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns))
+    return found
+
+
+def atime_tells_reads(directory: str) -> bool:
+    probe = os.path.join(directory, ".probe")
+    with open(probe, "wb") as f:
+        f.write(b"x")
+    os.utime(probe, (0, time.time()))
+    with open(probe, "rb") as f:
+        f.read()
+    moved = os.stat(probe).st_atime_ns != 0
+    os.remove(probe)
+    return moved
+
+
+# The hostile changes, each to the newest checkpoint (or the chief directory),
+# with what a reader should name when it skips it.
+
+
+def symlinked_manifest(newest, outside):
+    os.remove(os.path.join(newest, MANIFEST_FILE))
+    os.symlink(os.path.join(outside, "secret"), os.path.join(newest, MANIFEST_FILE))
+
+
+def symlinked_weights(newest, outside):
+    path = os.path.join(newest, "model.weights.h5")
+    os.remove(path)
+    os.symlink(os.path.join(outside, "secret.h5"), path)
+    reseal_through_link(newest, "model.weights.h5", outside, "secret.h5")
+
+
+def reseal_through_link(newest, name, outside, target):
+    """A manifest whose entry for `name` matches the link's target."""
+    with open(os.path.join(newest, MANIFEST_FILE)) as f:
+        listed = json.load(f)["files"]
+    files = {}
+    for listed_name in listed:
+        path = os.path.join(newest, listed_name)
+        if listed_name == name:
+            path = os.path.join(outside, target)
+        files[listed_name] = file_io.entry(path)
+    with open(os.path.join(newest, MANIFEST_FILE), "wb") as f:
+        f.write(json.dumps(manifest_body(files, time.time())).encode())
+    os.utime(os.path.join(outside, target), (0, time.time()))
+
+
+def fifo_manifest(newest, outside):
+    os.remove(os.path.join(newest, MANIFEST_FILE))
+    os.mkfifo(os.path.join(newest, MANIFEST_FILE))
+
+
+def fifo_weights(newest, outside):
+    os.remove(os.path.join(newest, "model.weights.h5"))
+    os.mkfifo(os.path.join(newest, "model.weights.h5"))
+
+
+def dev_zero_metadata(newest, outside):
+    os.remove(os.path.join(newest, "metadata.json"))
+    os.symlink("/dev/zero", os.path.join(newest, "metadata.json"))
+
+
+def sparse_metadata(newest, outside):
+    with open(os.path.join(newest, "metadata.json"), "r+b") as f:
+        f.truncate(8 << 30)  # 8 GiB, stored in a few blocks.
+
+
+def sparse_metadata_resealed(newest, outside):
+    sparse_metadata(newest, outside)
+    with open(os.path.join(newest, MANIFEST_FILE)) as f:
+        manifest = json.load(f)
+    manifest["files"]["metadata.json"]["size"] = 8 << 30  # Checksum unchanged.
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    with open(os.path.join(newest, MANIFEST_FILE), "wb") as f:
+        f.write(json.dumps(manifest_body(body["files"], time.time())).encode())
+
+
+def deep_manifest(newest, outside):
+    with open(os.path.join(newest, MANIFEST_FILE), "w") as f:
+        f.write("[" * 200_000 + "]" * 200_000)
+
+
+def huge_manifest(newest, outside):
+    with open(os.path.join(newest, MANIFEST_FILE), "w") as f:
+        f.write('{"pad": "' + "x" * (65 << 20) + '"}')
+
+
+def manifest_is_a_directory(newest, outside):
+    os.remove(os.path.join(newest, MANIFEST_FILE))
+    os.mkdir(os.path.join(newest, MANIFEST_FILE))
+
+
+def external_link_arrays(newest, outside):
+    path = os.path.join(newest, "arrays.h5")
+    with h5py.File(path, "a") as f:
+        f["stolen"] = h5py.ExternalLink(os.path.join(outside, "secret.h5"), "vars/0")
+    reseal(newest)
+
+
+def external_raw_arrays(newest, outside):
+    path = os.path.join(newest, "arrays.h5")
+    with h5py.File(path, "a") as f:
+        f.create_dataset(
+            "stolen", (len(SECRET),), "uint8",
+            external=[(os.path.join(outside, "secret"), 0, len(SECRET))],
+        )  # fmt: skip
+    reseal(newest)
+
+
+def compressed_bomb_arrays(newest, outside):
+    path = os.path.join(newest, "arrays.h5")
+    with h5py.File(path, "a") as f:
+        f.create_dataset(
+            "bomb", (3 << 30,), "uint8", chunks=(1 << 20,), compression="gzip",
+            fillvalue=0,
+        )  # fmt: skip
+    reseal(newest)
+
+
+def unlisted_shard_table(newest, outside):
+    with open(os.path.join(newest, "shards.json"), "w") as f:
+        json.dump({"variables": []}, f)
+
+
+def symlinked_checkpoint(newest, outside):
+    moved = os.path.join(outside, "ckpt-copy")
+    shutil.move(newest, moved)
+    os.symlink(moved, newest)
+    for root, _, names in os.walk(moved):
+        for name in names:
+            os.utime(os.path.join(root, name), (0, time.time()))
+
+
+def odd_names(newest, outside):
+    chief = os.path.dirname(newest)
+    for name in ("ckpt-00000009\n", "ckpt-" + "\u0669" * 8, "ckpt-" + "9" * 250):
+        shutil.copytree(newest, os.path.join(chief, name))
+    shutil.rmtree(newest)  # So that ckpt-00000002 is the one a resume uses.
+
+
+CASES = {
+    "symlinked manifest": (symlinked_manifest, "symlink"),
+    "symlinked weights file": (symlinked_weights, "model.weights.h5"),
+    "FIFO manifest": (fifo_manifest, "not a regular file"),
+    "FIFO weights file": (fifo_weights, "model.weights.h5"),
+    "/dev/zero metadata": (dev_zero_metadata, "metadata.json"),
+    "sparse 8 GiB metadata": (sparse_metadata, "metadata.json"),
+    "sparse 8 GiB metadata, resealed": (sparse_metadata_resealed, "metadata.json"),
+    "deeply nested manifest": (deep_manifest, "not valid JSON"),
+    "65 MB manifest": (huge_manifest, "too large"),
+    "manifest is a directory": (manifest_is_a_directory, "not a regular file"),
+    "HDF5 external link": (external_link_arrays, "arrays.h5"),
+    "HDF5 external raw storage": (external_raw_arrays, "arrays.h5"),
+    "HDF5 compressed bomb": (compressed_bomb_arrays, "arrays.h5"),
+    "unlisted shards.json": (unlisted_shard_table, "does not list"),
+    "symlinked checkpoint directory": (symlinked_checkpoint, None),
+    "odd checkpoint names": (odd_names, None),
+}
+
+
+@ONCE
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_hostile_checkpoint_is_skipped_everywhere_and_nothing_outside_is_touched(
+    world, case, capsys
+):
+    backup, newest, outside = world
+    alter, reason = CASES[case]
+    alter(newest, outside)
+    for name in os.listdir(outside):  # What the alteration itself read.
+        path = os.path.join(outside, name)
+        if os.path.isfile(path):
+            os.utime(path, (0, os.stat(path).st_mtime))
+    before = outside_state(outside)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+
+    # The restore: falls back to ckpt-00000002, naming the problem.
+    model = make_model()
+    state = keras_ft.WorkerTrainingState(model, backup)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        point = bounded(state.restore)
+    assert point.checkpoint.endswith("ckpt-00000002"), point
+    if reason is not None:
+        said = " ".join(str(w.message) for w in caught)
+        assert "ckpt-00000003" in said and reason in said, said
+
+    # watch() yields the good ones and skips the hostile one.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        seen = bounded(lambda: [c.sequence for c in keras_ft.watch(backup, timeout=0)])
+    assert seen == [1, 2]
+
+    # The command line: no traceback, and a resume would use ckpt-00000002.
+    said = {}
+    for command in ("ls", "verify"):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            status = bounded(lambda command=command: cli.main([command, backup]))
+        assert status == 0, (command, out.getvalue())
+        said[command] = out.getvalue()
+    resume_row = [r for r in said["ls"].splitlines() if "a resume uses" in r]
+    assert len(resume_row) == 1 and resume_row[0].split()[0] == "2", said["ls"]
+    assert "a resume would use" in said["verify"]
+    assert said["verify"].rstrip().endswith("ckpt-00000002: good"), said["verify"]
+    exported = os.path.join(os.path.dirname(backup), "export.weights.h5")
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert bounded(lambda: cli.main(["export", backup, "--out", exported])) == 0
+    assert "ckpt-00000002" in out.getvalue()
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert bounded(lambda: cli.main(["prune", backup, "--keep", "1"])) == 0
+    kept = [
+        c.name for c in keras_ft.WorkerTrainingState(make_model(), backup).checkpoints()
+    ]
+    assert "ckpt-00000002" in kept and "ckpt-00000001" not in kept
+
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10) - peak
+    assert grown < MEMORY_BOUND, f"the peak memory grew by {grown >> 20} MB"
+    after = outside_state(outside)
+    assert {p: v[:2] for p, v in after.items()} == {
+        p: v[:2] for p, v in before.items()
+    }, "a file outside the backup changed"
+    if atime_tells_reads(outside):
+        read = [p for p in after if after[p][2] != before[p][2]]
+        assert read == [], f"read outside the backup: {read}"
+
+
+@ONCE
+def test_a_symlinked_chief_directory_is_refused_and_its_target_untouched(world):
+    backup, newest, outside = world
+    chief = os.path.join(backup, "chief")
+    target = os.path.join(outside, "chief")
+    shutil.move(chief, target)
+    os.symlink(target, chief)
+    before = outside_state(outside)
+    state = keras_ft.WorkerTrainingState(make_model(), backup)
+    with pytest.raises(ValueError, match="symlink"), state.locked():
+        state.restore()
+    with pytest.raises(ValueError, match="symlink"):
+        list(keras_ft.watch(backup, timeout=0))
+    for command in (
+        ["ls", backup],
+        ["verify", backup],
+        ["prune", backup, "--keep", "1"],
+    ):
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            assert cli.main(command) == 1, command  # A problem, named.
+        assert "symlink" in err.getvalue() and "Traceback" not in err.getvalue()
+    assert outside_state(outside) == before
+
+
+@ONCE
+def test_a_hard_linked_file_is_never_written_through(tmp_path):
+    """A `cp -al` snapshot of the backup shares the checkpoints' files: the
+    saves that recycle a retired checkpoint's file must leave it alone."""
+    x, y = make_data()
+    model = make_model(units=20000)  # Files big enough to be recycled.
+    backup = str(tmp_path / "backup")
+    state = keras_ft.WorkerTrainingState(model, backup, keep=1)
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    state.back_up(0)
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    first = os.path.join(backup, "chief", "ckpt-00000001", "model.weights.h5")
+    os.link(first, snapshot / "model.weights.h5")
+    kept = (snapshot / "model.weights.h5").read_bytes()
+    for epoch in range(1, 5):
+        model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+        state.back_up(epoch)
+    state.wait()
+    assert (snapshot / "model.weights.h5").read_bytes() == kept
+
+
+@ONCE
+def test_hostile_objects_in_a_bucket_fall_back_or_are_ignored():
+    """memory://: a deeply nested manifest, or an object the manifest does
+    not list, makes a checkpoint damaged (fall back); a nested lease is no
+    lease."""
+    import fsspec
+
+    backup = f"memory://hostile-{os.getpid()}-{time.monotonic_ns()}"
+    x, y = make_data()
+    model = make_model()
+    state = keras_ft.WorkerTrainingState(model, backup, keep=3)
+    for epoch in range(3):
+        model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+        state.back_up(epoch)
+    fs = fsspec.filesystem("memory")
+    chief = backup.split("://", 1)[1] + "/chief"
+    fs.pipe_file(f"{chief}/ckpt-00000003/{MANIFEST_FILE}", b"[" * 200_000)
+    fs.pipe_file(f"{chief}/ckpt-00000002/shards.json", b'{"variables": []}')
+    fs.pipe_file(f"{chief}/.lease.json", b"[" * 200_000)
+    fresh = keras_ft.WorkerTrainingState(make_model(), backup)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fresh.locked():
+            point = fresh.restore()
+    fresh.unlock()
+    said = " ".join(str(w.message) for w in caught)
+    assert "ckpt-00000003" in said and "not valid JSON" in said, said
+    assert "ckpt-00000002" in said and "does not list" in said, said
+    assert point.checkpoint.endswith("ckpt-00000001")
