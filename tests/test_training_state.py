@@ -66,6 +66,18 @@ def test_shape_mismatch_names_the_variable_and_both_shapes(tmp_path, data):
     assert "does not match the model" in message
 
 
+def test_a_dtype_mismatch_is_refused_not_cast(tmp_path, data):
+    """A backup whose variable was float16 is not cast into a float32 model."""
+    _, directory, metadata = trained_state(tmp_path, data)
+    metadata["variables"][0][3] = "float16"
+    fresh = make_model()
+    before = weights_of(fresh)
+    with pytest.raises(ValueError, match="is float32, but the backup's .* is float16"):
+        TrainingState(fresh).apply(directory, metadata)
+    for got, want in zip(weights_of(fresh), before, strict=True):
+        np.testing.assert_array_equal(got, want)  # Nothing was assigned.
+
+
 def test_optimizer_mismatch_is_reported(tmp_path, data):
     _, directory, metadata = trained_state(tmp_path, data)
     other = make_model()
@@ -80,6 +92,7 @@ def test_optimizer_mismatch_is_reported(tmp_path, data):
         ("epochs_completed", -1),
         ("step", "8"),
         ("variables", [["model", "x", ["a"], "float32"]]),
+        ("variables", [["model", "x", [1], 32]]),
         ("state_format", 99),
     ],
 )

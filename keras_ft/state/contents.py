@@ -61,6 +61,7 @@ def check_metadata(metadata: Any, directory: str) -> None:
         and isinstance(v[1], str)
         and isinstance(v[2], list)
         and all(is_count(d) for d in v[2])
+        and isinstance(v[3], str)
         for v in variables
     ):
         problems.append("variables")

@@ -431,6 +431,14 @@ class TrainingState:
                         "architecture, or use another `backup_dir` to start a "
                         "new training."
                     )
+                if mine[3] != theirs[3]:  # Loaded as is, never cast.
+                    raise ValueError(
+                        f"The backup in {directory} does not match the model: "
+                        f"{group} variable {mine[1]!r} is {mine[3]}, but the "
+                        f"backup's {theirs[1]!r} is {theirs[3]}. Restore with "
+                        "the dtype policy the training was saved with, or use "
+                        "another `backup_dir` to start a new training."
+                    )
             if len(have) != len(want):
                 extra = (want if len(want) > len(have) else have)[
                     min(len(have), len(want))
