@@ -436,7 +436,8 @@ class CheckpointStore:
         def verify() -> dict[str, Any]:
             try:
                 # A reader checks what it reads of a piecewise file itself.
-                metadata = _verify(on_disk, local, files, progress, whole=False)
+                # Sizes were checked before the read began.
+                metadata = _check_digests(on_disk, local, files, progress, False)
                 self._inspected(on_disk, local, metadata, checkpoint.path)
                 return metadata
             finally:
@@ -667,7 +668,7 @@ def _check_names(
 
 
 def _check_sizes(
-    storage: LocalStorage, checkpoint: Checkpoint, files: dict[str, dict[str, Any]]
+    storage: Storage, checkpoint: Checkpoint, files: dict[str, dict[str, Any]]
 ) -> None:
     """Before a loader opens anything: each listed file is a regular file
     (no link to follow, no FIFO to block on) of the size listed."""
@@ -694,19 +695,20 @@ def _verify(
     whole: bool,
 ) -> dict[str, Any]:
     """Checks each of `files` in `storage`; returns the metadata."""
+    _check_sizes(storage, checkpoint, files)
+    return _check_digests(storage, checkpoint, files, progress, whole)
+
+
+def _check_digests(
+    storage: Storage,
+    checkpoint: Checkpoint,
+    files: dict[str, dict[str, Any]],
+    progress: ReadProgress | None,
+    whole: bool,
+) -> dict[str, Any]:
+    """Checks the checksum of each of `files` (their sizes checked before);
+    returns the metadata."""
     for name, expected in files.items():
-        try:
-            size = storage.size(checkpoint, name)
-        except (FileNotFoundError, NotADirectoryError):
-            raise CorruptCheckpointError(
-                checkpoint.path, f"{name} is missing or not a regular file"
-            ) from None
-        if size != expected["size"]:
-            raise CorruptCheckpointError(
-                checkpoint.path,
-                f"{name} has {size} bytes, the manifest says {expected['size']} "
-                "(truncated or overwritten)",
-            )
         if not whole and expected.get(PIECEWISE):
             continue
         algorithm = digest_algorithm(expected)
