@@ -28,6 +28,7 @@ _WHERE = {
     "NanGuard": "keras_ft.training.nan_guard",
     "NoGoodCheckpointError": "keras_ft.checkpoint.errors",
     "NonFiniteStateError": "keras_ft.state",
+    "RETRYABLE_EXIT_CODE": "keras_ft.training.watchdog",
     "ResumePoint": "keras_ft.state",
     "StepRate": "keras_ft.training.step_rate",
     "StopAtStep": "keras_ft.training.stops",
@@ -56,6 +57,7 @@ __all__ = [
     "NanGuard",
     "NoGoodCheckpointError",
     "NonFiniteStateError",
+    "RETRYABLE_EXIT_CODE",
     "ResumePoint",
     "StepRate",
     "StopAtStep",
@@ -105,5 +107,6 @@ if TYPE_CHECKING:
     from keras_ft.training.step_rate import StepRate
     from keras_ft.training.stops import StopAtStep, StopAtTime
     from keras_ft.training.warm_start import WarmStart
+    from keras_ft.training.watchdog import RETRYABLE_EXIT_CODE
     from keras_ft.watching import CommittedCheckpoint, load_checkpoint, watch
     from keras_ft.worker_training_state import WorkerTrainingState, wait_for_backups

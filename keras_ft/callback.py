@@ -9,6 +9,7 @@ import os
 import signal
 import time
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from keras_ft.checkpoint.remote import filesystem
 from keras_ft.checkpoint.store import CheckpointWriteError
 from keras_ft.distribute.cluster import TaskSpec
 from keras_ft.state import NonFiniteStateError, ResumePoint, rng
-from keras_ft.training import callback_state, policy, resume, tuner
+from keras_ft.training import callback_state, policy, resume, tuner, watchdog
 from keras_ft.training.listeners import CheckpointListener, check_listeners
 from keras_ft.training.policy import KeepLast
 from keras_ft.training.preemption import (
@@ -154,6 +155,19 @@ class BackupAndRestore(keras.callbacks.Callback):
             before anything is loaded. Inside a Keras Tuner search each
             trial has its own backup (`<backup_dir>/trial_<id>/`), so trials
             never continue each other's. Defaults to `"warn"`.
+        stall_timeout: A bound on the time between two batch ends, enforced
+            by a thread (a training thread blocked in a collective runs no
+            Python code): once no batch has ended for that long, the process
+            prints what it was waiting for and exits with status 75
+            (`keras_ft.RETRYABLE_EXIT_CODE`), so a scheduler restarts the job
+            from its last backup. `None` turns it on in a multi-process run
+            (one stuck or frozen process stalls every other) with the bound
+            max(10 x the slowest batch seen, 120 s); `"auto"` does so in any
+            run; a number is a fixed bound in seconds; `False` turns it off.
+            Defaults to `None`.
+        first_batch_timeout: The bound for the first batch of a `fit()`
+            (which compiles, and after a restore replays input), with
+            `stall_timeout` on. Defaults to `1800.0`.
         manifest_key: A secret (string or bytes) for a backup others can
             write to (a shared bucket or disk): every manifest is signed with
             it (HMAC-SHA256), and a checkpoint whose manifest is unsigned or
@@ -189,6 +203,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         storage_options: dict | None = None,
         on_config_change: str = "warn",
         manifest_key: str | bytes | None = None,
+        stall_timeout: float | str | bool | None = None,
+        first_batch_timeout: float = 1800.0,
     ):
         super().__init__()
         check_platform()
@@ -203,6 +219,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.on_config_change = validate_on_config_change(on_config_change)
         signing_key(manifest_key)  # Validated now rather than at train begin.
         self.manifest_key = manifest_key
+        watchdog.check_stall_timeout(stall_timeout, first_batch_timeout)
+        self.stall_timeout = stall_timeout
+        self.first_batch_timeout = float(first_batch_timeout)
+        self._deadline: watchdog.ProgressDeadline | None = None
         if is_url(self.backup_dir):
             filesystem(self.backup_dir, storage_options)  # Fails early if missing.
         self.warm_start = warm_start_from(warm_start)
@@ -319,6 +339,41 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._resume(point)
         self._schedule.start(time.monotonic())
         self._reported_interval = None
+        self._start_deadline(callback_list, task)
+
+    def _start_deadline(self, callback_list: Any, task: Any) -> None:
+        if self._deadline is not None:  # Left by a fit() that raised.
+            self._deadline.close()
+        fit_calls = weakref.ref(callback_list) if callback_list is not None else None
+
+        def running() -> bool:
+            held = fit_calls() if fit_calls is not None else None
+            return held is not None and compat.stack_holds(
+                compat.main_thread_frame(), held
+            )
+
+        def describe() -> str:
+            where = f"epoch {self._epoch + 1}, batch {self._batches_in_epoch + 1}"
+            if task.num_workers > 1:
+                where += f" (on worker {task.task_index} of {task.num_workers})"
+            return where
+
+        self._deadline = watchdog.start_deadline(
+            self.stall_timeout,
+            self.first_batch_timeout,
+            task.num_workers,
+            describe,
+            running if fit_calls is not None else (lambda: True),
+        )
+
+    def _stop_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.close()
+            self._deadline = None
+
+    def on_test_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self._deadline is not None:  # Validation is progress too.
+            self._deadline.batch_ended()
 
     def _resume(self, point: ResumePoint) -> None:
         model = self.model
@@ -381,6 +436,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         return None
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        if self._deadline is not None:  # Past validation and epoch-end saves.
+            self._deadline.batch_ended()
         compat.set_initial_epoch(self.model, None)
         self._epoch = epoch
         self._batches_in_epoch = 0
@@ -397,6 +454,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         # With steps_per_execution > 1, `batch` is the last of several steps.
+        if self._deadline is not None:
+            self._deadline.batch_ended()
         steps = batch + 1 - self._batches_in_epoch
         self._batches_in_epoch = batch + 1
         self._raise_write_errors(self._state.raise_if_failed)
@@ -448,6 +507,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._save(pending[1], epoch, None, replaces_last=True)
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        self._stop_deadline()
         compat.set_initial_epoch(self.model, None)
         if self._resumption is not None:
             self._resumption.remove()
@@ -606,6 +666,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 warnings.warn(f"BackupAndRestore: {e.strerror}", stacklevel=3)
                 return None
             # fit() ends here without calling on_train_end.
+            self._stop_deadline()
             self._preemption.stop()
             self._state.unlock()
             raise

@@ -7,7 +7,13 @@ import os
 
 import pytest
 
-from keras_ft.distribute.cluster import TaskSpec, chief_dir, current_task, write_dir
+from keras_ft.checkpoint.store import CheckpointStore
+from keras_ft.distribute.cluster import (
+    TaskSpec,
+    chief_dir,
+    current_task,
+    worker_temp_name,
+)
 
 
 def tf_config(cluster, task_type, index):
@@ -65,6 +71,8 @@ def test_single_process_is_chief(monkeypatch):
 def test_directories(tmp_path):
     root = str(tmp_path)
     assert chief_dir(root) == os.path.join(root, "chief")
-    assert write_dir(root, TaskSpec()) == os.path.join(root, "chief")
-    worker = TaskSpec("worker", 2, 3, False)
-    assert write_dir(root, worker) == os.path.join(root, "workertemp_2")
+    # A worker's throwaway saves: beside the chief's directory on a disk.
+    storage = CheckpointStore(chief_dir(root)).storage
+    assert storage.scratch_dir(worker_temp_name(2)) == os.path.join(
+        root, "workertemp_2"
+    )

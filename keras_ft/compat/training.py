@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import threading
 from typing import Any
 
 import keras
@@ -197,13 +198,26 @@ def current_frame() -> Any:
     return sys._getframe(1) if available("stack_frames") else None
 
 
+def main_thread_frame() -> Any:
+    """The main thread's current frame, seen from another thread, or `None`
+    where it cannot be had (then `stack_holds()` assumes the training runs)."""
+    if not usable("stack_frames") or not hasattr(sys, "_current_frames"):
+        return _UNKNOWN_FRAME
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    return _UNKNOWN_FRAME if frame is None else frame
+
+
+# A frame that cannot be had: `stack_holds()` answers "still running".
+_UNKNOWN_FRAME = object()
+
+
 def stack_holds(frame: Any, obj: Any) -> bool:
     """Whether `frame` or a frame below it holds `obj` in a local variable.
 
     `True` when frames cannot be walked: the caller then assumes the
     training that holds `obj` is still running.
     """
-    if not usable("stack_frames"):
+    if not usable("stack_frames") or frame is _UNKNOWN_FRAME:
         return True
     while frame is not None:
         if any(value is obj for value in frame.f_locals.values()):

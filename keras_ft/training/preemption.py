@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from keras_ft import compat, threads
+from keras_ft.training.watchdog import SignalSentinel
 
 
 def parse_signals(value: Iterable[Any] | None) -> tuple[signal.Signals, ...]:
@@ -72,7 +73,12 @@ class PreemptionWatcher:
         self.handled = False
         self._previous: dict[signal.Signals, Any] = {}
         self._timer: threading.Timer | None = None
+        self._timer_lock = threading.Lock()
         self._training: Callable[[], Any] | None = None
+        # Seen by the sentinel's thread: the grace period runs even while
+        # the main thread, blocked, runs no handler.
+        self._sentinel: SignalSentinel | None = None
+        self._seen: signal.Signals | None = None
 
     def install(self, training: Any = None) -> bool:
         """Installs the handlers; only possible from the main thread.
@@ -84,7 +90,7 @@ class PreemptionWatcher:
                 aside. `None`: they stay in charge until `uninstall()`.
                 Defaults to `None`.
         """
-        self.received, self.handled = None, False
+        self.received, self.handled, self._seen = None, False, None
         if not self.signals:
             return False
         if threading.current_thread() is not threading.main_thread():
@@ -103,6 +109,9 @@ class PreemptionWatcher:
         for signum in self.signals:
             if signum not in self._previous:  # Else still called from a chain.
                 self._previous[signum] = signal.signal(signum, self._handle)
+        self._sentinel = SignalSentinel(self.signals, self._seen_by_thread)
+        if not self._sentinel.install():
+            self._sentinel = None
         return True
 
     def uninstall(self) -> None:
@@ -112,6 +121,9 @@ class PreemptionWatcher:
             self._timer = None
         if threading.current_thread() is not threading.main_thread():
             return
+        if self._sentinel is not None:
+            self._sentinel.close()
+            self._sentinel = None
         kept = {}
         for signum, previous in self._previous.items():
             if signal.getsignal(signum) == self._handle:
@@ -155,15 +167,38 @@ class PreemptionWatcher:
             _deliver(previous, signum, frame)
             return
         self.received, self.received_at = signum, time.monotonic()
-        self._timer = threads.call_later(self.grace_period, self._too_late)
+        self._start_grace(signum)
         previous = self._previous.get(signum)
         # Python's own SIGINT handler raises KeyboardInterrupt mid-step, which
         # is exactly what we are preventing; any other handler is chained.
         if callable(previous) and previous is not signal.default_int_handler:
             previous(signum, frame)
 
+    def _seen_by_thread(self, signum: int) -> None:
+        """The sentinel's report, in its thread: starts the grace period if
+        the main thread's handler has not (it may never run)."""
+        if self.handled or not self.training_running(compat.main_thread_frame()):
+            return
+        self._start_grace(signal.Signals(signum))
+
+    def _start_grace(self, signum: signal.Signals) -> None:
+        with self._timer_lock:
+            if self._timer is None and not self.handled:
+                self._seen = signum
+                self._timer = threads.call_later(self.grace_period, self._too_late)
+
     def _too_late(self) -> None:
-        if not self.handled and self.received is not None:
+        signum = self.received or self._seen
+        if not self.handled and signum is not None:
+            if self.received is None:
+                print(
+                    f"BackupAndRestore: {signum.name} arrived while the training "
+                    "thread was blocked (a collective, a stalled read, a "
+                    "deadlock), and it did not come back within the grace "
+                    f"period ({self.grace_period:g} s).",
+                    flush=True,
+                )
+            self.received = signum
             if interrupted_interactively(self.received):
                 # A notebook kernel is not ours to end: interrupt the cell.
                 print(

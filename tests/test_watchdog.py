@@ -1,0 +1,189 @@
+"""Bounds a blocked training thread cannot stop: the stall deadline, and a
+SIGTERM seen by a thread."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import TESTS_DIR, make_model, run_once_on, subprocess_env
+
+import keras_ft
+from keras_ft.training.watchdog import (
+    RETRYABLE_EXIT_CODE,
+    ProgressDeadline,
+    check_stall_timeout,
+)
+
+SCRIPT = os.path.join(TESTS_DIR, "blocked_script.py")
+ONCE = run_once_on("torch", "processes and signals; the backend does not matter")
+
+
+def deadline(**kwargs):
+    exits: list[int] = []
+    made = ProgressDeadline(exit=exits.append, **kwargs)
+    return made, exits
+
+
+def test_no_false_alarm_with_a_slow_first_batch_and_jittery_batches():
+    """A first batch 3x the later bound, then batches 0.1-0.3 s apart (3x
+    jitter) under a bound of 10x the slowest with a 0.5 s floor."""
+    watch, exits = deadline(first_batch_seconds=5.0, floor_seconds=0.5)
+    try:
+        time.sleep(1.5)  # The first batch compiles.
+        watch.batch_ended()
+        for pause in [0.1, 0.3, 0.1, 0.2, 0.3, 0.1] * 2:
+            time.sleep(pause)
+            watch.batch_ended()
+        assert watch.bound() == pytest.approx(3.0, abs=0.5)
+        time.sleep(1.0)
+    finally:
+        watch.close()
+    assert exits == []
+
+
+def test_a_stall_ends_the_process_with_the_retryable_code(capsys):
+    watch, exits = deadline(
+        first_batch_seconds=5.0, floor_seconds=1.0, describe=lambda: "epoch 2, batch 7"
+    )
+    try:
+        watch.batch_ended()
+        time.sleep(0.2)
+        watch.batch_ended()
+        started = time.monotonic()
+        while not exits and time.monotonic() - started < 10:
+            time.sleep(0.1)
+        waited = time.monotonic() - started
+    finally:
+        watch.close()
+    assert exits == [RETRYABLE_EXIT_CODE]
+    assert 1.0 <= waited < 3.0
+    said = capsys.readouterr().out
+    assert "while waiting for epoch 2, batch 7" in said and "status 75" in said
+
+
+def test_a_deadline_of_a_training_that_ended_never_fires():
+    watch, exits = deadline(first_batch_seconds=0.5, running=lambda: False)
+    try:
+        time.sleep(1.5)
+    finally:
+        watch.close()
+    assert exits == []
+
+
+def test_paused_holds_the_deadline_off():
+    watch, exits = deadline(first_batch_seconds=0.5)
+    try:
+        with watch.paused():
+            time.sleep(1.5)
+    finally:
+        watch.close()
+    assert exits == []
+
+
+@pytest.mark.parametrize(
+    "value", ["fast", 0, -3, True, [1]], ids=["str", "zero", "negative", "bool", "list"]
+)
+def test_bad_stall_timeouts_are_named(value):
+    with pytest.raises(ValueError, match="argument `stall_timeout`"):
+        check_stall_timeout(value, 60)
+    with pytest.raises(ValueError, match="argument `stall_timeout`"):
+        keras_ft.BackupAndRestore("/tmp/unused", stall_timeout=value)
+    with pytest.raises(ValueError, match="argument `first_batch_timeout`"):
+        keras_ft.BackupAndRestore("/tmp/unused", first_batch_timeout=0)
+
+
+def test_the_deadline_is_on_by_default_only_in_a_cluster(tmp_path, data):
+    """Single process, default: no deadline thread during fit()."""
+    x, y = data
+    seen = []
+
+    class Look(keras_ft.BackupAndRestore.__mro__[1]):  # keras.callbacks.Callback
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(
+                any(t.name == "keras-ft-deadline" for t in threading.enumerate())
+            )
+
+    for stall_timeout, expected in [(None, False), ("auto", True)]:
+        seen.clear()
+        make_model().fit(
+            x, y, epochs=1, batch_size=32, verbose=0,
+            callbacks=[
+                keras_ft.BackupAndRestore(
+                    str(tmp_path / str(expected)), stall_timeout=stall_timeout
+                ),
+                Look(),
+            ],
+        )  # fmt: skip
+        assert seen and set(seen) == {expected}
+    assert not any(t.name == "keras-ft-deadline" for t in threading.enumerate())
+
+
+def launch(backup_dir: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, SCRIPT, backup_dir, *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=subprocess_env(),
+    )  # fmt: skip
+
+
+def wait_blocked(process: subprocess.Popen) -> list[str]:
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith("BLOCKED"):
+            return lines
+    raise AssertionError("never blocked: " + "".join(lines) + process.stderr.read())
+
+
+def resumed_at(backup_dir: str) -> int:
+    state = keras_ft.WorkerTrainingState(make_model(), backup_dir)
+    return state.checkpoints()[-1].sequence
+
+
+@ONCE
+def test_a_stuck_training_exits_retryably_and_its_backup_resumes(tmp_path):
+    backup = str(tmp_path / "backup")
+    process = launch(backup, "--block-at", "5", "--how", "python",
+                     "--stall-timeout", "2")  # fmt: skip
+    wait_blocked(process)
+    started = time.monotonic()
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == RETRYABLE_EXIT_CODE, err
+    assert time.monotonic() - started < 20
+    assert "while waiting for epoch 2, batch 6" in out
+    # Relaunched, the run resumes from the backup at epoch 2, batch 4.
+    again = subprocess.run(
+        [sys.executable, SCRIPT, backup], capture_output=True, text=True,
+        env=subprocess_env(), timeout=120,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert "resuming at epoch 2/3, batch 5" in again.stdout, again.stdout
+
+
+@ONCE
+def test_sigterm_ends_a_process_whose_training_thread_is_blocked_in_c(tmp_path):
+    """No Python handler can run (as in a collective whose peer died): the
+    grace period still ends the process, saying there is no final backup."""
+    backup = str(tmp_path / "backup")
+    process = launch(backup, "--block-at", "5", "--how", "c",
+                     "--grace-period", "3")  # fmt: skip
+    wait_blocked(process)
+    time.sleep(0.5)  # Inside the C call.
+    process.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    try:
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert 3.0 <= time.monotonic() - started < 20
+    assert "blocked" in out and "without a final backup" in out, out
+    assert "backed up" not in out
+    committed = resumed_at(backup)
+    assert committed >= 1
