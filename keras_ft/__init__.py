@@ -37,6 +37,7 @@ _WHERE = {
     "WarmStart": "keras_ft.training.warm_start",
     "WorkerTrainingState": "keras_ft.worker_training_state",
     "current_task": "keras_ft.distribute.cluster",
+    "initialize_cluster": "keras_ft.distribute.launch",
     "install_multi_worker_fixes": "keras_ft.compat",
     "load_checkpoint": "keras_ft.watching",
     "wait_for_backups": "keras_ft.worker_training_state",
@@ -66,6 +67,7 @@ __all__ = [
     "WarmStart",
     "WorkerTrainingState",
     "current_task",
+    "initialize_cluster",
     "install_multi_worker_fixes",
     "load_checkpoint",
     "wait_for_backups",
@@ -97,6 +99,7 @@ if TYPE_CHECKING:
     from keras_ft.checkpoint.store import Checkpoint
     from keras_ft.compat import CompatibilityWarning, install_multi_worker_fixes
     from keras_ft.distribute.cluster import TaskSpec, current_task
+    from keras_ft.distribute.launch import initialize_cluster
     from keras_ft.state import (
         ConfigurationChangedError,
         NonFiniteStateError,

@@ -21,8 +21,16 @@ from keras_ft.checkpoint.lock import check_platform
 from keras_ft.checkpoint.remote import filesystem
 from keras_ft.checkpoint.store import CheckpointWriteError
 from keras_ft.distribute.cluster import TaskSpec
+from keras_ft.distribute.launch import launch_from_environment
 from keras_ft.state import NonFiniteStateError, ResumePoint, rng
-from keras_ft.training import callback_state, policy, resume, tuner, watchdog
+from keras_ft.training import (
+    callback_state,
+    policy,
+    restarts,
+    resume,
+    tuner,
+    watchdog,
+)
 from keras_ft.training.listeners import CheckpointListener, check_listeners
 from keras_ft.training.policy import KeepLast
 from keras_ft.training.preemption import (
@@ -340,6 +348,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._schedule.start(time.monotonic())
         self._reported_interval = None
         self._start_deadline(callback_list, task)
+        launch = launch_from_environment()
+        if launch is not None and task.is_chief:
+            restarts.check_progress(
+                self._state.store, launch.restart, point.step if point else 0
+            )
 
     def _start_deadline(self, callback_list: Any, task: Any) -> None:
         if self._deadline is not None:  # Left by a fit() that raised.

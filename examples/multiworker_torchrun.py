@@ -1,0 +1,89 @@
+"""A multi-worker training that torchrun brings back after a worker dies.
+
+    torchrun --standalone --nproc-per-node=2 --max-restarts=3 \\
+        examples/multiworker_torchrun.py --backup-dir /tmp/torchrun-backup
+
+torchrun (TorchElastic, installed with the PyTorch backend) launches any
+Python script: here two processes of a TensorFlow (`MultiWorkerMirroredStrategy`)
+or JAX (`DataParallel`) training, set up from torchrun's environment by
+`keras_ft.initialize_cluster()`. When a worker dies, torchrun stops the others
+and starts the group again, up to `--max-restarts` times; every process
+resumes from the chief's last backup at the same step. A stuck worker ends
+itself with exit status 75 (`stall_timeout`), which torchrun restarts too.
+
+`--kill-at STEP` makes worker 1 SIGKILL itself at that optimizer step on the
+first attempt, to watch a restart; `--out PREFIX` writes each worker's final
+step and weights to `PREFIX-<rank>.npz` (for the tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+
+import keras_ft  # Imports neither Keras nor a backend.
+
+SAMPLES, GLOBAL_BATCH, EPOCHS = 128, 16, 3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backup-dir", required=True)
+    parser.add_argument("--kill-at", type=int, default=0)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    # First, before any other framework call: the cluster from torchrun.
+    task = keras_ft.initialize_cluster()
+    import keras
+    import numpy as np
+
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        scope = tf.distribute.MultiWorkerMirroredStrategy().scope()
+    else:
+        keras.distribution.set_distribution(
+            keras.distribution.DataParallel(auto_shard_dataset=False)
+        )
+        scope = contextlib.nullcontext()
+    keras.utils.set_random_seed(7)
+    with scope:
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(32, activation="relu"),
+             keras.layers.Dense(1)]
+        )  # fmt: skip
+        model.compile(keras.optimizers.Adam(1e-2), loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(SAMPLES, 8)).astype("float32")
+    y = x.sum(axis=1, keepdims=True).astype("float32")
+    if keras.backend.backend() == "tensorflow":
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+        data = {"x": dataset, "shuffle": False}
+    else:
+        data = {"x": x, "y": y, "batch_size": GLOBAL_BATCH, "shuffle": False}
+
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+    class KillAt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
+            if first_attempt and task.task_index == 1 and step == args.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    model.fit(
+        **data, epochs=EPOCHS, verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(args.backup_dir, save_freq=2), KillAt()],
+    )  # fmt: skip
+    step = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+    print(f"worker {task.task_index}: finished at optimizer step {step}", flush=True)
+    if args.out:
+        weights = [keras.ops.convert_to_numpy(w) for w in model.weights]
+        named = {f"w{i}": w for i, w in enumerate(weights)}
+        np.savez(f"{args.out}-{task.task_index}.npz", step=step, **named)
+
+
+if __name__ == "__main__":
+    main()

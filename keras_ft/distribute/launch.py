@@ -1,0 +1,155 @@
+"""Starting a training cluster from what its launcher put in the environment.
+
+A launcher that restarts a failed job (torchrun's TorchElastic, SLURM with
+`--requeue`) tells each process its rank, the number of processes and a
+coordinator's address. `initialize_cluster()` reads them, as TensorLayer's
+`TaskSpec` read `TF_CONFIG`, and starts the backend's cluster with bounds a
+restart needs: JAX's coordination service with a 10 s heartbeat (its default,
+100 s, keeps every survivor of a dead peer waiting for over a minute) and a
+short shutdown barrier; TensorFlow's `TF_CONFIG` for
+`MultiWorkerMirroredStrategy`. Framework differences are the point of this
+module, as of `cluster.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+
+from keras_ft.distribute.cluster import TaskSpec, current_task
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """What a launcher said about this process.
+
+    Attributes:
+        launcher: `"torchrun"` or `"slurm"`.
+        rank: This process's index, 0 to `world_size - 1`.
+        world_size: How many processes train.
+        address: The host the coordinator runs on (rank 0's).
+        port: The launcher's own port there; keras-ft's services use the
+            ports after it.
+        single_host: Whether every process runs on this host.
+        restart: How many times the launcher restarted the job.
+    """
+
+    launcher: str
+    rank: int
+    world_size: int
+    address: str
+    port: int
+    single_host: bool
+    restart: int
+
+
+def launch_from_environment(environ: Mapping[str, str] | None = None) -> Launch | None:
+    """The launcher's description of this process, or `None` if no launcher
+    (torchrun, or SLURM with `MASTER_ADDR` and `MASTER_PORT`) set one."""
+    env = os.environ if environ is None else environ
+    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        return None
+    if "RANK" in env and "WORLD_SIZE" in env:
+        launcher, rank, size = "torchrun", env["RANK"], env["WORLD_SIZE"]
+        local = env.get("LOCAL_WORLD_SIZE", size)
+        restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        launcher, rank, size = "slurm", env["SLURM_PROCID"], env["SLURM_NTASKS"]
+        local = env.get("SLURM_NTASKS_PER_NODE", "0")
+        restart = env.get("SLURM_RESTART_COUNT", "0")
+    else:
+        return None
+    try:
+        launch = Launch(
+            launcher, int(rank), int(size), env["MASTER_ADDR"],
+            int(env["MASTER_PORT"]), int(local) == int(size), int(restart),
+        )  # fmt: skip
+    except ValueError:
+        raise ValueError(
+            f"keras-ft cannot read the {launcher} environment: RANK/WORLD_SIZE "
+            "(or SLURM_PROCID/SLURM_NTASKS), MASTER_PORT and the restart count "
+            "must be integers. Received: "
+            + ", ".join(
+                f"{k}={env.get(k)!r}"
+                for k in (
+                    "RANK",
+                    "WORLD_SIZE",
+                    "SLURM_PROCID",
+                    "SLURM_NTASKS",
+                    "MASTER_ADDR",
+                    "MASTER_PORT",
+                )
+                if k in env
+            )  # fmt: skip
+        ) from None
+    if not 0 <= launch.rank < launch.world_size:
+        raise ValueError(
+            f"keras-ft: the {launcher} rank {launch.rank} is not below the number "
+            f"of processes {launch.world_size}."
+        )
+    return launch
+
+
+def initialize_cluster(
+    heartbeat_seconds: int = 10, shutdown_seconds: int = 10
+) -> TaskSpec:
+    """Starts this process's part of a training cluster from its launcher.
+
+    Call it first thing in a script run by `torchrun --nproc-per-node=N
+    --max-restarts=K train.py` (or SLURM with `MASTER_ADDR`/`MASTER_PORT`
+    exported), before any other JAX or TensorFlow call:
+
+    - JAX: `jax.distributed.initialize()` with rank 0 as coordinator (on
+      `MASTER_PORT + 1`), a `heartbeat_seconds` heartbeat and a
+      `shutdown_seconds` shutdown barrier, and gloo collectives on CPU. Then
+      `keras.distribution.set_distribution(keras.distribution.DataParallel())`.
+    - TensorFlow: `TF_CONFIG` for `tf.distribute.MultiWorkerMirroredStrategy`,
+      worker `i` on `MASTER_PORT + 1 + i` (one host; on several, set
+      `TF_CONFIG` yourself). Then create the strategy.
+    - PyTorch: nothing (Keras trains one process on this backend).
+
+    Without a launcher in the environment it does nothing.
+
+    Args:
+        heartbeat_seconds: JAX: how long a silent peer is waited for before
+            every process is told it is gone. Defaults to `10`.
+        shutdown_seconds: JAX: how long a process waits for the others when
+            it leaves. Defaults to `10`.
+
+    Returns:
+        This process's role (`keras_ft.TaskSpec`).
+    """
+    import keras
+
+    launch = launch_from_environment()
+    if launch is None:
+        return current_task()
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=f"{launch.address}:{launch.port + 1}",
+            num_processes=launch.world_size,
+            process_id=launch.rank,
+            heartbeat_timeout_seconds=heartbeat_seconds,
+            shutdown_timeout_seconds=shutdown_seconds,
+        )
+    elif backend == "tensorflow" and not os.environ.get("TF_CONFIG"):
+        if not launch.single_host:
+            raise ValueError(
+                f"keras-ft: {launch.launcher} runs processes on several hosts, and "
+                "TensorFlow needs every worker's address, which the launcher does "
+                "not give: set TF_CONFIG for each process."
+            )
+        workers = [
+            f"{launch.address}:{launch.port + 1 + i}" for i in range(launch.world_size)
+        ]
+        task = {"type": "worker", "index": launch.rank}
+        os.environ["TF_CONFIG"] = json.dumps(
+            {"cluster": {"worker": workers}, "task": task}
+        )
+    return current_task()

@@ -1,0 +1,95 @@
+"""A cluster set up from its launcher's environment, and brought back by
+torchrun after a worker dies."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+from conftest import TESTS_DIR, subprocess_env
+
+from keras_ft.checkpoint.store import CheckpointStore
+from keras_ft.distribute.launch import Launch, launch_from_environment
+from keras_ft.training import restarts
+
+EXAMPLE = os.path.join(
+    os.path.dirname(TESTS_DIR), "examples", "multiworker_torchrun.py"
+)
+
+TORCHRUN = {
+    "RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+    "TORCHELASTIC_RESTART_COUNT": "3",
+}  # fmt: skip
+
+
+def test_torchrun_and_slurm_environments_are_read():
+    assert launch_from_environment(TORCHRUN) == Launch(
+        "torchrun", 1, 2, "127.0.0.1", 29500, True, 3
+    )
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2",
+             "MASTER_ADDR": "node1", "MASTER_PORT": "6000"}  # fmt: skip
+    assert launch_from_environment(slurm) == Launch(
+        "slurm", 0, 4, "node1", 6000, False, 0
+    )
+    assert launch_from_environment({}) is None
+    assert launch_from_environment({"RANK": "0", "WORLD_SIZE": "2"}) is None
+
+
+@pytest.mark.parametrize(
+    "change", [{"RANK": "one"}, {"RANK": "2"}, {"MASTER_PORT": "x"}]
+)
+def test_a_malformed_launcher_environment_is_named(change):
+    with pytest.raises(ValueError, match="torchrun"):
+        launch_from_environment({**TORCHRUN, **change})
+
+
+def test_a_restart_that_resumes_where_the_last_one_did_says_so(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    assert restarts.check_progress(store, 0, 0) is None
+    assert restarts.check_progress(store, 1, 12) is None  # Progress: 0 -> 12.
+    with pytest.warns(UserWarning, match="restart 2 resumes at optimizer step 12"):
+        said = restarts.check_progress(store, 2, 12)
+    assert "as restart 1 did" in said
+    assert restarts.check_progress(store, 3, 14) is None
+
+
+def torchrun(backup_dir: str, out: str, *args: str) -> subprocess.CompletedProcess:
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    return subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node=2", "--max-restarts=2",
+         EXAMPLE, "--backup-dir", backup_dir, "--out", out, *args],
+        capture_output=True, text=True, env=subprocess_env(), timeout=300,
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() not in ("tensorflow", "jax"),
+    reason="multi-worker training is tested on TensorFlow and JAX",
+)
+def test_torchrun_restarts_the_group_and_the_run_ends_as_an_uninterrupted_one(
+    tmp_path,
+):
+    """Worker 1 is SIGKILLed at step 13 (the last backup at step 12): torchrun
+    stops worker 0 and starts both again; they resume at step 12 and end with
+    the weights of a run that was never killed."""
+    killed = torchrun(str(tmp_path / "a"), str(tmp_path / "killed"), "--kill-at", "13")
+    assert killed.returncode == 0, killed.stderr[-3000:]
+    assert "exitcode: -9" in killed.stderr  # torchrun saw the SIGKILL.
+    resumed = [x for x in killed.stdout.splitlines() if "resuming at" in x]
+    assert len(resumed) == 2 and all("optimizer step 12" in x for x in resumed)
+    whole = torchrun(str(tmp_path / "b"), str(tmp_path / "whole"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    for rank in (0, 1):
+        with (
+            np.load(tmp_path / f"killed-{rank}.npz") as a,
+            np.load(tmp_path / f"whole-{rank}.npz") as b,
+        ):
+            assert int(a["step"]) == int(b["step"]) == 24
+            for name in b.files:
+                np.testing.assert_array_equal(a[name], b[name], err_msg=name)
