@@ -23,6 +23,7 @@ from keras_ft.checkpoint.store import CheckpointWriteError
 from keras_ft.distribute.cluster import TaskSpec
 from keras_ft.distribute.launch import launch_from_environment
 from keras_ft.state import NonFiniteStateError, ResumePoint, rng
+from keras_ft.state.training_state import optimizer_step
 from keras_ft.training import (
     callback_state,
     policy,
@@ -31,6 +32,7 @@ from keras_ft.training import (
     tuner,
     watchdog,
 )
+from keras_ft.training.goodput import GoodputRecorder
 from keras_ft.training.listeners import CheckpointListener, check_listeners
 from keras_ft.training.policy import KeepLast
 from keras_ft.training.preemption import (
@@ -231,6 +233,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.stall_timeout = stall_timeout
         self.first_batch_timeout = float(first_batch_timeout)
         self._deadline: watchdog.ProgressDeadline | None = None
+        self._goodput: GoodputRecorder | None = None
         if is_url(self.backup_dir):
             filesystem(self.backup_dir, storage_options)  # Fails early if missing.
         self.warm_start = warm_start_from(warm_start)
@@ -320,7 +323,16 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._check_cluster(self._state.task)
             self._state.check_writable()
             with self._state.locked():  # Released if the restore fails.
+                self._goodput = (
+                    GoodputRecorder(self._state.store)
+                    if self._state.task.is_chief
+                    else None
+                )
+                if self._goodput is not None:
+                    self._goodput.restore_begin()
                 point = self._state.restore()
+                if self._goodput is not None:
+                    self._goodput.restore_end(point.step if point else 0)
                 warmed = None
                 if point is None and self.warm_start is not None:
                     warmed = self.warm_start.apply(model)
@@ -469,6 +481,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         # With steps_per_execution > 1, `batch` is the last of several steps.
         if self._deadline is not None:
             self._deadline.batch_ended()
+        if self._goodput is not None:
+            self._goodput.batch_end(self._optimizer_step, self.backup_seconds)
         steps = batch + 1 - self._batches_in_epoch
         self._batches_in_epoch = batch + 1
         self._raise_write_errors(self._state.raise_if_failed)
@@ -519,8 +533,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         if pending is not None and pending[0] == epoch:
             self._save(pending[1], epoch, None, replaces_last=True)
 
+    def _optimizer_step(self) -> int:
+        return optimizer_step(self.model)
+
     def on_train_end(self, logs: dict | None = None) -> None:
         self._stop_deadline()
+        if self._goodput is not None:
+            status = "preempted" if self.preempted_by else "ended"
+            self._goodput.end(self._optimizer_step(), self.backup_seconds, status)
+            self._goodput = None
         compat.set_initial_epoch(self.model, None)
         if self._resumption is not None:
             self._resumption.remove()

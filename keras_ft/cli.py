@@ -4,6 +4,7 @@
     keras-ft verify BACKUP_DIR      every checksum; exit 0 if a resume would work
     keras-ft export BACKUP_DIR --model MODEL.keras --out OUT.keras|OUT.weights.h5
     keras-ft prune BACKUP_DIR --keep N
+    keras-ft goodput BACKUP_DIR [--png FILE]   where the run's time went
     keras-ft demo                   kill a training and watch it resume
 
 `BACKUP_DIR` is a local directory or an fsspec URL (`s3://bucket/run`). Only
@@ -89,6 +90,12 @@ def _parser() -> argparse.ArgumentParser:
     prune.add_argument("backup_dir")
     prune.add_argument("--keep", type=int, required=True)
     prune.set_defaults(run=_prune)
+    goodput = commands.add_parser(
+        "goodput", help="goodput and badput of the run, and a timeline picture"
+    )
+    goodput.add_argument("backup_dir")
+    goodput.add_argument("--png", default=None, help="write the timeline here")
+    goodput.set_defaults(run=_goodput)
     commands.add_parser("demo", help="kill a training with SIGKILL; watch it resume")
     return parser
 
@@ -259,6 +266,29 @@ def _export(args: argparse.Namespace) -> int:
     else:
         model.save_weights(out)
     print(f"wrote {out} from {loaded.path} (epoch {loaded.epoch}, step {loaded.step})")
+    return 0
+
+
+def _goodput(args: argparse.Namespace) -> int:
+    from keras_ft import goodput
+
+    store = _store(args.backup_dir)
+    attempts = goodput.load_attempts(store)
+    if not attempts:
+        print(
+            f"keras-ft goodput: {store.directory} holds no record of a run "
+            "(a finished run's backup, and its record, are deleted unless "
+            "`delete_checkpoint=False`).",
+            file=sys.stderr,
+        )
+        return 1
+    print(goodput.describe(goodput.summarize(attempts)))
+    if args.png:
+        try:
+            goodput.timeline_png(attempts, args.png)
+        except ImportError as e:
+            raise UsageError(str(e)) from None
+        print(f"wrote {args.png}")
     return 0
 
 

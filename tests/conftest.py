@@ -30,6 +30,12 @@ def make_model(units: int = 8, built: bool = True) -> keras.Model:
     return model
 
 
+def checkpoint_entries(backup_dir: str) -> list[str]:
+    """The chief's directory, sorted, without the run's goodput records."""
+    chief = os.path.join(backup_dir, "chief")
+    return sorted(n for n in os.listdir(chief) if not n.startswith("goodput_"))
+
+
 def make_data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(SAMPLES, 4)).astype("float32")

@@ -9,7 +9,13 @@ import sys
 import keras
 import numpy as np
 import pytest
-from conftest import make_model, subprocess_env, tree_digest, weights_of
+from conftest import (
+    checkpoint_entries,
+    make_model,
+    subprocess_env,
+    tree_digest,
+    weights_of,
+)
 
 import keras_ft
 from keras_ft.checkpoint.lock import DirectoryLock
@@ -145,9 +151,7 @@ def test_prune_refuses_while_a_training_holds_the_backup(backup):
     result = keras_ft_command("prune", backup_dir, "--keep", "1")
     assert result.returncode == 0, result.stderr
     assert "removed 2 checkpoints and 1 partial leftovers" in result.stdout
-    assert sorted(os.listdir(os.path.join(backup_dir, "chief"))) == [
-        ".lock", "ckpt-00000003",
-    ]  # fmt: skip
+    assert checkpoint_entries(backup_dir) == [".lock", "ckpt-00000003"]
     result = keras_ft_command("prune", backup_dir, "--keep", "0")
     assert result.returncode == 2 and "--keep" in result.stderr
 
@@ -161,7 +165,7 @@ def test_prune_keeps_the_newest_good_checkpoints(backup):
     assert result.returncode == 0, result.stderr
     assert "kept the newest good ones: ckpt-00000002" in result.stdout
     assert "1 damaged ones left alone" in result.stdout
-    assert sorted(os.listdir(os.path.join(backup_dir, "chief"))) == [
+    assert checkpoint_entries(backup_dir) == [
         ".lock", "ckpt-00000002", "ckpt-00000003",
     ]  # fmt: skip
     # A resume still finds a good checkpoint to restore.

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import (
     STEPS_PER_EPOCH,
+    checkpoint_entries,
     make_model,
     run_once_on,
     subprocess_env,
@@ -106,7 +107,7 @@ def test_a_watcher_beside_a_training_sees_every_commit_in_order(tmp_path):
     assert [(int(q), int(s)) for q, s, _ in seen] == committed
     assert "skipping" not in err  # No damaged or partial one, ever.
     # keep=2: only the newest two are left; the watcher read each in time.
-    assert len(os.listdir(os.path.join(backup_dir, "chief"))) == 2 + 1  # + lock.
+    assert len(checkpoint_entries(backup_dir)) == 2 + 1  # + lock.
     assert {state for *_, state in seen} <= {"loaded", "pruned"}
 
 

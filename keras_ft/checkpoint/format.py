@@ -96,8 +96,12 @@ def local_path(path: str) -> str:
     return path[len("file://") :] if path.startswith("file://") else path
 
 
+def is_notice_name(name: str) -> bool:
+    return _NOTICE_NAME.fullmatch(name) is not None
+
+
 def check_notice_name(name: str) -> None:
-    if not _NOTICE_NAME.fullmatch(name):
+    if not is_notice_name(name):
         raise ValueError(f"Not a notice name: {name!r}.")
 
 

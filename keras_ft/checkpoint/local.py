@@ -266,6 +266,27 @@ class LocalStorage:
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(self.directory, name))
 
+    def replace(self, name: str, data: bytes) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        path = os.path.join(self.directory, name)
+        temporary = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(temporary, path)  # A symlink there is replaced, not followed.
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(temporary)
+            raise
+
+    def notice_names(self) -> list[str]:
+        return [
+            n
+            for n in self._names()
+            if stat.S_ISREG(os.lstat(os.path.join(self.directory, n)).st_mode)
+        ]
+
     # One writer.
 
     def writer_lock(self) -> DirectoryLock:

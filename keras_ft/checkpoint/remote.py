@@ -376,6 +376,24 @@ class ObjectStorage:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(f"{self.root}/{name}")
 
+    def replace(self, name: str, data: bytes) -> None:
+        _as_os_error(
+            lambda: self.fs.pipe_file(f"{self.root}/{name}", data), f"writing {name}"
+        )
+
+    def notice_names(self) -> list[str]:
+        with contextlib.suppress(AttributeError):
+            self.fs.invalidate_cache(self.root)
+        try:
+            found = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        return [
+            entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            for entry in found
+            if entry.get("type") == "file"
+        ]
+
     # One writer.
 
     def writer_lock(self) -> RemoteLease:

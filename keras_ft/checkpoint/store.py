@@ -54,6 +54,7 @@ from keras_ft.checkpoint.format import (
     checkpoint_name,
     checkpoint_sequence,
     digest_algorithm,
+    is_notice_name,
     is_url,
     json_bytes,
     local_path,
@@ -187,6 +188,14 @@ class Storage(Protocol):
     def read_small(self, name: str, limit: int) -> bytes | None: ...
 
     def remove(self, name: str) -> None: ...
+
+    def replace(self, name: str, data: bytes) -> None:
+        """Writes `name` whole, replacing it (readers see old or new)."""
+        ...
+
+    def notice_names(self) -> list[str]:
+        """The names of the regular files (objects) beside the checkpoints."""
+        ...
 
     def writer_lock(self) -> Any:
         """The lock one writer holds: `acquire()`, `check()` (raises if it
@@ -507,6 +516,20 @@ class CheckpointStore:
         check_notice_name(name)
         self.storage.remove(name)
 
+    def replace_notice(self, name: str, data: bytes) -> None:
+        """Writes the notice `name`, replacing it: a reader sees the old one
+        or the new one, whole (a rename on disk, one PUT in a bucket)."""
+        check_notice_name(name)
+        self.storage.replace(name, data)
+
+    def notices(self, prefix: str = "") -> list[str]:
+        """The names of the notices starting with `prefix`, sorted."""
+        return sorted(
+            n
+            for n in self.storage.notice_names()
+            if n.startswith(prefix) and is_notice_name(n)
+        )
+
     # Writing.
 
     def save(
@@ -604,6 +627,8 @@ class CheckpointStore:
             self.storage.delete(checkpoint)
         threads.wait_for_removals()
         self.storage.remove_leftovers()
+        for name in self.notices():
+            self.storage.remove(name)
         self.storage.remove_root()
 
 
