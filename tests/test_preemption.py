@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -213,3 +217,39 @@ def test_a_watcher_reinstalled_after_its_training_raised_is_in_the_chain_once():
         watcher.done()
         watcher.uninstall()
         signal.signal(signal.SIGUSR1, old)
+
+
+def test_a_signal_seen_after_the_handlers_are_gone_ends_nothing():
+    """The sentinel's thread may read a signal after `uninstall()`: it must
+    not start a grace period that ends the process later (twenty tries)."""
+    code = textwrap.dedent(
+        """
+        import os, signal, time
+        from keras_ft.training.preemption import PreemptionWatcher
+
+        for _ in range(20):
+            watcher = PreemptionWatcher((signal.SIGTERM,), grace_period=0.2)
+            watcher.install()
+            os.kill(os.getpid(), signal.SIGTERM)
+            watcher.uninstall()
+        time.sleep(1.0)
+        print("alive")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))},
+    )  # fmt: skip
+    assert result.returncode == 0 and "alive" in result.stdout, result.stdout
+
+
+def test_a_watcher_can_be_deep_copied_as_keras_tuner_does():
+    watcher = PreemptionWatcher((signal.SIGTERM,), grace_period=1.0)
+    watcher.install()
+    try:
+        copied = copy.deepcopy(watcher)
+    finally:
+        watcher.uninstall()
+    assert copied.signals == watcher.signals and copied.grace_period == 1.0
+    copied.install()
+    copied.uninstall()

@@ -19,6 +19,7 @@ notebook after a failed `fit()` is a plain `KeyboardInterrupt` again.
 from __future__ import annotations
 
 import _thread
+import functools
 import json
 import os
 import signal
@@ -109,21 +110,24 @@ class PreemptionWatcher:
         for signum in self.signals:
             if signum not in self._previous:  # Else still called from a chain.
                 self._previous[signum] = signal.signal(signum, self._handle)
-        self._sentinel = SignalSentinel(self.signals, self._seen_by_thread)
-        if not self._sentinel.install():
-            self._sentinel = None
+        sentinel = SignalSentinel(self.signals, lambda s: None)
+        sentinel.on_signal = functools.partial(self._seen_by_thread, sentinel=sentinel)
+        with self._timer_lock:
+            self._sentinel = sentinel if sentinel.install() else None
         return True
 
     def uninstall(self) -> None:
         """Puts the previous handlers back (main thread only)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        with self._timer_lock:
+            # From here on the sentinel's thread starts no grace period.
+            sentinel, self._sentinel = self._sentinel, None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
         if threading.current_thread() is not threading.main_thread():
             return
-        if self._sentinel is not None:
-            self._sentinel.close()
-            self._sentinel = None
+        if sentinel is not None:
+            sentinel.close()
         kept = {}
         for signum, previous in self._previous.items():
             if signal.getsignal(signum) == self._handle:
@@ -136,10 +140,11 @@ class PreemptionWatcher:
 
     def done(self) -> None:
         """The requested save happened: the fallback exit is no longer needed."""
-        self.handled = True
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        with self._timer_lock:
+            self.handled = True
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
 
     @property
     def seconds_since_signal(self) -> float:
@@ -174,18 +179,33 @@ class PreemptionWatcher:
         if callable(previous) and previous is not signal.default_int_handler:
             previous(signum, frame)
 
-    def _seen_by_thread(self, signum: int) -> None:
+    def _seen_by_thread(self, signum: int, sentinel: SignalSentinel) -> None:
         """The sentinel's report, in its thread: starts the grace period if
         the main thread's handler has not (it may never run)."""
         if self.handled or not self.training_running(compat.main_thread_frame()):
             return
-        self._start_grace(signal.Signals(signum))
+        self._start_grace(signal.Signals(signum), sentinel)
 
-    def _start_grace(self, signum: signal.Signals) -> None:
+    def _start_grace(
+        self, signum: signal.Signals, sentinel: SignalSentinel | None = None
+    ) -> None:
         with self._timer_lock:
+            if sentinel is not None and self._sentinel is not sentinel:
+                return  # Uninstalled meanwhile: the signal is not ours any more.
             if self._timer is None and not self.handled:
                 self._seen = signum
                 self._timer = threads.call_later(self.grace_period, self._too_late)
+
+    def __getstate__(self) -> dict:
+        # Keras Tuner deep-copies the callbacks between trials: what a copy
+        # needs is the configuration, not this fit()'s lock, timer or threads.
+        state = dict(self.__dict__)
+        state.update(_timer_lock=None, _timer=None, _sentinel=None, _training=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._timer_lock = threading.Lock()
 
     def _too_late(self) -> None:
         signum = self.received or self._seen
