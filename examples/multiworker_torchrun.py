@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import os
 import signal
+import time
 
 import keras_ft  # Imports neither Keras nor a backend.
 
@@ -33,6 +34,8 @@ def main() -> None:
     parser.add_argument("--backup-dir", required=True)
     parser.add_argument("--kill-at", type=int, default=0)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--seconds-per-batch", type=float, default=0.0)
+    parser.add_argument("--epochs", type=int, default=EPOCHS)
     args = parser.parse_args()
 
     # First, before any other framework call: the cluster from torchrun.
@@ -72,9 +75,10 @@ def main() -> None:
             step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
             if first_attempt and task.task_index == 1 and step == args.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(args.seconds_per_batch)
 
     model.fit(
-        **data, epochs=EPOCHS, verbose=0,
+        **data, epochs=args.epochs, verbose=0,
         callbacks=[keras_ft.BackupAndRestore(args.backup_dir, save_freq=2), KillAt()],
     )  # fmt: skip
     step = int(keras.ops.convert_to_numpy(model.optimizer.iterations))

@@ -29,6 +29,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 from keras_ft import threads
@@ -38,15 +39,20 @@ RETRYABLE_EXIT_CODE = 75
 
 
 class SignalSentinel:
-    """Calls `on_signal(signum)` in a thread of its own for each of `signals`
-    the process receives, even while the main thread is blocked in C code.
+    """Calls `on_signal(signum)` in the sentinel's thread for each of
+    `signals` the process receives, even while the main thread is blocked in
+    C code, from `install()` (main thread) to `close()`.
 
-    The interpreter's wakeup file descriptor is process-wide: one set before
-    (asyncio's, in a notebook kernel) is handed every byte this one reads,
-    and put back by `close()`.
+    The interpreter has one wakeup file descriptor per process, so one
+    thread reads it for every sentinel: it is started by the first
+    `install()` and then kept for the life of the process, reused on purpose
+    by every later `fit()` (a pipe and a thread blocked reading it). Where
+    something else already owns the wakeup descriptor (asyncio's event loop,
+    in a notebook kernel), it is left alone and `install()` returns `False`:
+    the grace period then starts from the Python handler only.
 
     Args:
-        signals: The signals to report; others are only passed on.
+        signals: The signals to report.
         on_signal: Called in the sentinel's thread with the signal's number.
     """
 
@@ -55,60 +61,60 @@ class SignalSentinel:
     ):
         self.signals = {int(s) for s in signals}
         self.on_signal = on_signal
-        self._read: int | None = None
-        self._write: int | None = None
-        self._previous = -1
-        self._thread: threading.Thread | None = None
 
     def install(self) -> bool:
-        """Starts watching (main thread only); `False` where it cannot."""
+        """Starts reporting (main thread only); `False` where it cannot."""
         if threading.current_thread() is not threading.main_thread():
             return False
-        read, write = os.pipe()
-        os.set_blocking(write, False)
-        try:
-            self._previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-        except (ValueError, OSError):
-            os.close(read)
-            os.close(write)
+        if not _wakeup_reader():
             return False
-        self._read, self._write = read, write
-        self._thread = threads.start_daemon(self._watch, "keras-ft-signals")
+        with _sentinels_lock:
+            _sentinels.add(self)
         return True
 
-    def _watch(self) -> None:
-        read = self._read
-        while True:
-            try:
-                data = os.read(read, 64)
-            except OSError:
-                return  # Closed by `close()`.
-            if not data:
-                return
-            if self._previous >= 0:  # Whoever listened before us hears it too.
-                with contextlib.suppress(OSError):
-                    os.write(self._previous, data)
-            for signum in data:
-                if signum in self.signals:
-                    self.on_signal(signum)
-
     def close(self) -> None:
-        """Stops watching and puts the earlier wakeup descriptor back."""
-        if self._write is None:
-            return
-        if threading.current_thread() is threading.main_thread():
-            with contextlib.suppress(ValueError, OSError):
-                current = signal.set_wakeup_fd(self._previous)
-                if current != self._write:  # Replaced after us: leave theirs.
-                    signal.set_wakeup_fd(current)
-        write, self._write = self._write, None
-        os.close(write)  # Ends the thread's read with end-of-file.
-        thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5)
-        read, self._read = self._read, None
-        with contextlib.suppress(OSError):
-            os.close(read)
+        """Stops reporting."""
+        with _sentinels_lock:
+            _sentinels.discard(self)
+
+
+# The process's one reader of the wakeup descriptor, and the sentinels it
+# reports to (see `SignalSentinel`).
+_sentinels: set[SignalSentinel] = set()
+_sentinels_lock = threading.Lock()
+_wakeup_write: int | None = None
+
+
+def _wakeup_reader() -> bool:
+    """Makes sure the wakeup descriptor is the reader's pipe (main thread)."""
+    global _wakeup_write
+    if _wakeup_write is None:
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        threads.start_daemon(lambda: _read_wakeups(read), "keras-ft-signals")
+        _wakeup_write = write
+    try:
+        current = signal.set_wakeup_fd(_wakeup_write, warn_on_full_buffer=False)
+    except (ValueError, OSError):
+        return False
+    if current not in (-1, _wakeup_write):
+        signal.set_wakeup_fd(current)  # Someone else's: theirs to keep.
+        return False
+    return True
+
+
+def _read_wakeups(read: int) -> None:
+    while True:
+        data = os.read(read, 64)
+        with _sentinels_lock:
+            listening = list(_sentinels)
+        for signum in data:
+            for sentinel in listening:
+                if signum in sentinel.signals:
+                    try:
+                        sentinel.on_signal(signum)
+                    except Exception:  # A bug must not end the reading.
+                        traceback.print_exc()
 
 
 def check_stall_timeout(value: object, first_batch_timeout: object) -> None:
