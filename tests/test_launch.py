@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import keras
 import numpy as np
@@ -93,3 +96,41 @@ def test_torchrun_restarts_the_group_and_the_run_ends_as_an_uninterrupted_one(
             assert int(a["step"]) == int(b["step"]) == 24
             for name in b.files:
                 np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX's coordination")
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_dead_or_frozen_peer_ends_the_other_process_within_15_s(tmp_path, fault):
+    """Set up by `initialize_cluster()` (10 s heartbeat; JAX's default is
+    100 s), the surviving process leaves by itself, with a failure status a
+    launcher restarts on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    processes = []
+    for rank in (0, 1):
+        env = subprocess_env()
+        env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
+        processes.append(subprocess.Popen(
+            [sys.executable, EXAMPLE, "--backup-dir", str(tmp_path / "b"),
+             "--epochs", "100", "--seconds-per-batch", "0.1"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        ))  # fmt: skip
+    try:
+        chief = os.path.join(str(tmp_path / "b"), "chief")
+        deadline = time.monotonic() + 120
+        while not (os.path.isdir(chief) and any(
+            n.startswith("ckpt-") for n in os.listdir(chief)
+        )):  # fmt: skip
+            assert time.monotonic() < deadline and processes[0].poll() is None
+            time.sleep(0.1)
+        processes[1].send_signal(fault)
+        started = time.monotonic()
+        processes[0].communicate(timeout=60)
+        took = time.monotonic() - started
+    finally:
+        for process in processes:
+            process.kill()
+    assert processes[0].returncode != 0
+    assert took < 15, f"the surviving process took {took:.1f} s to leave"
