@@ -253,3 +253,29 @@ def test_a_watcher_can_be_deep_copied_as_keras_tuner_does():
     assert copied.signals == watcher.signals and copied.grace_period == 1.0
     copied.install()
     copied.uninstall()
+
+
+def test_a_signal_for_a_handler_that_was_replaced_ends_nothing():
+    """A watcher left installed (its fit() raised) whose handler someone
+    replaced since: a later signal is not its, and starts no grace period."""
+    code = textwrap.dedent(
+        """
+        import os, signal, time
+        from keras_ft.training.preemption import PreemptionWatcher
+
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        stale = PreemptionWatcher((signal.SIGINT,), grace_period=0.3)
+        stale.install()  # Never uninstalled, as after a fit() that raised.
+        signal.signal(signal.SIGINT, lambda signum, frame: None)  # Replaced.
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1.5)
+        print("alive")
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))},
+    )  # fmt: skip
+    assert result.returncode == 0 and "alive" in result.stdout, (
+        result.returncode, result.stdout,
+    )  # fmt: skip

@@ -182,7 +182,13 @@ class PreemptionWatcher:
     def _seen_by_thread(self, signum: int, sentinel: SignalSentinel) -> None:
         """The sentinel's report, in its thread: starts the grace period if
         the main thread's handler has not (it may never run)."""
-        if self.handled or not self.training_running(compat.main_thread_frame()):
+        if (
+            self.handled
+            # Our handler is not the one in force (another replaced it): the
+            # signal is someone else's to handle.
+            or signal.getsignal(signum) != self._handle
+            or not self.training_running(compat.main_thread_frame())
+        ):
             return
         self._start_grace(signal.Signals(signum), sentinel)
 
