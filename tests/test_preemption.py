@@ -219,6 +219,18 @@ def test_a_watcher_reinstalled_after_its_training_raised_is_in_the_chain_once():
         signal.signal(signal.SIGUSR1, old)
 
 
+def assert_still_alive(code: str) -> None:
+    """Runs `code` in a new interpreter: it must end by itself, printing
+    "alive" (not be ended by a grace period it should never have started)."""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))},
+    )  # fmt: skip
+    assert result.returncode == 0 and "alive" in result.stdout, (
+        result.returncode, result.stdout,
+    )  # fmt: skip
+
+
 def test_a_signal_seen_after_the_handlers_are_gone_ends_nothing():
     """The sentinel's thread may read a signal after `uninstall()`: it must
     not start a grace period that ends the process later (twenty tries)."""
@@ -236,11 +248,7 @@ def test_a_signal_seen_after_the_handlers_are_gone_ends_nothing():
         print("alive")
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-        env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))},
-    )  # fmt: skip
-    assert result.returncode == 0 and "alive" in result.stdout, result.stdout
+    assert_still_alive(code)
 
 
 def test_a_watcher_can_be_deep_copied_as_keras_tuner_does():
@@ -272,10 +280,4 @@ def test_a_signal_for_a_handler_that_was_replaced_ends_nothing():
         print("alive")
         """
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-        env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))},
-    )  # fmt: skip
-    assert result.returncode == 0 and "alive" in result.stdout, (
-        result.returncode, result.stdout,
-    )  # fmt: skip
+    assert_still_alive(code)
