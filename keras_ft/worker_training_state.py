@@ -16,7 +16,11 @@ import keras
 
 from keras_ft import backend as host
 from keras_ft import threads
-from keras_ft.checkpoint.errors import CheckpointWriteError, ProcessesDisagreeError
+from keras_ft.checkpoint.errors import (
+    CheckpointWriteError,
+    LeaseLapsedError,
+    ProcessesDisagreeError,
+)
 from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.format import is_url, local_path
 from keras_ft.checkpoint.lock import check_platform
@@ -530,6 +534,8 @@ class WorkerTrainingState:
                 after,
                 supersedes,
             )
+        except LeaseLapsedError:
+            raise  # Says itself why nothing was committed.
         except (OSError, ProcessesDisagreeError) as e:
             try:
                 committed = self._chief_store.checkpoints()

@@ -519,6 +519,41 @@ def test_a_second_trainer_never_breaks_the_first_on_a_bucket(s3_server):
     state.delete_backup()
 
 
+def test_a_lapsed_lease_taken_over_is_never_written_over(monkeypatch):
+    """The first writer's bucket comes back after a second writer took the
+    lapsed lease: the first never writes over it, and each of its saves is
+    refused as a write error (so `on_save_error="warn"` keeps training)."""
+    from keras_ft.checkpoint import remote
+    from keras_ft.checkpoint.errors import LeaseLapsedError
+    from keras_ft.checkpoint.store import open_store
+
+    monkeypatch.setenv(remote.LEASE_SECONDS_ENV, "1")
+    backup = f"memory://taken-{os.getpid()}-{time.monotonic_ns()}/chief"
+    first = remote.RemoteLease(open_store(backup).storage)
+    second = remote.RemoteLease(open_store(backup).storage)
+    first.acquire()
+    try:
+
+        def unreachable():
+            raise ConnectionError("bucket out of reach")
+
+        monkeypatch.setattr(first, "_write", unreachable)
+        time.sleep(1.6)
+        second.acquire()  # The first's heartbeat is older than a lease.
+        monkeypatch.undo()  # The bucket is back for the first writer.
+        time.sleep(1.2)  # Three beats of the first.
+        with pytest.raises(LeaseLapsedError, match="taken over") as info:
+            first.check()
+        assert isinstance(info.value, keras_ft.CheckpointWriteError)
+        assert isinstance(info.value, keras_ft.DirectoryInUseError)
+        assert first._read()["token"] == second._token
+        second.check()
+    finally:
+        first.release()
+        second.release()
+    assert first._read() is None
+
+
 def test_a_lease_that_cannot_be_renewed_stops_the_next_commit(data, monkeypatch):
     """The bucket goes out of reach for the heartbeat: once a takeover could
     have happened, the writer's next save is refused before its commit, and
@@ -541,8 +576,10 @@ def test_a_lease_that_cannot_be_renewed_stops_the_next_commit(data, monkeypatch)
         # The lease's writes; uploads use put_file and still work.
         monkeypatch.setattr(state.store.storage.fs, "pipe_file", unreachable)
         time.sleep(2.5)
-        with pytest.raises(keras_ft.DirectoryInUseError, match="not renewed"):
+        with pytest.raises(keras_ft.DirectoryInUseError, match="not renewed") as e:
             state.back_up(1)
+        # A write error too: `on_save_error="warn"` keeps training.
+        assert isinstance(e.value, keras_ft.CheckpointWriteError)
         assert [c.name for c in state.checkpoints()] == ["ckpt-00000001"]
     finally:
         monkeypatch.undo()

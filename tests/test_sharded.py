@@ -21,7 +21,14 @@ import threading
 import keras
 import numpy as np
 import pytest
-from conftest import TESTS_DIR, iterations, make_data, make_model, subprocess_env
+from conftest import (
+    TESTS_DIR,
+    checkpoint_entries,
+    iterations,
+    make_data,
+    make_model,
+    subprocess_env,
+)
 
 import keras_ft
 from keras_ft.checkpoint.errors import (
@@ -291,7 +298,7 @@ def test_processes_that_find_different_newest_checkpoints_stop_saying_so(tmp_pat
     # before the last commit of the run before).
     second = str(tmp_path / "second")
     shutil.copytree(first, second)
-    newest = sorted(os.listdir(os.path.join(second, "chief")))[-1]
+    newest = [n for n in checkpoint_entries(second) if n.startswith("ckpt-")][-1]
     shutil.rmtree(os.path.join(second, "chief", newest))
     port = str(free_ports(1)[0])
     workers = [

@@ -36,5 +36,14 @@ class CheckpointWriteError(CheckpointError, OSError):
     """A checkpoint could not be written; the previous ones are intact."""
 
 
+class LeaseLapsedError(CheckpointWriteError, DirectoryInUseError):
+    """A save was refused before its commit because the writer's lease on a
+    bucket went unrenewed long enough for another training to take it.
+
+    It is a write error (`on_save_error="warn"` keeps training and tries
+    again) as well as a `DirectoryInUseError`.
+    """
+
+
 class SaveCancelled(CheckpointError, Cancelled):
     """A save was called off before its commit; nothing was committed."""

@@ -42,7 +42,11 @@ from typing import IO, Any, TypeVar
 
 from keras_ft import threads
 from keras_ft.checkpoint import files as file_io
-from keras_ft.checkpoint.errors import DirectoryInUseError, SaveCancelled
+from keras_ft.checkpoint.errors import (
+    DirectoryInUseError,
+    LeaseLapsedError,
+    SaveCancelled,
+)
 from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.format import (
     MANIFEST_FILE,
@@ -462,6 +466,7 @@ class RemoteLease:
         self._beating: threading.Thread | None = None
         self._renewed = 0.0  # time.monotonic() of the last heartbeat written.
         self._failure: Exception | None = None  # Of the beats since then.
+        self._taken: dict | None = None  # Another writer's lease, found after a lapse.
 
     def _read(self) -> dict | None:
         try:
@@ -487,7 +492,7 @@ class RemoteLease:
         held = self._read()
         if held is not None and not self._expired(held):
             raise self._in_use(held)
-        self._token = secrets.token_hex(8)
+        self._token, self._taken = secrets.token_hex(8), None
         self._write()
         # Two writers that both found it free: the last write wins; the
         # other sees a token not its own and backs off.
@@ -502,9 +507,16 @@ class RemoteLease:
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(max(self.seconds / 3, 0.5)):
-            if self._token is None:
+            if self._token is None or self._taken is not None:
                 continue
             try:
+                if time.monotonic() - self._renewed > self.seconds:
+                    # Lapsed: another writer may hold it now; never write
+                    # over its lease (both would then commit).
+                    held = self._read()
+                    if held is not None and held.get("token") != self._token:
+                        self._taken = held
+                        continue
                 self._write()
             except Exception as e:  # Retried at the next beat; see check().
                 self._failure = e
@@ -517,18 +529,28 @@ class RemoteLease:
         calls it before each commit.
 
         Raises:
-            DirectoryInUseError: naming the last heartbeat's error.
+            LeaseLapsedError: naming the last heartbeat's error.
         """
         if self._token is None:
             return
+        if self._taken is not None:
+            raise LeaseLapsedError(
+                errno.EBUSY,
+                f"The lease on {self.directory} lapsed and was taken over by "
+                f"another training (pid {self._taken.get('pid')} on "
+                f"{self._taken.get('host')}), so this save is not committed. "
+                "Stop one of the two trainings; the next fit() of this one "
+                "waits for the other's lease to expire.",
+            )
         silent = time.monotonic() - self._renewed
         if silent > self.seconds:
-            raise DirectoryInUseError(
+            raise LeaseLapsedError(
+                errno.EBUSY,
                 f"The lease on {self.directory} was not renewed for {silent:.0f} s "
                 f"(last error: {type(self._failure).__name__}: {self._failure}); "
                 "another training may have taken the backup over, so this save "
                 "is not committed. Check that the bucket is reachable; the next "
-                "fit() takes the lease again."
+                "fit() takes the lease again.",
             )
 
     def release(self, remove: bool = False) -> None:
