@@ -66,10 +66,11 @@ def run_worker(args: argparse.Namespace) -> None:
         strategy = tf.distribute.MultiWorkerMirroredStrategy()
         scope = strategy.scope()
     else:
-        import jax
+        import keras_ft
 
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
+        # jax.distributed with a 10 s heartbeat (JAX's
+        # default keeps the survivors of a dead process waiting 100 s).
+        keras_ft.initialize_cluster(
             coordinator_address=f"127.0.0.1:{args.ports[0]}",
             num_processes=args.workers,
             process_id=args.index,

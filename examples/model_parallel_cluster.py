@@ -42,8 +42,11 @@ def run_worker(args: argparse.Namespace) -> None:
     import jax
 
     if args.processes > 1:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
+        import keras_ft
+
+        # jax.distributed with a 10 s heartbeat (JAX's
+        # default keeps the survivors of a dead process waiting 100 s).
+        keras_ft.initialize_cluster(
             coordinator_address=f"127.0.0.1:{args.port}",
             num_processes=args.processes,
             process_id=args.index,

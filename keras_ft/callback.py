@@ -21,11 +21,15 @@ from keras_ft.checkpoint.lock import check_platform
 from keras_ft.checkpoint.remote import filesystem
 from keras_ft.checkpoint.store import CheckpointWriteError
 from keras_ft.distribute.cluster import TaskSpec
-from keras_ft.distribute.launch import launch_from_environment
+from keras_ft.distribute.launch import (
+    launch_from_environment,
+    warn_of_jax_default_timeouts,
+)
 from keras_ft.state import NonFiniteStateError, ResumePoint, rng
 from keras_ft.state.training_state import optimizer_step
 from keras_ft.training import (
     callback_state,
+    exits,
     policy,
     restarts,
     resume,
@@ -360,6 +364,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._schedule.start(time.monotonic())
         self._reported_interval = None
         self._start_deadline(callback_list, task)
+        if task.num_workers > 1:
+            exits.exit_retryably_on_lost_peer()
+            warn_of_jax_default_timeouts(task.num_workers)
         launch = launch_from_environment()
         if launch is not None and task.is_chief:
             restarts.check_progress(

@@ -6,7 +6,7 @@ coordinator's address. `initialize_cluster()` reads them, as TensorLayer's
 `TaskSpec` read `TF_CONFIG`, and starts the backend's cluster with bounds a
 restart needs: JAX's coordination service with a 10 s heartbeat (its default,
 100 s, keeps every survivor of a dead peer waiting for over a minute) and a
-short shutdown barrier; TensorFlow's `TF_CONFIG` for
+bounded shutdown barrier; TensorFlow's `TF_CONFIG` for
 `MultiWorkerMirroredStrategy`. Framework differences are the point of this
 module, as of `cluster.py`.
 """
@@ -16,9 +16,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from collections.abc import Mapping
 
 from keras_ft.distribute.cluster import TaskSpec, current_task
+
+_jax_started_here = False  # By initialize_cluster(), with short timeouts.
+_jax_warned = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +97,12 @@ def launch_from_environment(environ: Mapping[str, str] | None = None) -> Launch 
 
 
 def initialize_cluster(
-    heartbeat_seconds: int = 10, shutdown_seconds: int = 10
+    heartbeat_seconds: int = 10,
+    shutdown_seconds: int = 60,
+    *,
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
 ) -> TaskSpec:
     """Starts this process's part of a training cluster from its launcher.
 
@@ -110,35 +119,68 @@ def initialize_cluster(
       `TF_CONFIG` yourself). Then create the strategy.
     - PyTorch: nothing (Keras trains one process on this backend).
 
-    Without a launcher in the environment it does nothing.
+    Without a launcher in the environment it does nothing, unless the JAX
+    cluster is given by the last three arguments (as to
+    `jax.distributed.initialize()`, which it then calls with the bounds
+    below).
 
     Args:
         heartbeat_seconds: JAX: how long a silent peer is waited for before
             every process is told it is gone. Defaults to `10`.
-        shutdown_seconds: JAX: how long a process waits for the others when
-            it leaves. Defaults to `10`.
+        shutdown_seconds: JAX: how long a process that is done waits for the
+            others to be done too (one still writing its outputs after
+            `fit()`, say) before JAX aborts it. A dead peer does not make
+            anyone wait this long: its heartbeat's silence, or the error a
+            collective raises (see `training/exits.py`), ends the others
+            first. Defaults to `60`.
+        coordinator_address: JAX: `"host:port"` of process 0's coordination
+            service, instead of the launcher's. Give all three or none.
+        num_processes: JAX: how many processes train.
+        process_id: JAX: this process's index, 0 to `num_processes - 1`.
 
     Returns:
         This process's role (`keras_ft.TaskSpec`).
     """
     import keras
 
-    launch = launch_from_environment()
-    if launch is None:
-        return current_task()
     backend = keras.backend.backend()
+    explicit = (coordinator_address, num_processes, process_id)
+    if any(value is not None for value in explicit):
+        if None in explicit or backend != "jax":
+            raise ValueError(
+                "Invalid arguments for `initialize_cluster()`: "
+                "`coordinator_address`, `num_processes` and `process_id` describe "
+                "a JAX cluster and go together. Received: "
+                f"coordinator_address={coordinator_address!r}, num_processes="
+                f"{num_processes!r}, process_id={process_id!r} on the {backend} "
+                "backend. On TensorFlow set TF_CONFIG instead."
+            )
+        launch = None
+        coordinator, world_size, rank = explicit
+    else:
+        launch = launch_from_environment()
+        if launch is None:
+            return current_task()
+        coordinator = f"{launch.address}:{launch.port + 1}"
+        world_size, rank = launch.world_size, launch.rank
     if backend == "jax":
         import jax
 
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(
-            coordinator_address=f"{launch.address}:{launch.port + 1}",
-            num_processes=launch.world_size,
-            process_id=launch.rank,
+            coordinator_address=coordinator,
+            num_processes=world_size,
+            process_id=rank,
             heartbeat_timeout_seconds=heartbeat_seconds,
             shutdown_timeout_seconds=shutdown_seconds,
         )
-    elif backend == "tensorflow" and not os.environ.get("TF_CONFIG"):
+        global _jax_started_here
+        _jax_started_here = True
+    elif (
+        launch is not None
+        and backend == "tensorflow"
+        and not os.environ.get("TF_CONFIG")
+    ):
         if not launch.single_host:
             raise ValueError(
                 f"keras-ft: {launch.launcher} runs processes on several hosts, and "
@@ -153,3 +195,28 @@ def initialize_cluster(
             {"cluster": {"worker": workers}, "task": task}
         )
     return current_task()
+
+
+def warn_of_jax_default_timeouts(num_workers: int) -> None:
+    """Warns once in a multi-process JAX run that `initialize_cluster()` did
+    not start: JAX does not say which timeouts it was given, and its
+    defaults keep the survivors of a dead peer waiting for minutes."""
+    global _jax_warned
+    if _jax_warned or _jax_started_here or num_workers <= 1:
+        return
+    import keras
+
+    if keras.backend.backend() != "jax":
+        return
+    _jax_warned = True
+    warnings.warn(
+        "keras-ft: jax.distributed was not started by "
+        "keras_ft.initialize_cluster(). If it runs with JAX's defaults "
+        "(heartbeat_timeout_seconds=100, shutdown_timeout_seconds=300), a dead "
+        "or frozen process keeps every other one waiting for 100 s or more "
+        "before the job can be restarted. Call keras_ft.initialize_cluster() "
+        "instead, or pass jax.distributed.initialize(..., "
+        "heartbeat_timeout_seconds=10, shutdown_timeout_seconds=10) and "
+        "filter this warning.",
+        stacklevel=3,
+    )
