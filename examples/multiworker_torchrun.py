@@ -12,8 +12,10 @@ resumes from the chief's last backup at the same step. A stuck worker ends
 itself with exit status 75 (`stall_timeout`), which torchrun restarts too.
 
 `--kill-at STEP` makes worker 1 SIGKILL itself at that optimizer step on the
-first attempt, to watch a restart; `--out PREFIX` writes each worker's final
-step and weights to `PREFIX-<rank>.npz` (for the tests).
+first attempt, to watch a restart; `--block-at STEP` makes it hang for good
+there (a deadlock, a stalled read), to watch `--stall-timeout` end the job;
+`--out PREFIX` writes each worker's final step and weights to
+`PREFIX-<rank>.npz` (for the tests).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import contextlib
 import os
 import signal
+import threading
 import time
 
 import keras_ft  # Imports neither Keras nor a backend.
@@ -36,6 +39,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--seconds-per-batch", type=float, default=0.0)
     parser.add_argument("--epochs", type=int, default=EPOCHS)
+    parser.add_argument("--block-at", type=int, default=0)
+    parser.add_argument("--stall-timeout", type=float, default=None)
+    parser.add_argument("--grace-period", type=float, default=25.0)
     args = parser.parse_args()
 
     # First, before any other framework call: the cluster from torchrun.
@@ -75,12 +81,16 @@ def main() -> None:
             step = int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))
             if first_attempt and task.task_index == 1 and step == args.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if first_attempt and task.task_index == 1 and step == args.block_at:
+                print(f"worker 1: blocked at optimizer step {step}", flush=True)
+                threading.Event().wait()
             time.sleep(args.seconds_per_batch)
 
-    model.fit(
-        **data, epochs=args.epochs, verbose=0,
-        callbacks=[keras_ft.BackupAndRestore(args.backup_dir, save_freq=2), KillAt()],
+    backup = keras_ft.BackupAndRestore(
+        args.backup_dir, save_freq=2, grace_period=args.grace_period,
+        stall_timeout=args.stall_timeout,
     )  # fmt: skip
+    model.fit(**data, epochs=args.epochs, verbose=0, callbacks=[backup, KillAt()])
     step = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
     print(f"worker {task.task_index}: finished at optimizer step {step}", flush=True)
     if args.out:

@@ -129,16 +129,15 @@ def test_torchrun_restarts_the_group_and_the_run_ends_as_an_uninterrupted_one(
                 np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
-@pytest.mark.skipif(
+CLUSTER_BACKENDS = pytest.mark.skipif(
     keras.backend.backend() not in ("tensorflow", "jax"),
     reason="the coordination services of TensorFlow and JAX",
 )
-@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP])
-def test_a_dead_or_frozen_peer_ends_the_other_process_within_15_s(tmp_path, fault):
-    """Set up by `initialize_cluster()` (10 s heartbeat; JAX's default is
-    100 s), the surviving process leaves by itself, with the retryable status
-    (75) when the framework raises an error, or JAX's abort (SIGABRT) when its
-    coordination service ends the process first (a frozen peer)."""
+
+
+def start_pair(backup_dir: str, *args: str) -> list[subprocess.Popen]:
+    """Two processes of the example as torchrun would start them (without
+    its agent), once the chief has committed a backup."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -148,18 +147,32 @@ def test_a_dead_or_frozen_peer_ends_the_other_process_within_15_s(tmp_path, faul
         env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # fmt: skip
         processes.append(subprocess.Popen(
-            [sys.executable, EXAMPLE, "--backup-dir", str(tmp_path / "b"),
-             "--epochs", "100", "--seconds-per-batch", "0.1"],
+            [sys.executable, EXAMPLE, "--backup-dir", backup_dir,
+             "--epochs", "100", "--seconds-per-batch", "0.1", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         ))  # fmt: skip
+    chief = os.path.join(backup_dir, "chief")
+    deadline = time.monotonic() + 120
+    while not (os.path.isdir(chief) and any(
+        n.startswith("ckpt-") for n in os.listdir(chief)
+    )):  # fmt: skip
+        if time.monotonic() > deadline or processes[0].poll() is not None:
+            for process in processes:
+                process.kill()
+            raise AssertionError(processes[0].communicate()[0][-3000:])
+        time.sleep(0.1)
+    return processes
+
+
+@CLUSTER_BACKENDS
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_dead_or_frozen_peer_ends_the_other_process_within_15_s(tmp_path, fault):
+    """Set up by `initialize_cluster()` (10 s heartbeat; JAX's default is
+    100 s), the surviving process leaves by itself, with the retryable status
+    (75) when the framework raises an error, or JAX's abort (SIGABRT) when its
+    coordination service ends the process first (a frozen peer)."""
+    processes = start_pair(str(tmp_path / "b"))
     try:
-        chief = os.path.join(str(tmp_path / "b"), "chief")
-        deadline = time.monotonic() + 120
-        while not (os.path.isdir(chief) and any(
-            n.startswith("ckpt-") for n in os.listdir(chief)
-        )):  # fmt: skip
-            assert time.monotonic() < deadline and processes[0].poll() is None
-            time.sleep(0.1)
         processes[1].send_signal(fault)
         started = time.monotonic()
         out, _ = processes[0].communicate(timeout=60)
@@ -172,3 +185,45 @@ def test_a_dead_or_frozen_peer_ends_the_other_process_within_15_s(tmp_path, faul
         expected = {RETRYABLE_EXIT_CODE, -signal.SIGABRT}
     assert processes[0].returncode in expected, out[-3000:]
     assert took < 15, f"the surviving process took {took:.1f} s to leave"
+
+
+@CLUSTER_BACKENDS
+def test_a_stuck_worker_ends_the_whole_job_with_the_retryable_status(tmp_path):
+    """Worker 1's main thread hangs for good in a callback (alive, its
+    runtime heart-beating); worker 0 waits in the collective. Both leave with
+    status 75 once no batch has ended for `stall_timeout`."""
+    processes = start_pair(
+        str(tmp_path / "b"), "--block-at", "6", "--stall-timeout", "5"
+    )
+    try:
+        outs = [process.communicate(timeout=90)[0] for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    assert "worker 1: blocked at optimizer step 6" in outs[1]
+    for process, out in zip(processes, outs, strict=True):
+        assert process.returncode == RETRYABLE_EXIT_CODE, out[-3000:]
+    assert "no batch ended" in outs[1], outs[1][-3000:]
+
+
+@CLUSTER_BACKENDS
+def test_sigterm_ends_a_worker_blocked_in_a_collective(tmp_path):
+    """Worker 1 hangs, so worker 0 is blocked inside a collective where no
+    Python handler runs; the scheduler's SIGTERM still ends it within its
+    grace period, saying that no final backup was written."""
+    processes = start_pair(
+        str(tmp_path / "b"), "--block-at", "6", "--stall-timeout", "300",
+        "--grace-period", "3",
+    )  # fmt: skip
+    try:
+        time.sleep(2)  # Worker 0 is in the step after 6 by now.
+        processes[0].send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        out = processes[0].communicate(timeout=60)[0]
+        took = time.monotonic() - started
+    finally:
+        for process in processes:
+            process.kill()
+    assert processes[0].returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert 3 <= took < 15, took
+    assert "without a final backup" in out, out[-3000:]
