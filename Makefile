@@ -69,6 +69,7 @@ bench: venv
 	$(PY) benchmarks/orbax_peer.py --every-epoch --epochs 3 --batches 4 --rounds 1
 	$(PY) benchmarks/sharded.py --units 4096  # 1, 2, 4 JAX processes, ModelParallel, 19M.
 	$(PY) benchmarks/scaling.py  # 5M to 200M parameters (cold restores need root).
+	$(PY) benchmarks/failures.py  # Detection, torchrun relaunch, goodput under kills.
 
 # SIGKILL at random moments, keras-ft vs Keras' own callback: `make fuzz BACKEND=jax`.
 BACKEND ?= tensorflow

@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--block-at", type=int, default=0)
     parser.add_argument("--stall-timeout", type=float, default=None)
     parser.add_argument("--grace-period", type=float, default=25.0)
+    # Keeps the backup (and its goodput records) once the training is done.
+    parser.add_argument("--keep-backup", action="store_true")
     args = parser.parse_args()
 
     # First, before any other framework call: the cluster from torchrun.
@@ -88,7 +90,7 @@ def main() -> None:
 
     backup = keras_ft.BackupAndRestore(
         args.backup_dir, save_freq=2, grace_period=args.grace_period,
-        stall_timeout=args.stall_timeout,
+        stall_timeout=args.stall_timeout, delete_checkpoint=not args.keep_backup,
     )  # fmt: skip
     model.fit(**data, epochs=args.epochs, verbose=0, callbacks=[backup, KillAt()])
     step = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
