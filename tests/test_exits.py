@@ -77,3 +77,32 @@ def test_an_uncaught_error_ends_the_process_with_its_status(tmp_path, kind, stat
     said = "Exiting with status 75 (retryable)"
     assert (said in done.stderr) == (kind == "peer")
     assert done.stderr.count("Traceback") == 1
+
+
+@ONCE
+def test_the_documented_scheduler_policies_use_the_codes_keras_ft_exits_with():
+    """The YAML in the design notes parses, and its exit codes are the ones
+    the package uses: preempted, retryable (a stall or a lost peer, or JAX's
+    abort), and a bug."""
+    import re
+    import signal
+
+    import yaml
+    from conftest import TESTS_DIR
+
+    with open(f"{TESTS_DIR}/../docs/design.md") as f:
+        blocks = re.findall(r"```yaml\n(.*?)```", f.read(), re.S)
+    policies = [yaml.safe_load(textwrap.dedent(block)) for block in blocks]
+    pod = next(p["podFailurePolicy"] for p in policies if "podFailurePolicy" in p)
+    codes = {r["action"]: r["onExitCodes"]["values"] for r in pod["rules"]}
+    assert codes == {
+        "Ignore": [128 + signal.SIGTERM],
+        "Count": [exits.RETRYABLE_EXIT_CODE, 128 + signal.SIGABRT],
+        "FailJob": [1],
+    }
+    jobset = next(p for p in policies if "failurePolicy" in p)
+    [job] = jobset["replicatedJobs"]
+    assert job["template"]["spec"]["podFailurePolicy"]["rules"] == [
+        {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [1]}}
+    ]
+    assert jobset["failurePolicy"]["rules"][0]["action"] == "FailJobSet"
