@@ -110,11 +110,15 @@ def test_torchrun_restarts_the_group_and_the_run_ends_as_an_uninterrupted_one(
     tmp_path,
 ):
     """Worker 1 is SIGKILLed at step 13 (the last backup at step 12): torchrun
-    stops worker 0 and starts both again; they resume at step 12 and end with
-    the weights of a run that was never killed."""
+    stops worker 0 (or sees it exit with 75) and starts both again; they
+    resume at step 12 and end with the weights of a run that was never
+    killed."""
     killed = torchrun(str(tmp_path / "a"), str(tmp_path / "killed"), "--kill-at", "13")
     assert killed.returncode == 0, killed.stderr[-3000:]
-    assert "exitcode: -9" in killed.stderr  # torchrun saw the SIGKILL.
+    # torchrun saw the SIGKILL, or first the survivor's retryable exit (on
+    # JAX, gloo's error reaches it within 0.1 s).
+    failures = ("exitcode: -9", f"exitcode: {RETRYABLE_EXIT_CODE}")
+    assert any(failure in killed.stderr for failure in failures), killed.stderr
     resumed = [x for x in killed.stdout.splitlines() if "resuming at" in x]
     assert len(resumed) == 2 and all("optimizer step 12" in x for x in resumed)
     whole = torchrun(str(tmp_path / "b"), str(tmp_path / "whole"))
