@@ -91,6 +91,14 @@ def test_without_a_capability_backups_still_work_and_it_is_named(
     with compat.disabled(name), warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
         resumed = interrupted_and_resumed(str(tmp_path / "backup"), data_module)
+        # A restore into a model fit() has not built: from its build_config.
+        saved = make_model()
+        saved.fit(*data_module, epochs=1, batch_size=16, verbose=0)
+        state = keras_ft.WorkerTrainingState(saved, str(tmp_path / "one"))
+        state.back_up(0)
+        state.wait()
+        unbuilt = make_model(built=False)
+        keras_ft.WorkerTrainingState(unbuilt, str(tmp_path / "one")).restore()
     named = [
         str(w.message)
         for w in warned
@@ -101,6 +109,8 @@ def test_without_a_capability_backups_still_work_and_it_is_named(
     assert "turned off" in named[0] and "still work" in named[0]
     # The same training, to the bit: only speed or side features are lost.
     for a, b in zip(reference, resumed, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(weights_of(saved), weights_of(unbuilt), strict=True):
         np.testing.assert_array_equal(a, b)
 
 

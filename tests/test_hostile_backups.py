@@ -22,6 +22,7 @@ import time
 import warnings
 
 import h5py
+import keras
 import numpy as np
 import pytest
 from conftest import make_data, make_model, run_once_on
@@ -251,6 +252,34 @@ def odd_names(newest, outside):
     shutil.rmtree(newest)  # So that ckpt-00000002 is the one a resume uses.
 
 
+def retyped_weights(newest, outside, as_string: bool):
+    """Every float32 value of the weights file rewritten as float16 (or as
+    the string of its first element), with a valid manifest."""
+    path = os.path.join(newest, "model.weights.h5")
+    with h5py.File(path, "a") as f:
+        names = []
+        f.visititems(
+            lambda name, item: (
+                names.append(name)
+                if isinstance(item, h5py.Dataset) and item.dtype == np.float32
+                else None
+            )
+        )
+        for name in names:
+            value = f[name][()]
+            del f[name]
+            f[name] = str(value.flat[0]) if as_string else value.astype("float16")
+    reseal(newest)
+
+
+def float16_weights(newest, outside):
+    retyped_weights(newest, outside, as_string=False)
+
+
+def string_weights(newest, outside):
+    retyped_weights(newest, outside, as_string=True)
+
+
 CASES = {
     "symlinked manifest": (symlinked_manifest, "symlink"),
     "symlinked weights file": (symlinked_weights, "model.weights.h5"),
@@ -268,6 +297,7 @@ CASES = {
     "unlisted shards.json": (unlisted_shard_table, "does not list"),
     "symlinked checkpoint directory": (symlinked_checkpoint, None),
     "odd checkpoint names": (odd_names, None),
+    "weights as strings": (string_weights, "not numbers"),
 }
 
 
@@ -413,3 +443,63 @@ def test_hostile_objects_in_a_bucket_fall_back_or_are_ignored():
     assert "ckpt-00000003" in said and "not valid JSON" in said, said
     assert "ckpt-00000002" in said and "does not list" in said, said
     assert point.checkpoint.endswith("ckpt-00000001")
+
+
+def test_a_forged_build_config_is_refused_before_the_model_is_built(tmp_path):
+    """An unbuilt model is built from the backup's build_config: one forged
+    to build a 4 GB kernel is refused as damage (the copy of the model that
+    measures it allocates nothing), and the restore falls back."""
+    x, y = make_data()
+    model = make_model(built=False)
+    backup = str(tmp_path / "backup")
+    state = keras_ft.WorkerTrainingState(model, backup, keep=3)
+    for epoch in range(2):
+        model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+        state.back_up(epoch)
+    state.wait()
+    newest = os.path.join(backup, "chief", "ckpt-00000002")
+    path = os.path.join(newest, "metadata.json")
+    with open(path) as f:
+        metadata = json.load(f)
+    assert metadata["build_config"]["input_shape"][-1] == 4
+    metadata["build_config"]["input_shape"][-1] = 1 << 27  # 1 << 27 x 8 floats.
+    with open(path, "w") as f:
+        json.dump(metadata, f)
+    reseal(newest)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+
+    fresh = make_model(built=False)
+    state = keras_ft.WorkerTrainingState(fresh, backup)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        point = bounded(state.restore)
+    said = " ".join(str(w.message) for w in caught)
+    assert point.checkpoint.endswith("ckpt-00000001"), said
+    assert "ckpt-00000002" in said and "build_config" in said, said
+    assert [tuple(w.shape) for w in fresh.weights][0] == (4, 8)
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10) - peak
+    assert grown < MEMORY_BOUND, f"the peak memory grew by {grown >> 20} MB"
+    fresh.fit(x, y, epochs=1, batch_size=16, verbose=0)  # Trains on.
+
+
+@ONCE
+def test_weights_of_another_dtype_are_refused_by_the_restore_not_cast(world):
+    """float16 values where the model saves float32, with a valid manifest:
+    only a restore knows the model's dtypes, and it falls back rather than
+    casting them."""
+    backup, newest, outside = world
+    float16_weights(newest, outside)
+    model = make_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        point = keras_ft.WorkerTrainingState(model, backup).restore()
+    said = " ".join(str(w.message) for w in caught)
+    assert point.checkpoint.endswith("ckpt-00000002"), said
+    assert "ckpt-00000003" in said and "float16" in said and "cast" in said, said
+    # What watch() yields is loaded with load_checkpoint(): refused, clearly.
+    with pytest.raises(keras_ft.CorruptCheckpointError, match="float16"):
+        keras_ft.load_checkpoint(newest, make_model())
+    before = [keras.ops.convert_to_numpy(v) for v in model.weights]
+    keras_ft.load_checkpoint(os.path.join(backup, "chief", "ckpt-00000002"), model)
+    for a, b in zip(before, model.weights, strict=True):
+        np.testing.assert_array_equal(a, keras.ops.convert_to_numpy(b))

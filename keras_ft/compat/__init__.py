@@ -7,6 +7,7 @@ lost, for each capability it cannot use. No other module of keras-ft
 touches a private Keras name or walks stack frames.
 """
 
+from keras_ft.compat.building import planned_variables
 from keras_ft.compat.multi_worker import (
     CHECKED_KERAS_VERSIONS,
     install_multi_worker_fixes,
@@ -63,6 +64,7 @@ __all__ = [
     "keras_version",
     "load_with_keras_walk",
     "names",
+    "planned_variables",
     "print_msg",
     "probe",
     "raise_loading_failure",

@@ -1,7 +1,8 @@
 """What a checkpoint's own files must hold, checked without Keras: its
-metadata's shape and its arrays file. A backup is untrusted input: a
-checkpoint whose checksums match but whose contents are not keras-ft's is
-damaged (`keras-ft verify`, `watch()` and the restore agree on that).
+metadata's shape, its arrays file, and its weights file's HDF5 structure.
+A backup is untrusted input: a checkpoint whose checksums match but whose
+contents are not keras-ft's is damaged (`keras-ft verify`, `watch()` and
+the restore agree on that).
 """
 
 from __future__ import annotations
@@ -10,10 +11,14 @@ import os
 from collections.abc import Callable
 from typing import IO, Any
 
+import h5py
+
 from keras_ft.checkpoint.errors import CorruptCheckpointError
-from keras_ft.state import arrays
+from keras_ft.state import arrays, hdf5
 
 STATE_FORMAT_VERSION = 1
+# A checkpoint's weights file: the name `model.save_weights()` takes.
+WEIGHTS_FILE = "model.weights.h5"
 
 
 def inspect(metadata: Any, open_file: Callable[[str], IO[bytes]], where: str) -> None:
@@ -30,6 +35,12 @@ def inspect(metadata: Any, open_file: Callable[[str], IO[bytes]], where: str) ->
     check_metadata(metadata, where)
     with open_file(arrays.ARRAYS_FILE) as f:
         arrays.read(f, os.path.join(where, arrays.ARRAYS_FILE))
+    try:
+        weights = open_file(WEIGHTS_FILE)
+    except FileNotFoundError:  # A sharded checkpoint: its shards hold the values.
+        return
+    with weights, h5py.File(weights, "r") as f:
+        hdf5.check_plain(f, os.path.join(where, WEIGHTS_FILE))
 
 
 def check_metadata(metadata: Any, directory: str) -> None:

@@ -3,8 +3,8 @@
 HDF5 can make a reader open other files (external links, external raw
 storage, virtual datasets) or allocate far more memory than the file holds
 (a compressed dataset of zeros, a declared size with no data behind it).
-Every HDF5 file keras-ft writes stores each dataset contiguously and whole,
-inside the file, reached by plain (hard) links: anything else in a file it
+Every HDF5 file keras-ft writes stores numbers, each dataset contiguously and
+whole, inside the file, reached by plain (hard) links: anything else in a file it
 reads is refused, before a single value is read, as a damaged checkpoint.
 """
 
@@ -38,7 +38,9 @@ def check_plain(f: h5py.Group, path: str) -> None:
         item = f.get(name, getlink=False)
         if not isinstance(item, h5py.Dataset):
             return
-        if item.external or item.is_virtual:
+        if item.dtype.kind not in NUMERIC_KINDS and not _is_bfloat16(item):
+            problems.append(f"{name} holds {item.dtype}, not numbers")
+        elif item.external or item.is_virtual:
             problems.append(f"{name} reads its data from another file")
         elif item.chunks is not None or item.compression is not None:
             problems.append(f"{name} is chunked or compressed")
@@ -56,6 +58,11 @@ def check_plain(f: h5py.Group, path: str) -> None:
             os.path.dirname(path),
             f"{os.path.basename(path)}: {problems[0]}",
         )
+
+
+def _is_bfloat16(dataset: h5py.Dataset) -> bool:
+    """Keras' and keras-ft's bfloat16: 2 bytes, marked by an attribute."""
+    return dataset.dtype.itemsize == 2 and dataset.attrs.get("dtype") == "bfloat16"
 
 
 def _has_handle(f: h5py.File) -> bool:

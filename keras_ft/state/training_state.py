@@ -16,14 +16,17 @@ import dataclasses
 import functools
 import json
 import os
+import stat
 import time
 import warnings
 from typing import Any
 
 import keras
+import ml_dtypes
 import numpy as np
 
 from keras_ft import backend as host
+from keras_ft import compat
 from keras_ft.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from keras_ft.checkpoint.files import ReadProgress
 from keras_ft.checkpoint.store import METADATA_FILE
@@ -251,8 +254,13 @@ class TrainingState:
         else `apply()` reads them itself. With `progress` (of the
         checkpoint's verification), reads only what it has read.
         """
-        extra = _extra(directory, _read_metadata(directory))
-        return ReadAhead(self._read_weights(directory, progress), extra)
+        metadata = _read_metadata(directory)
+        extra = _extra(directory, metadata)
+        self._check_build_config(directory, metadata)
+        weights = self._read_weights(directory, progress)
+        if weights is None:  # Not this model's layout: checked before parsing.
+            self._check_weights_file(directory, progress)
+        return ReadAhead(weights, extra)
 
     def _read_weights(
         self, directory: str, progress: ReadProgress | None
@@ -303,6 +311,8 @@ class TrainingState:
         """
         if read is None:  # Checked before anything is loaded.
             read = ReadAhead(None, _extra(directory, metadata))
+            self._check_build_config(directory, metadata)
+            self._check_weights_file(directory)
         values = read.weights
         changes = configuration.differences(
             metadata.get("configuration"), self.configuration()
@@ -387,6 +397,51 @@ class TrainingState:
             ]
             for i, v in enumerate(self.saved_variables())
         ]
+
+    def _check_build_config(self, directory: str, metadata: dict) -> None:
+        """Refuses a `build_config` that would build more than the backup holds.
+
+        An unbuilt model is built from the backup's `build_config` (see
+        `_ensure_built()`); a forged input shape could make that build
+        allocate any amount of memory. A copy of the model is built first
+        without allocating: every variable a true build_config makes is in
+        the checkpoint's files, so variables larger than those files are
+        refused as damage before the real build.
+        """
+        build_config = metadata.get("build_config")
+        if self.model.built or not build_config:
+            return
+        try:
+            planned = compat.planned_variables(self.model, build_config)
+        except Exception as e:
+            raise CorruptCheckpointError(
+                directory,
+                f"its build_config cannot build model {self.model.name!r} "
+                f"({type(e).__name__}: {e})",
+            ) from None
+        if planned is None:
+            _warn_unchecked_build(self.model)
+            return
+        needed = sum(_nbytes(shape, dtype) for shape, dtype in planned)
+        held = _files_size(directory)
+        if needed > held:
+            raise CorruptCheckpointError(
+                directory,
+                f"its build_config would build model {self.model.name!r} with "
+                f"{needed} bytes of variables, but its files hold {held} bytes",
+            )
+
+    def _check_weights_file(
+        self, directory: str, progress: ReadProgress | None = None
+    ) -> None:
+        """`weights_load.check()` of a checkpoint's weights file, once the
+        checkpoint's verification has read all of it."""
+        path = os.path.join(directory, WEIGHTS_FILE)
+        if sharded.is_sharded_checkpoint(directory) or not os.path.exists(path):
+            return
+        if progress is not None:
+            progress.wait_for(WEIGHTS_FILE, os.path.getsize(path))
+        weights_load.check(path, self._weights if self.model.built else None)
 
     def _ensure_built(self, metadata: dict) -> None:
         model = self.model
@@ -484,6 +539,42 @@ def _extra(directory: str, metadata: Any) -> dict:
         return arrays.join(metadata.get("state", {}), state)
     except ValueError as e:
         raise CorruptCheckpointError(directory, str(e)) from None
+
+
+def _nbytes(shape: tuple, dtype: str) -> int:
+    try:
+        itemsize = np.dtype(getattr(ml_dtypes, dtype, dtype)).itemsize
+    except TypeError:
+        itemsize = 1  # Unknown to NumPy: the smallest, so never refused for it.
+    return int(np.prod(shape, dtype=object)) * itemsize
+
+
+def _files_size(directory: str) -> int:
+    """Bytes in the regular files of a checkpoint directory and its subdirectories."""
+    total = 0
+    for root, _, names in os.walk(directory):
+        for name in names:
+            status = os.lstat(os.path.join(root, name))
+            if stat.S_ISREG(status.st_mode):
+                total += status.st_size
+    return total
+
+
+_warned_unchecked: set[str] = set()
+
+
+def _warn_unchecked_build(model: keras.Model) -> None:
+    kind = type(model).__name__
+    if kind in _warned_unchecked:
+        return
+    _warned_unchecked.add(kind)
+    warnings.warn(
+        f"keras-ft: model {model.name!r} ({kind}) cannot be copied from its "
+        "config, so the build_config of a backup is not checked before the "
+        "model is built from it. Build the model before `fit()` (call it on a "
+        "batch, or give it an `Input`) so that a restore builds nothing.",
+        stacklevel=4,
+    )
 
 
 def _read_metadata(directory: str) -> dict:

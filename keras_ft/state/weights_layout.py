@@ -43,6 +43,7 @@ import numpy as np
 from keras_ft import backend as host
 from keras_ft import compat
 from keras_ft.state import hdf5
+from keras_ft.state.contents import WEIGHTS_FILE
 from keras_ft.state.weights_copy import (
     CapturedWeights,
     CopyBuffer,
@@ -62,8 +63,6 @@ _ALIGN_THRESHOLD = 64 * 1024
 _ALIGN = 4096
 # Element types a weights file may hold; anything else is not ours to read.
 _NUMERIC_KINDS = "biuf"
-# A checkpoint's weights file: the name `model.save_weights()` takes.
-WEIGHTS_FILE = "model.weights.h5"
 # The group holding the own values of the variables Keras' walk changes.
 EXACT_GROUP = "keras_ft_exact"
 
@@ -141,6 +140,16 @@ class WeightsLayout:
             for slot in group.slots
             if slot.offset is not None
         ]
+
+    def dataset_dtypes(self) -> dict[str, np.dtype]:
+        """`{HDF5 path: dtype}` of every dataset the model's own save writes,
+        or `{}` where Keras' walk is unavailable (the file is then Keras')."""
+        self._ensure_laid_out()
+        return {
+            f"{group.path}/vars/{slot.key}".lstrip("/"): slot.dtype
+            for group in self._groups
+            for slot in group.slots
+        }
 
     def prepare(self, copy: bool = True) -> None:
         """Walks the model now rather than at the first capture; with `copy`,

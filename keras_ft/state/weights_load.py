@@ -24,6 +24,8 @@ import numpy as np
 
 from keras_ft import backend as host
 from keras_ft import compat
+from keras_ft.checkpoint.errors import CorruptCheckpointError
+from keras_ft.state import hdf5
 from keras_ft.state.weights_copy import Slot, slot_view
 from keras_ft.state.weights_layout import (
     EXACT_GROUP,
@@ -152,6 +154,48 @@ def load(
         load_exact_store(model, {k: host.for_assign(v) for k, v in exact.items()})
 
 
+def check(path: str, layout: WeightsLayout | None = None) -> None:
+    """Checks a backup's weights file before anything of it is loaded.
+
+    The file must be plain HDF5 (`hdf5.check_plain()`: no links to other
+    files, nothing compressed or declared larger than stored), and, where
+    `layout` knows what the model's own save writes, each of its datasets
+    must have that dtype: a value is loaded as saved, never cast.
+
+    Raises:
+        CorruptCheckpointError: naming the file and what is wrong.
+    """
+    directory, name = os.path.split(path)
+    expected = layout.dataset_dtypes() if layout is not None else {}
+    try:
+        with h5py.File(path, "r") as f:
+            hdf5.check_plain(f, path)
+            found: list[tuple[str, np.dtype]] = []
+
+            def visit(dataset_name: str, item: Any) -> None:
+                if isinstance(item, h5py.Dataset) and dataset_name in expected:
+                    found.append((dataset_name, _dtype_of(item)))
+
+            f.visititems(visit)
+    except OSError as e:
+        raise CorruptCheckpointError(
+            directory, f"{name} cannot be read as HDF5 ({e})"
+        ) from None
+    for dataset_name, dtype in found:
+        if dtype != expected[dataset_name]:
+            raise CorruptCheckpointError(
+                directory,
+                f"{name}: {dataset_name} is {dtype}, but the model saves it as "
+                f"{expected[dataset_name]} (values are loaded as saved, never cast)",
+            )
+
+
+def _dtype_of(dataset: h5py.Dataset) -> np.dtype:
+    if dataset.attrs.get("dtype") == "bfloat16" and dataset.dtype.itemsize == 2:
+        return np.dtype(ml_dtypes.bfloat16)
+    return dataset.dtype
+
+
 def load_with_keras(model: keras.Model, path: str) -> None:
     """`model.load_weights()`, then the variables' own values on top."""
     model.load_weights(path)
@@ -190,10 +234,8 @@ def _contiguous_datasets(path: str, size: int) -> dict[str, list[Slot]] | None:
             plain = False
             return
         group = parent[: -len("vars")].rstrip("/")
-        dtype = dataset.dtype
-        if dataset.attrs.get("dtype") == "bfloat16" and dtype.itemsize == 2:
-            dtype = np.dtype(ml_dtypes.bfloat16)
-        elif dtype.kind not in _NUMERIC_KINDS:
+        dtype = _dtype_of(dataset)
+        if dtype != ml_dtypes.bfloat16 and dtype.kind not in _NUMERIC_KINDS:
             plain = False
             return
         slot = Slot(key, tuple(dataset.shape), dtype, dataset.id.get_offset())
