@@ -503,3 +503,88 @@ def test_weights_of_another_dtype_are_refused_by_the_restore_not_cast(world):
     keras_ft.load_checkpoint(os.path.join(backup, "chief", "ckpt-00000002"), model)
     for a, b in zip(before, model.weights, strict=True):
         np.testing.assert_array_equal(a, keras.ops.convert_to_numpy(b))
+
+
+@ONCE
+def test_a_checkpoint_swapped_for_a_link_after_it_was_listed_is_not_read(world):
+    """The race a check-then-open loses: `ckpt-00000003` is replaced by a
+    link to an outside copy of itself (same bytes, so every checksum
+    matches) after `watch()` listed it and before it is loaded. Every file
+    is checked on its open descriptor: nothing outside is read."""
+    backup, newest, outside = world
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        listed = list(keras_ft.watch(backup, timeout=0))
+    assert [c.sequence for c in listed] == [1, 2, 3]
+    copy = os.path.join(outside, "ckpt-00000003")
+    shutil.copytree(newest, copy)
+    for root, _, names in os.walk(copy):
+        for name in names:
+            os.utime(os.path.join(root, name), (0, time.time()))
+    shutil.rmtree(newest)
+    os.symlink(copy, newest)
+    before = outside_state(outside)
+
+    model = make_model()
+    with pytest.raises(keras_ft.CheckpointError, match="ckpt-00000003"):
+        keras_ft.load_checkpoint(listed[-1], model)
+    for name in ("metadata.json", "model.weights.h5"):  # The check itself.
+        with pytest.raises(ValueError, match="symlink"):
+            file_io.open_regular(os.path.join(newest, name), depth=3)
+    os.close(file_io.open_regular(os.path.join(newest, "metadata.json")))  # Depth 1.
+    # The restore lists again, and falls back.
+    state = keras_ft.WorkerTrainingState(make_model(), backup)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert state.restore().checkpoint.endswith("ckpt-00000002")
+    after = outside_state(outside)
+    assert {p: v[:2] for p, v in after.items()} == {p: v[:2] for p, v in before.items()}
+    if atime_tells_reads(outside):
+        read = [p for p in after if after[p][2] != before[p][2]]
+        assert read == [], f"read outside the backup: {read}"
+
+
+@ONCE
+def test_a_planted_spare_link_is_never_written_through(tmp_path):
+    """A `.spare-*` link to an outside directory holding a file of the
+    weights file's name: the next saves neither move nor overwrite it."""
+    x, y = make_data()
+    model = make_model(units=20000)  # Files big enough to be recycled.
+    backup = str(tmp_path / "backup")
+    state = keras_ft.WorkerTrainingState(model, backup, keep=1)
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    state.back_up(0)
+    state.wait()
+    chief = os.path.join(backup, "chief")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "model.weights.h5"
+    victim.write_bytes(SECRET * 4096)
+    os.symlink(outside, os.path.join(chief, ".spare-000000000000"))
+    for epoch in range(1, 4):
+        model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+        state.back_up(epoch)
+    state.wait()
+    assert victim.read_bytes() == SECRET * 4096
+    assert sorted(os.listdir(outside)) == ["model.weights.h5"]
+    assert keras_ft.WorkerTrainingState(make_model(units=20000), backup).restore()
+
+
+@ONCE
+def test_a_staging_directory_swapped_for_a_link_is_written_as_opened(tmp_path):
+    """The files of a save go into the staging directory as it was opened:
+    if its name is swapped for a link meanwhile, nothing lands outside."""
+    from keras_ft.checkpoint.local import LocalStorage
+
+    storage = LocalStorage(str(tmp_path / "chief"))
+    staging = storage.stage(None)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    moved = str(tmp_path / "moved")
+    os.rename(staging.path, moved)
+    os.symlink(outside, staging.path)
+    staging.write_file("a.bin", [b"x" * 100])
+    with open(os.path.join(staging, "b.bin"), "wb") as f:  # By path, as h5py does.
+        f.write(b"y")
+    assert os.listdir(outside) == []
+    assert sorted(os.listdir(moved)) == ["a.bin", "b.bin"]

@@ -130,7 +130,7 @@ def test_non_chief_writes_a_temporary_directory_and_removes_it(
 
     monkeypatch.setattr(worker_training_state, "write_snapshot", spy)
     assert worker.back_up(0) is None
-    assert written and os.path.join(backup_dir, "workertemp_1") in os.fspath(written[0])
+    assert written and os.path.join(backup_dir, "workertemp_1") in written[0].path
     assert not os.path.exists(os.path.join(backup_dir, "workertemp_1"))
     assert tree_digest(backup_dir) == before  # The chief's files are untouched.
     # Every worker restores from the chief's checkpoint.

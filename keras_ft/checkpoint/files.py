@@ -11,11 +11,14 @@ Nothing here decides what a checkpoint is: `store.py` commits the files.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
+import tempfile
 import threading
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -94,6 +97,13 @@ class Staging(os.PathLike):
             place of new ones, taking them by name. Defaults to `None`.
         sync: Whether `write_file()` fsyncs each file. Defaults to `True`;
             a store's save syncs all of a checkpoint's files together.
+        pin: Whether to write through the directory as opened now, so that
+            if its name is swapped for a symlink (in a backup directory that
+            others can write), nothing is written where the link points: its
+            path (`os.fspath()`) is then `/proc/self/fd/<n>` on Linux, while
+            `path` stays its name (to rename it). `path` and `recycle` must
+            each be `<chief>/<name>`, reached without a symlink. Defaults to
+            `False`.
     """
 
     def __init__(
@@ -102,17 +112,30 @@ class Staging(os.PathLike):
         cancel: threading.Event | None = None,
         recycle: str | None = None,
         sync: bool = True,
+        pin: bool = False,
     ):
         self.path = os.fspath(path)
         self.cancel = cancel
         self.recycle = recycle
         self.sync = sync
+        self._through = self.path
+        self._recycle_fd: int | None = None
+        self._reuse = recycle is not None
+        if pin:
+            self._through = _pinned_directory(self, self.path)
+        if pin and recycle is not None:
+            try:
+                self._recycle_fd = open_directory(recycle)
+            except (OSError, ValueError):  # Not a directory of ours: not reused.
+                self._reuse = False
+            else:
+                weakref.finalize(self, os.close, self._recycle_fd)
         self.digests: dict[str, dict[str, Any]] = {}
         # Files put here already on disk (fsync'ed by whoever wrote them).
         self.synced: set[str] = set()
 
     def __fspath__(self) -> str:
-        return self.path
+        return self._through
 
     def __repr__(self) -> str:
         return f"Staging({self.path!r})"
@@ -132,7 +155,7 @@ class Staging(os.PathLike):
             filled: See `write_file()`. Defaults to `None`.
             written: See `write_file()`. Defaults to `None`.
         """
-        path = os.path.join(self.path, name)
+        path = os.path.join(self._through, name)
         size = sum(memoryview(c).nbytes for c in chunks)
         fd = self._recycled(name, path) if size >= RECYCLE_MIN else None
         self.digests[name] = write_file(
@@ -147,11 +170,14 @@ class Staging(os.PathLike):
 
     def _recycled(self, name: str, path: str) -> int | None:
         """An open, exclusively locked file of the spare, moved to `path`."""
-        if self.recycle is None:
+        if self.recycle is None or not self._reuse:
             return None
         old = os.path.join(self.recycle, name)
+        flags = os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        pinned = self._recycle_fd is not None
         try:
-            fd = os.open(old, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            # Relative to the spare as opened, where pinned: never through a link.
+            fd = os.open(name if pinned else old, flags, dir_fd=self._recycle_fd)
         except OSError:
             return None
         try:
@@ -162,7 +188,11 @@ class Staging(os.PathLike):
             # A second hard link (a `cp -al` snapshot) would see the write.
             if not stat.S_ISREG(status.st_mode) or status.st_nlink != 1:
                 raise OSError(errno.EINVAL, "not a regular file of its own")
-            os.rename(old, path)
+            os.set_blocking(fd, True)
+            if not pinned:
+                os.rename(old, path)
+            else:
+                os.rename(name, path, src_dir_fd=self._recycle_fd)
         except OSError:
             os.close(fd)
             return None
@@ -366,11 +396,15 @@ def fsync_together(paths: list[str]) -> None:
 
 
 def file_digest(
-    path: str, algorithm: str, read: Callable[[int], None] | None = None
+    path: str,
+    algorithm: str,
+    read: Callable[[int], None] | None = None,
+    depth: int = 1,
 ) -> str:
-    """The file's checksum; `read(n)` is told when its first n bytes were read."""
+    """The file's checksum; `read(n)` is told when its first n bytes were
+    read. `depth` is as in `open_regular()`."""
     digest = DIGESTS[algorithm]()
-    with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as f:
+    with os.fdopen(open_regular(path, depth=depth), "rb") as f:
         # So that the file is not recycled while it is read (see the module).
         fcntl.flock(f.fileno(), fcntl.LOCK_SH)
         size = os.fstat(f.fileno()).st_size
@@ -395,22 +429,37 @@ def file_digest(
     return digest.hexdigest()
 
 
-def open_regular(path: str, flags: int = os.O_RDONLY) -> int:
+# `open_regular()` depths: a checkpoint's file, `<chief>/<checkpoint>/<file>`,
+# and a notice in the chief's directory, `<chief>/<file>`.
+CHECKPOINT_FILE = 3
+CHIEF_FILE = 2
+
+
+def open_regular(path: str, flags: int = os.O_RDONLY, *, depth: int = 1) -> int:
     """`os.open()` of a regular file, following no symlink, never blocking
     (a FIFO). A backup is untrusted input: anything else is refused.
 
+    Args:
+        path: The file.
+        flags: For `os.open()`. Defaults to `os.O_RDONLY`.
+        depth: How many of the last components of `path` must not be
+            symlinks: 1 for the file alone, 3 for a checkpoint's file
+            (`<chief>/<checkpoint>/<file>`: the directories above `chief`
+            are the user's). Checked on the open descriptor, so that a
+            directory swapped for a link between a check and the open is
+            caught (on Linux, through `/proc`; elsewhere only the file).
+
     Raises:
-        FileNotFoundError: if there is no file at `path`.
-        ValueError: if `path` is a symlink, FIFO, device or directory.
+        FileNotFoundError: if there is no file at `path`, or it was moved
+            while it was opened.
+        ValueError: if `path` is a symlink, FIFO, device or directory, or is
+            reached through a symlink.
     """
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise ValueError(
-                f"{path!r} is a symlink; keras-ft follows no link in a backup "
-                "directory. Remove it."
-            ) from None
+            raise ValueError(_link_message(path)) from None
         if e.errno not in (errno.ENXIO, errno.EISDIR):  # A FIFO, a directory.
             raise
         fd = None
@@ -421,20 +470,108 @@ def open_regular(path: str, flags: int = os.O_RDONLY) -> int:
             f"{path!r} is not a regular file (a FIFO, device or directory); "
             "keras-ft does not use it. Remove it."
         )
+    try:
+        if depth > 1:
+            _check_reached_directly(fd, path, depth)
+    except BaseException:
+        os.close(fd)
+        raise
     if not flags & (os.O_WRONLY | os.O_RDWR):
         os.set_blocking(fd, True)  # Regular files never block; reads expect it.
     return fd
 
 
-def read_regular(path: str, limit: int) -> bytes:
+def _check_reached_directly(fd: int, path: str, depth: int) -> None:
+    """Raises unless the file open as `fd` is the one at `path` with none of
+    its last `depth` components a symlink."""
+    try:
+        opened = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # No /proc: the final component's O_NOFOLLOW is all.
+        return
+    head, tail = os.path.abspath(path), []
+    for _ in range(depth):
+        head, part = os.path.split(head)
+        tail.append(part)
+    expected = os.path.join(os.path.realpath(head), *reversed(tail))
+    if opened == expected:
+        return
+    prefixes = [os.path.join(head, *reversed(tail[i:])) for i in range(1, depth)]
+    if any(os.path.islink(p) for p in prefixes):
+        raise ValueError(_link_message(path))
+    # Renamed or deleted while it was opened (a checkpoint retention let go).
+    raise FileNotFoundError(errno.ENOENT, "moved while it was opened", path)
+
+
+def open_directory(path: str, depth: int = CHIEF_FILE) -> int:
+    """A descriptor of the directory at `path`, none of whose last `depth`
+    components is a symlink (see `open_regular()`): 2 for `<chief>/<name>`,
+    1 for the chief's directory itself."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        _check_reached_directly(fd, path, depth)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _pinned_directory(owner: object, path: str) -> str:
+    """`/proc/self/fd/<n>` of the directory at `path`, open while `owner`
+    lives; `path` itself where there is no `/proc`."""
+    fd = open_directory(path)
+    weakref.finalize(owner, os.close, fd)
+    through = f"/proc/self/fd/{fd}"
+    return through if os.path.isdir(through) else path
+
+
+def _link_message(path: str) -> str:
+    return (
+        f"{path!r} is or is reached through a symlink; keras-ft follows no "
+        "link in a backup directory. Remove it."
+    )
+
+
+@contextlib.contextmanager
+def pinned(path: str, depth: int, name: str | None = None) -> Iterator[str]:
+    """A path that reaches the regular file at `path` as opened now, for a
+    library that opens files by name (h5py, Keras): whatever later happens
+    to `path`'s directories, it reads this file (see `open_regular()`).
+
+    Args:
+        path: The file.
+        depth: As in `open_regular()`.
+        name: If given, the path ends with it (Keras checks the suffix).
+
+    Yields:
+        `/proc/self/fd/<n>` (or a link named `name` to it) on Linux;
+        elsewhere `path` itself.
+    """
+    fd = open_regular(path, depth=depth)
+    try:
+        proc = f"/proc/self/fd/{fd}"
+        if not os.path.exists(proc):
+            yield path
+        elif name is None:
+            yield proc
+        else:
+            with tempfile.TemporaryDirectory(prefix="keras-ft-pin-") as directory:
+                link = os.path.join(directory, name)
+                os.symlink(proc, link)
+                yield link
+    finally:
+        os.close(fd)
+
+
+def read_regular(path: str, limit: int, depth: int = 1) -> bytes:
     """The whole regular file at `path`, at most `limit` bytes (see
-    `open_regular()`); its size is checked on the open file.
+    `open_regular()`, which `depth` is for); its size is checked on the
+    open file.
 
     Raises:
         FileNotFoundError: if there is no file at `path`.
         ValueError: if it is not a regular file, or larger than `limit`.
     """
-    fd = open_regular(path)
+    fd = open_regular(path, depth=depth)
     with os.fdopen(fd, "rb") as f:
         size = os.fstat(fd).st_size
         if size > limit:

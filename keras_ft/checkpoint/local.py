@@ -28,7 +28,7 @@ import shutil
 import stat
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import IO
 
 from keras_ft import threads
@@ -122,12 +122,13 @@ class LocalStorage:
 
     def stage(self, cancel: threading.Event | None) -> Staging:
         """A new staging directory, with the spare to write over, if any."""
-        os.makedirs(self.directory, exist_ok=True)
-        path = os.path.join(
-            self.directory, f"{_STAGING_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        name = f"{_STAGING_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        path = os.path.join(self.directory, name)
+        with self._opened(create=True) as directory:
+            os.mkdir(name, dir_fd=directory)
+        return Staging(
+            path, cancel, recycle=self._take_spare(path), sync=False, pin=True
         )
-        os.mkdir(path)
-        return Staging(path, cancel, recycle=self._take_spare(path), sync=False)
 
     def commit(
         self, staging: Staging, names: list[str], before_number: Callable[[], None]
@@ -136,9 +137,8 @@ class LocalStorage:
         # Every file and the directory reach the disk before the commit;
         # synced together, the filesystem can flush them in one go.
         unsynced = [n for n in names if n not in staging.synced]
-        file_io.fsync_together(
-            [os.path.join(staging.path, n) for n in unsynced] + [staging.path]
-        )
+        through = os.fspath(staging)  # The directory as opened, not its name.
+        file_io.fsync_together([os.path.join(through, n) for n in unsynced] + [through])
         before_number()
         staging.check_cancelled()
         committed = self.checkpoints()
@@ -214,14 +214,22 @@ class LocalStorage:
         algorithm: str,
         read: Callable[[int], None] | None = None,
     ) -> str:
-        return file_io.file_digest(os.path.join(checkpoint.path, name), algorithm, read)
+        return file_io.file_digest(
+            os.path.join(checkpoint.path, name),
+            algorithm,
+            read,
+            depth=file_io.CHECKPOINT_FILE,
+        )
 
     def open_file(self, checkpoint: Checkpoint, name: str) -> IO[bytes]:
         path = os.path.join(checkpoint.path, name)
-        return os.fdopen(file_io.open_regular(path), "rb")
+        fd = file_io.open_regular(path, depth=file_io.CHECKPOINT_FILE)
+        return os.fdopen(fd, "rb")
 
     def read_bytes(self, checkpoint: Checkpoint, name: str, limit: int) -> bytes:
-        return file_io.read_regular(os.path.join(checkpoint.path, name), limit)
+        return file_io.read_regular(
+            os.path.join(checkpoint.path, name), limit, file_io.CHECKPOINT_FILE
+        )
 
     def local_copy(self, checkpoint: Checkpoint, names: list[str]) -> Checkpoint:
         """The checkpoint to load from: on disk, itself."""
@@ -242,43 +250,52 @@ class LocalStorage:
 
     def create_exclusive(self, name: str, data: bytes) -> bool:
         """Writes `name` unless it exists (a hard link: the first wins)."""
-        os.makedirs(self.directory, exist_ok=True)
-        path = os.path.join(self.directory, name)
-        temporary = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        try:
-            os.link(temporary, path)  # Atomic, and fails if one exists.
-        except FileExistsError:
-            return False
-        finally:
-            os.remove(temporary)
+        with self._opened(create=True) as directory:
+            temporary = _write_temporary(directory, name, data)
+            try:
+                # Atomic, and fails if one exists.
+                os.link(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
+            except FileExistsError:
+                return False
+            finally:
+                os.remove(temporary, dir_fd=directory)
         return True
 
     def read_small(self, name: str, limit: int) -> bytes | None:
         try:
-            return file_io.read_regular(os.path.join(self.directory, name), limit)
+            return file_io.read_regular(
+                os.path.join(self.directory, name), limit, file_io.CHIEF_FILE
+            )
         except FileNotFoundError:
             return None
 
     def remove(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(self.directory, name))
+        with contextlib.suppress(FileNotFoundError), self._opened() as directory:
+            os.remove(name, dir_fd=directory)
 
     def replace(self, name: str, data: bytes) -> None:
-        os.makedirs(self.directory, exist_ok=True)
-        path = os.path.join(self.directory, name)
-        temporary = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        with self._opened(create=True) as directory:
+            temporary = _write_temporary(directory, name, data)
+            try:
+                # A symlink there is replaced, not followed.
+                os.replace(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.remove(temporary, dir_fd=directory)
+                raise
+
+    @contextlib.contextmanager
+    def _opened(self, create: bool = False) -> Iterator[int]:
+        """The directory as opened now, not through a symlink: what is
+        created in it relative to this descriptor lands in it, even if its
+        name is swapped for a link meanwhile."""
+        if create:
+            os.makedirs(self.directory, exist_ok=True)
+        fd = file_io.open_directory(self.directory, depth=1)
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(temporary, path)  # A symlink there is replaced, not followed.
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.remove(temporary)
-            raise
+            yield fd
+        finally:
+            os.close(fd)
 
     def notice_names(self) -> list[str]:
         return [
@@ -305,6 +322,21 @@ class LocalStorage:
                 f"{self.directory!r} ({e.strerror or e}). Choose a directory "
                 "this process can create and write."
             ) from e
+
+
+def _write_temporary(directory: int, name: str, data: bytes) -> str:
+    """Writes `data` to a new file beside `name` in `directory`; its name."""
+    temporary = f"{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    fd = os.open(temporary, flags, 0o644, dir_fd=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    except BaseException:  # A full disk, say: leave nothing behind.
+        with contextlib.suppress(OSError):
+            os.remove(temporary, dir_fd=directory)
+        raise
+    return temporary
 
 
 def _is_directory(path: str) -> bool:

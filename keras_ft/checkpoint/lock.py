@@ -15,7 +15,7 @@ import socket
 import sys
 
 from keras_ft.checkpoint.errors import DirectoryInUseError
-from keras_ft.checkpoint.files import open_regular
+from keras_ft.checkpoint.files import CHIEF_FILE, open_regular
 
 try:
     import fcntl
@@ -82,8 +82,8 @@ class DirectoryLock:
             )
         # Held through a read-only descriptor: a file open for writing would
         # stop the filesystem from being remounted read-only under us.
-        os.close(open_regular(self.path, os.O_WRONLY | os.O_CREAT))
-        fd = open_regular(self.path, os.O_RDONLY)
+        os.close(open_regular(self.path, os.O_WRONLY | os.O_CREAT, depth=CHIEF_FILE))
+        fd = open_regular(self.path, os.O_RDONLY, depth=CHIEF_FILE)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -96,7 +96,7 @@ class DirectoryLock:
                 "one its own `backup_dir`, or stop the other process first."
             ) from None
         started = datetime.datetime.now().isoformat(timespec="seconds")
-        note = open_regular(self.path, os.O_WRONLY | os.O_TRUNC)
+        note = open_regular(self.path, os.O_WRONLY | os.O_TRUNC, depth=CHIEF_FILE)
         try:
             os.write(note, f"pid {os.getpid()} on {socket.gethostname()}, since "
                      f"{started}".encode())  # fmt: skip

@@ -566,14 +566,15 @@ class CheckpointStore:
             write_files(staging)
             staging.write_file(METADATA_FILE, [json_bytes(metadata)])
             files = {}
-            for name in sorted(os.listdir(staging.path)):
-                path = os.path.join(staging.path, name)
+            through = os.fspath(staging)  # As opened (see `Staging`).
+            for name in sorted(os.listdir(through)):
+                path = os.path.join(through, name)
                 if not os.path.isfile(path) or os.path.islink(path):
                     raise ValueError(
                         f"A checkpoint holds plain files only; {name!r} is not one."
                     )
                 files[name] = staging.digests.get(name) or file_io.entry(path)
-            with open(os.path.join(staging.path, MANIFEST_FILE), "wb") as f:
+            with open(os.path.join(through, MANIFEST_FILE), "wb") as f:
                 # Indented: people read manifests too.
                 body = manifest_body(files, time.time(), self._key)
                 f.write(json_bytes(body, indent=1))

@@ -57,6 +57,9 @@ from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.format import PIECEWISE
 from keras_ft.checkpoint.local import PARTS_PREFIX
 
+# A shards table lists every variable's pieces: far below this.
+_MAX_TABLE_BYTES = 256 << 20
+
 SHARDS_TABLE = "shards.json"
 TABLE_FORMAT = "keras-ft-shards"
 # How long the chief's commit waits for the other processes' pieces.
@@ -368,9 +371,11 @@ class ShardedReader:
         self.directory = directory
         path = os.path.join(directory, SHARDS_TABLE)
         try:
-            with open(path, encoding="utf-8") as f:
-                table = json.load(f)
-        except (OSError, ValueError) as e:
+            data = file_io.read_regular(
+                path, _MAX_TABLE_BYTES, depth=file_io.CHECKPOINT_FILE
+            )
+            table = json.loads(data)
+        except (OSError, ValueError, RecursionError) as e:
             raise CorruptCheckpointError(directory, f"{SHARDS_TABLE}: {e}") from None
         variables = table.get("variables") if isinstance(table, dict) else None
         if table.get("format") != TABLE_FORMAT or not isinstance(variables, list):
@@ -510,10 +515,13 @@ def _reader_of(reader: ShardedReader, i: int) -> Callable[[host.Bounds], np.ndar
 def _open(directory: str, name: str) -> int:
     if os.path.basename(name) != name or not name.endswith(".bin"):
         raise CorruptCheckpointError(directory, f"{SHARDS_TABLE} names {name!r}")
+    path = os.path.join(directory, name)
     try:
-        return os.open(os.path.join(directory, name), os.O_RDONLY | os.O_CLOEXEC)
+        return file_io.open_regular(path, depth=file_io.CHECKPOINT_FILE)
     except FileNotFoundError:
         raise CorruptCheckpointError(directory, f"{name} is missing") from None
+    except ValueError as e:
+        raise CorruptCheckpointError(directory, str(e)) from None
 
 
 def _volume(start: list[int], stop: list[int]) -> int:

@@ -27,6 +27,7 @@ import numpy as np
 
 from keras_ft import backend as host
 from keras_ft import compat
+from keras_ft.checkpoint import files as file_io
 from keras_ft.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from keras_ft.checkpoint.files import ReadProgress
 from keras_ft.checkpoint.store import METADATA_FILE
@@ -441,7 +442,9 @@ class TrainingState:
             return
         if progress is not None:
             progress.wait_for(WEIGHTS_FILE, os.path.getsize(path))
-        weights_load.check(path, self._weights if self.model.built else None)
+        # A model split across processes has no layout of its own to compare.
+        known = self.model.built and not self.sharded()
+        weights_load.check(path, self._weights if known else None)
 
     def _ensure_built(self, metadata: dict) -> None:
         model = self.model
@@ -534,7 +537,16 @@ def _seed_states(model: keras.Model) -> list:
 def _extra(directory: str, metadata: Any) -> dict:
     """The state beside the variables (`ResumePoint.extra`), checked."""
     contents.check_metadata(metadata, directory)
-    state = arrays.read(os.path.join(directory, arrays.ARRAYS_FILE))
+    path = os.path.join(directory, arrays.ARRAYS_FILE)
+    try:
+        with os.fdopen(
+            file_io.open_regular(path, depth=file_io.CHECKPOINT_FILE), "rb"
+        ) as f:
+            state = arrays.read(f, path)
+    except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(
+            directory, f"{arrays.ARRAYS_FILE} cannot be read ({e})"
+        ) from None
     try:
         return arrays.join(metadata.get("state", {}), state)
     except ValueError as e:
@@ -581,10 +593,9 @@ def _read_metadata(directory: str) -> dict:
     """A checkpoint's metadata, as the store verified it, or damaged."""
     path = os.path.join(directory, METADATA_FILE)
     try:
-        with open(path, "rb") as f:
-            data = f.read(_MAX_METADATA_BYTES + 1)
-        if len(data) > _MAX_METADATA_BYTES:
-            raise ValueError("too large")
+        data = file_io.read_regular(
+            path, _MAX_METADATA_BYTES, depth=file_io.CHECKPOINT_FILE
+        )
         metadata = json.loads(data)
     except (OSError, ValueError, RecursionError) as e:
         raise CorruptCheckpointError(

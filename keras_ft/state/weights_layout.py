@@ -42,6 +42,7 @@ import numpy as np
 
 from keras_ft import backend as host
 from keras_ft import compat
+from keras_ft.checkpoint import files as file_io
 from keras_ft.state import hdf5
 from keras_ft.state.contents import WEIGHTS_FILE
 from keras_ft.state.weights_copy import (
@@ -409,6 +410,11 @@ def load_exact_store(model: keras.Model, store: dict[str, Any]) -> None:
 def copy_for_inference(source: str, destination: str) -> None:
     """Copies a backup's weights file as Keras writes it: without the exact
     group, so it holds what `model.save_weights()` would (LoRA merged)."""
+    with file_io.pinned(source, file_io.CHECKPOINT_FILE) as pinned:
+        _copy_without_exact(pinned, destination)
+
+
+def _copy_without_exact(source: str, destination: str) -> None:
     with h5py.File(source, "r") as f:
         exact = EXACT_GROUP in f
     if not exact:

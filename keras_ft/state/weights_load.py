@@ -24,11 +24,13 @@ import numpy as np
 
 from keras_ft import backend as host
 from keras_ft import compat
+from keras_ft.checkpoint import files as file_io
 from keras_ft.checkpoint.errors import CorruptCheckpointError
 from keras_ft.state import hdf5
 from keras_ft.state.weights_copy import Slot, slot_view
 from keras_ft.state.weights_layout import (
     EXACT_GROUP,
+    WEIGHTS_FILE,
     WeightsLayout,
     fingerprint,
     load_exact,
@@ -74,7 +76,7 @@ def read(
         return None
     try:
         mapped = _map(path)
-    except OSError:
+    except (OSError, ValueError):  # `check()` then names what is wrong.
         return None
     if mapped is None:
         return None
@@ -86,7 +88,8 @@ def read(
 
 def _map(path: str) -> mmap.mmap | None:
     """`path` mapped copy-on-write and share-locked, or `None` if empty."""
-    with open(path, "rb") as f:
+    fd = file_io.open_regular(path, depth=file_io.CHECKPOINT_FILE)
+    with os.fdopen(fd, "rb") as f:
         if not os.fstat(f.fileno()).st_size:
             return None
         # Copy-on-write: a loader that changes a value in place changes only
@@ -168,7 +171,10 @@ def check(path: str, layout: WeightsLayout | None = None) -> None:
     directory, name = os.path.split(path)
     expected = layout.dataset_dtypes() if layout is not None else {}
     try:
-        with h5py.File(path, "r") as f:
+        with (
+            file_io.pinned(path, file_io.CHECKPOINT_FILE) as pinned,
+            h5py.File(pinned, "r") as f,
+        ):
             hdf5.check_plain(f, path)
             found: list[tuple[str, np.dtype]] = []
 
@@ -177,7 +183,7 @@ def check(path: str, layout: WeightsLayout | None = None) -> None:
                     found.append((dataset_name, _dtype_of(item)))
 
             f.visititems(visit)
-    except OSError as e:
+    except (OSError, ValueError) as e:
         raise CorruptCheckpointError(
             directory, f"{name} cannot be read as HDF5 ({e})"
         ) from None
@@ -198,8 +204,9 @@ def _dtype_of(dataset: h5py.Dataset) -> np.dtype:
 
 def load_with_keras(model: keras.Model, path: str) -> None:
     """`model.load_weights()`, then the variables' own values on top."""
-    model.load_weights(path)
-    load_exact(model, path)
+    with file_io.pinned(path, file_io.CHECKPOINT_FILE, WEIGHTS_FILE) as pinned:
+        model.load_weights(pinned)
+        load_exact(model, pinned)
 
 
 def load_stores(stores: list[tuple[Any, dict]]) -> None:
@@ -254,7 +261,10 @@ def _contiguous_datasets(path: str, size: int) -> dict[str, list[Slot]] | None:
         groups.setdefault(group, []).append(slot)
 
     try:
-        with h5py.File(path, "r") as f:
+        with (
+            file_io.pinned(path, file_io.CHECKPOINT_FILE) as pinned,
+            h5py.File(pinned, "r") as f,
+        ):
             f.visititems_links(visit)
     except (OSError, ValueError):
         return None
