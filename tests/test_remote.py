@@ -534,7 +534,7 @@ def test_a_lapsed_lease_taken_over_is_never_written_over(monkeypatch):
     first.acquire()
     try:
 
-        def unreachable():
+        def unreachable(*args, **kwargs):
             raise ConnectionError("bucket out of reach")
 
         monkeypatch.setattr(first, "_write", unreachable)
@@ -584,3 +584,113 @@ def test_a_lease_that_cannot_be_renewed_stops_the_next_commit(data, monkeypatch)
     finally:
         monkeypatch.undo()
         state.unlock()
+
+
+@ONCE
+def test_two_writers_started_at_the_same_instant_never_both_hold_the_lease(
+    s3_server, monkeypatch
+):
+    """S3's conditional writes decide: of two writers that both found the
+    lease free, at the same instant or one a slow round trip later, exactly
+    one holds it (the read-back scheme let a late writer win too)."""
+    import threading
+
+    from keras_ft.checkpoint import remote
+    from keras_ft.checkpoint.store import open_store
+
+    def race(delay: float) -> list[bool]:
+        backup = url("race") + "/chief"
+        leases = [remote.RemoteLease(open_store(backup).storage) for _ in range(2)]
+        for lease in leases:
+            lease._read()  # Connected before the start.
+        start = threading.Barrier(2)
+        won = [False, False]
+
+        def take(i: int) -> None:
+            lease = leases[i]
+            if i == 1 and delay:  # Its write reaches the server late.
+                write = lease._write
+
+                def late(*args, **kwargs):
+                    time.sleep(delay)
+                    write(*args, **kwargs)
+
+                lease._write = late
+            start.wait()
+            try:
+                lease.acquire()
+                won[i] = True
+            except keras_ft.DirectoryInUseError:
+                pass
+
+        threads = [threading.Thread(target=take, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for lease in leases:
+            lease.release()
+        return won
+
+    for delay in [0.0] * 20 + [0.3] * 3:
+        won = race(delay)
+        assert sum(won) == 1, (delay, won)
+
+
+@ONCE
+def test_a_heartbeat_never_writes_over_a_lease_taken_over_in_s3(s3_server, monkeypatch):
+    """The first writer's heartbeat is conditional on the lease it wrote:
+    once a second writer took the lapsed lease over, the first's next beat
+    is refused by the server, and its next commit with it."""
+    from keras_ft.checkpoint import remote
+    from keras_ft.checkpoint.errors import LeaseLapsedError
+    from keras_ft.checkpoint.store import open_store
+
+    monkeypatch.setenv(remote.LEASE_SECONDS_ENV, "1")
+    backup = url("taken") + "/chief"
+    first = remote.RemoteLease(open_store(backup).storage)
+    second = remote.RemoteLease(open_store(backup).storage)
+    first.acquire()
+    try:
+        first._stop.set()  # The first stalls: no beat for a lease's time.
+        first._beating.join()
+        time.sleep(1.2)
+        second.acquire()
+        first._write(over=first._etag)  # As its next beat would.
+    except remote._Refused:
+        pass
+    else:
+        raise AssertionError("a beat wrote over the lease taken over")
+    finally:
+        second.check()
+        assert first._read()["token"] == second._token
+        first._stop.clear()
+        first._beating = remote.threads.start_daemon(first._heartbeat, "beat")
+        time.sleep(0.8)  # One real beat, refused.
+        with pytest.raises(LeaseLapsedError, match="taken over"):
+            first.check()
+        assert first._read()["token"] == second._token
+        first.release()
+        second.release()
+
+
+@ONCE
+def test_a_manifest_is_never_committed_over_another(s3_server, data):
+    """Two writers that picked the same checkpoint number: the second's
+    manifest is refused by the server, the save says so, and the first's
+    checkpoint is not deleted."""
+    from keras_ft.checkpoint.errors import LeaseLapsedError
+    from keras_ft.checkpoint.store import open_store
+
+    backup = url("manifest") + "/chief"
+    store = open_store(backup)
+    first = store.save(lambda staging: staging.write_file("a.bin", [b"1"]), {})
+    manifest = s3().cat_file(store.storage._key(first, "manifest.json"))
+    late = open_store(backup)
+    late.storage._listing = lambda: {}  # It listed before the first commit.
+    with pytest.raises(LeaseLapsedError, match="committed by another writer"):
+        late.save(lambda staging: staging.write_file("a.bin", [b"2"]), {})
+    fs = s3()
+    fs.invalidate_cache()
+    assert fs.cat_file(store.storage._key(first, "manifest.json")) == manifest
+    assert [c.sequence for c in store.checkpoints()] == [1]

@@ -21,6 +21,16 @@ lease, an object `.lease.json` with its host, pid and a heartbeat it renews
 every few seconds. Another writer may take it over only when the heartbeat
 is older than `KERAS_FT_LEASE_SECONDS` (default 30), or when the holder is a
 process on the same host that no longer runs.
+
+On S3 (and servers of its protocol) every write of the lease is conditional:
+created only if absent (`If-None-Match: *`), replaced only if unchanged since
+it was read (`If-Match: <ETag>`), so two writers can never both hold it,
+whatever their timing, and a heartbeat never writes over a lease taken over;
+a manifest is created only if absent, so no two writers both commit a
+checkpoint number. Other stores have no such writes that fsspec passes on:
+there the lease is written, read back after a pause, and the last writer
+wins (best effort: two writers within one round trip may both write), which
+keras-ft says once.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import socket
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import IO, Any, TypeVar
 
@@ -60,6 +71,11 @@ LEASE_FILE = ".lease.json"
 LEASE_SECONDS_ENV = "KERAS_FT_LEASE_SECONDS"
 _RETRIES = 4  # Attempts of each upload or download, with backoff between.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+# Stores whose fsspec filesystem passes S3's conditional writes on.
+_CONDITIONAL = ("s3", "s3a")
+# One process's memory: no other writer to race with.
+_LOCAL_ONLY = ("memory",)
+_warned_best_effort: set[str] = set()
 
 
 def filesystem(url: str, storage_options: dict | None = None) -> tuple[Any, str]:
@@ -211,11 +227,40 @@ class ObjectStorage:
             for upload in uploads:
                 upload.result()
             staging.check_cancelled()
-            self._upload(local(MANIFEST_FILE), self._key(committed, MANIFEST_FILE))
+            self._commit_manifest(local(MANIFEST_FILE), committed)
+        except _CommittedByAnother:
+            raise LeaseLapsedError(
+                errno.EBUSY,
+                f"{self._path(sequence)} was committed by another writer while "
+                "this one uploaded it (two trainings on one backup_dir): this "
+                "save is not committed, and the other's checkpoint is left as it "
+                "is. Stop one of the two trainings.",
+            ) from None
         except BaseException:
             self._remove(committed, ignore_errors=True)
             raise
         return committed
+
+    def _commit_manifest(self, path: str, committed: Checkpoint) -> None:
+        """Uploads the manifest; where the store can, only if there is none."""
+        key = self._key(committed, MANIFEST_FILE)
+        if not conditional_writes(self.fs):
+            self._upload(path, key)
+            return
+        with open(path, "rb") as f:
+            data = f.read()
+
+        def put() -> None:
+            try:
+                self.fs.pipe_file(key, data, mode="create")
+            except FileExistsError:
+                raise _CommittedByAnother() from None
+            except Exception as e:  # Network and service errors differ.
+                if _precondition_failed(e):
+                    raise _CommittedByAnother() from None
+                raise
+
+        _as_os_error(put, f"upload of {key}")
 
     def unstage(self, staging: Staging) -> None:
         shutil.rmtree(staging.path, ignore_errors=True)
@@ -467,6 +512,8 @@ class RemoteLease:
         self._renewed = 0.0  # time.monotonic() of the last heartbeat written.
         self._failure: Exception | None = None  # Of the beats since then.
         self._taken: dict | None = None  # Another writer's lease, found after a lapse.
+        self._conditional = conditional_writes(self.fs)
+        self._etag: str | None = None  # Of the lease as this writer last wrote it.
 
     def _read(self) -> dict | None:
         try:
@@ -476,31 +523,66 @@ class RemoteLease:
             return None
         return value if isinstance(value, dict) else None
 
-    def _write(self) -> None:
+    def _etag_now(self) -> str | None:
+        """The lease object's ETag, or `None` if there is none."""
+        try:
+            return self.fs.info(self.key, refresh=True).get("ETag")
+        except FileNotFoundError:
+            return None
+
+    def _write(self, over: str | None = None) -> None:
+        """Writes this writer's lease. Where the store has conditional
+        writes, only over the object whose ETag is `over` (created if
+        `over` is `None`); `_Refused` if another write came first."""
         holder = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "token": self._token,
             "heartbeat": time.time(),
         }
-        self.fs.pipe_file(self.key, json.dumps(holder).encode())
+        data = json.dumps(holder).encode()
+        if not self._conditional:
+            self.fs.pipe_file(self.key, data)
+            return
+        condition = {"mode": "create"} if over is None else {"IfMatch": over}
+        try:
+            written = self.fs.pipe_file(self.key, data, **condition)
+        except FileExistsError:
+            raise _Refused() from None
+        except Exception as e:  # Network and service errors differ.
+            if _precondition_failed(e):
+                raise _Refused() from None
+            raise
+        etag = written.get("ETag") if isinstance(written, dict) else None
+        self._etag = etag or self._etag_now()
 
     def acquire(self) -> None:
         """Takes the lease, or raises `DirectoryInUseError` naming its holder."""
         if self._token is not None:
             return
+        # The ETag first: if the object changes after, the conditional
+        # write over it is refused (another writer is active).
+        seen = self._etag_now() if self._conditional else None
         held = self._read()
         if held is not None and not self._expired(held):
             raise self._in_use(held)
         self._token, self._taken = secrets.token_hex(8), None
-        self._write()
-        # Two writers that both found it free: the last write wins; the
-        # other sees a token not its own and backs off.
-        time.sleep(0.2)
-        held = self._read()
-        if held is None or held.get("token") != self._token:
-            self._token = None
-            raise self._in_use(held or {})
+        if self._conditional:
+            try:
+                self._write(over=seen)
+            except _Refused:
+                self._token = None
+                raise self._in_use(self._read() or {}) from None
+        else:
+            _warn_best_effort(self.fs, self.directory)
+            self._write()
+            # Two writers that both found it free: the last write wins; the
+            # other sees a token not its own and backs off.
+            time.sleep(0.2)
+            held = self._read()
+            if held is None or held.get("token") != self._token:
+                self._token = None
+                raise self._in_use(held or {})
         self._renewed, self._failure = time.monotonic(), None
         self._stop.clear()
         self._beating = threads.start_daemon(self._heartbeat, "keras-ft-lease")
@@ -510,14 +592,23 @@ class RemoteLease:
             if self._token is None or self._taken is not None:
                 continue
             try:
-                if time.monotonic() - self._renewed > self.seconds:
+                if not self._conditional and (
+                    time.monotonic() - self._renewed > self.seconds
+                ):
                     # Lapsed: another writer may hold it now; never write
                     # over its lease (both would then commit).
                     held = self._read()
                     if held is not None and held.get("token") != self._token:
                         self._taken = held
                         continue
-                self._write()
+                self._write(over=self._etag)
+            except _Refused:  # Written since: by another (taken over), or by
+                # this writer's own last beat whose answer was lost.
+                held = self._read() or {}
+                if held.get("token") == self._token:
+                    self._etag = self._etag_now()
+                else:
+                    self._taken = held
             except Exception as e:  # Retried at the next beat; see check().
                 self._failure = e
             else:
@@ -596,18 +687,49 @@ class RemoteLease:
         )
 
 
+class _CommittedByAnother(Exception):
+    """A manifest created only if absent was there already."""
+
+
+class _Refused(Exception):
+    """A conditional write of the lease found it written by another."""
+
+
+def _warn_best_effort(fs: Any, directory: str) -> None:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    if protocol in _LOCAL_ONLY or protocol in _warned_best_effort:
+        return
+    _warned_best_effort.add(protocol)
+    warnings.warn(
+        f"keras-ft: the lease on {directory} is best effort: {protocol}:// "
+        "offers keras-ft no conditional write, so two trainings started "
+        "within one round trip of each other may both write. Make sure one "
+        "training at a time uses a backup_dir (S3 has no such gap).",
+        stacklevel=4,
+    )
+
+
+def conditional_writes(fs: Any) -> bool:
+    """Whether `fs` passes S3's conditional writes on (see the module)."""
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in _CONDITIONAL
+
+
 def _precondition_failed(error: Exception) -> bool:
-    """Whether a conditional write was refused because the object exists
-    (S3 answers 412 Precondition Failed; clients raise their own types)."""
+    """Whether a conditional write was refused: the object exists, or
+    changed since it was read (S3 answers 412 Precondition Failed; clients
+    raise their own types, s3fs an `OSError` with S3's message)."""
     text = f"{type(error).__name__} {error}"
-    return "PreconditionFailed" in text or "412" in text
+    return any(
+        marker in text for marker in ("PreconditionFailed", "412", "pre-condition")
+    )
 
 
 def _as_os_error(action: Callable[[], _T], what: str) -> _T:
     """`action()`, retried; a failure is an `OSError`, as a disk's would be."""
     try:
         return _retried(action)
-    except FileNotFoundError:
+    except (FileNotFoundError, _CommittedByAnother):
         raise
     except Exception as e:  # Any backend's error is a failed write.
         raise OSError(
@@ -621,7 +743,7 @@ def _retried(action: Callable[[], _T]) -> _T:
     for attempt in range(_RETRIES):
         try:
             return action()
-        except FileNotFoundError:
+        except (FileNotFoundError, _CommittedByAnother):
             raise
         except Exception:  # Network and service errors differ by backend.
             if attempt == _RETRIES - 1:
