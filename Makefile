@@ -70,6 +70,7 @@ bench: venv
 	$(PY) benchmarks/sharded.py --units 4096  # 1, 2, 4 JAX processes, ModelParallel, 19M.
 	$(PY) benchmarks/scaling.py  # 5M to 200M parameters (cold restores need root).
 	$(PY) benchmarks/failures.py  # Detection, torchrun relaunch, goodput under kills.
+	$(PY) benchmarks/recovery.py  # Relaunch to the batch killed: 3 inputs, 3 kill points.
 
 # SIGKILL at random moments, keras-ft vs Keras' own callback: `make fuzz BACKEND=jax`.
 BACKEND ?= tensorflow

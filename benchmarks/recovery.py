@@ -1,0 +1,246 @@
+"""Recovery: from a relaunch after a SIGKILL to training at the batch killed.
+
+A training (one process) is SIGKILLed in its first epoch at 10 %, 50 % and
+90 % of the epoch, `--since` batches after its last backup, and relaunched
+with the same script. Measured, side by side in one run, per input:
+
+- cold: a fresh start with no callback, to its first batch (what any
+  relaunch pays: interpreter, imports, model, first step);
+- keras-ft: `keras_ft.BackupAndRestore(save_freq=--save-every)`, from the
+  relaunch to the start of the batch killed;
+- Keras: `keras.callbacks.BackupAndRestore(save_freq=--save-every)`, the same;
+- floor: cold + reading the checkpoint (`WorkerTrainingState.restore()`,
+  measured on the backup left by the kill) + training the `--since` batches
+  trained after the backup (from the killed run's own batch time).
+
+The overhead of a resume is its time minus the cold start; the target
+(the "recovery in seconds" issue) is keras-ft within 0.5 s of the floor at
+every kill position. Inputs: NumPy arrays (`fit(shuffle=True)`), a
+`keras.utils.PyDataset` whose `__getitem__` costs `--item-ms` (a decode
+stand-in), and `tf.data` with `Dataset.shuffle()`.
+
+Usage:
+    python benchmarks/recovery.py                   # JAX, every input, 3 kills
+    python benchmarks/recovery.py --quick           # fewer batches
+    python benchmarks/recovery.py --backend tensorflow --inputs pydataset
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = ("cold", "keras_ft", "keras")
+INPUTS = ("arrays", "pydataset", "tfdata")
+
+
+def child(args: argparse.Namespace) -> None:
+    """One training process: prints `AT <seconds since launch>` when it
+    reaches batch `--stop-at` of the first epoch, then leaves; with
+    `--kill-at`, SIGKILLs itself there instead (after its backups are in)."""
+    import signal
+
+    import keras
+    import numpy as np
+
+    import keras_ft
+
+    batch_size, width = 32, 64
+    batches = args.batches
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batches * batch_size, width)).astype("float32")
+    y = x[:, :1] * 2.0 + 1.0
+
+    class Decoded(keras.utils.PyDataset):
+        def __len__(self) -> int:
+            return batches
+
+        def __getitem__(self, index: int):
+            time.sleep(args.item_ms / 1000)
+            part = slice(index * batch_size, (index + 1) * batch_size)
+            return x[part], y[part]
+
+    if args.input == "arrays":
+        data, fit_args = (x, y), {"batch_size": batch_size, "shuffle": True}
+    elif args.input == "pydataset":
+        data, fit_args = (Decoded(),), {"shuffle": True}
+    else:
+        import tensorflow as tf
+
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(4096, seed=0)
+        data, fit_args = (dataset.batch(batch_size),), {}
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((width,)),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(1e-3), loss="mse")
+    started = float(os.environ["RECOVERY_LAUNCHED"])
+
+    class Stop(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if self.epoch == 0 and batch == 1:
+                self.first = time.perf_counter()
+            if self.epoch != 0 or batch != args.stop_at:
+                return
+            now = time.time() - started
+            if args.kill:
+                keras_ft.wait_for_backups()  # The last backup is in.
+                per_batch = (time.perf_counter() - self.first) / (batch - 1)
+                print(f"BATCH {per_batch:.6f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            print(f"AT {now:.4f}", flush=True)
+            sys.stdout.flush()
+            os._exit(0)
+
+    callbacks: list = [Stop()]
+    if args.tool == "keras_ft":
+        callbacks.insert(0, keras_ft.BackupAndRestore(args.dir, save_freq=args.every))
+    elif args.tool == "keras":
+        callbacks.insert(
+            0, keras.callbacks.BackupAndRestore(args.dir, save_freq=args.every)
+        )
+    model.fit(*data, epochs=2, verbose=0, callbacks=callbacks, **fit_args)
+
+
+def launch(backend: str, *extra: str) -> tuple[float, dict[str, float]]:
+    """Runs a child; `(wall seconds, {AT/BATCH: value})`."""
+    env = dict(os.environ, KERAS_BACKEND=backend, PYTHONUNBUFFERED="1")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    env["RECOVERY_LAUNCHED"] = repr(time.time())
+    begin = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", *extra],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    wall = time.perf_counter() - begin
+    said = {}
+    for line in result.stdout.splitlines():
+        key, _, value = line.partition(" ")
+        if key in ("AT", "BATCH"):
+            said[key] = float(value)
+    if not said:
+        raise RuntimeError(f"child {extra} said nothing:\n{result.stderr[-3000:]}")
+    return wall, said
+
+
+def restore_seconds(backend: str, directory: str) -> float:
+    """`WorkerTrainingState.restore()` of the backup the kill left, timed in a
+    process of its own (the model built as the child builds it)."""
+    code = f"""
+import os, time, keras, keras_ft
+model = keras.Sequential([keras.Input(({64},)), keras.layers.Dense(256),
+                          keras.layers.Dense(256), keras.layers.Dense(1)])
+model.compile(keras.optimizers.Adam(1e-3), loss="mse")
+model.optimizer.build(model.trainable_variables)
+state = keras_ft.WorkerTrainingState(model, {os.path.join(directory, "")!r})
+begin = time.perf_counter()
+with state.locked():
+    state.restore()
+print("AT", time.perf_counter() - begin)
+"""
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env
+    )
+    line = [x for x in out.stdout.splitlines() if x.startswith("AT ")]
+    if not line:
+        raise RuntimeError(out.stderr[-3000:])
+    return float(line[0].split()[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tool", choices=TOOLS, default="cold")
+    parser.add_argument("--input", choices=INPUTS, default="arrays")
+    parser.add_argument("--dir", default="")
+    parser.add_argument("--stop-at", type=int, default=1)
+    parser.add_argument("--kill", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--backend", default="jax")
+    parser.add_argument("--inputs", nargs="+", choices=INPUTS, default=list(INPUTS))
+    parser.add_argument("--batches", type=int, default=600, help="per epoch")
+    parser.add_argument("--item-ms", type=float, default=5.0)
+    parser.add_argument("--save-every", type=int, default=50)
+    parser.add_argument("--since", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2, help="median of")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    if args.quick:
+        args.batches, args.rounds = 200, 1
+    common = ["--batches", str(args.batches), "--item-ms", str(args.item_ms)]
+    print(
+        f"Recovery, {args.backend}: {args.batches} batches per epoch, a backup every "
+        f"{args.save_every}, killed {args.since} batches after one; seconds from "
+        f"the relaunch to the batch killed (median of {args.rounds})."
+    )
+    header = (
+        f"{'input':<10} {'kill at':>8} {'cold':>6} {'floor':>6} {'keras-ft':>9} "
+        f"{'Keras':>7} {'keras-ft over floor':>20} {'Keras over floor':>17}"
+    )
+    print(header)
+    print("-" * len(header))
+    work = tempfile.mkdtemp(prefix="keras-ft-recovery-")
+    try:
+        for data in args.inputs:
+            for share in (0.1, 0.5, 0.9):
+                saved = int(args.batches * share) // args.save_every * args.save_every
+                kill = saved + args.since
+                run = [*common, "--input", data, "--every", str(args.save_every)]
+                times: dict[str, list[float]] = {t: [] for t in (*TOOLS, "floor")}
+                for _ in range(args.rounds):
+                    _, cold = launch(args.backend, *run, "--tool", "cold")
+                    times["cold"].append(cold["AT"])
+                    for tool in ("keras_ft", "keras"):
+                        directory = os.path.join(work, tool)
+                        shutil.rmtree(directory, ignore_errors=True)
+                        at = ["--tool", tool, "--dir", directory]
+                        _, killed = launch(
+                            args.backend, *run, *at, "--stop-at", str(kill), "--kill"
+                        )
+                        if tool == "keras_ft":
+                            read = restore_seconds(args.backend, directory)
+                            times["floor"].append(
+                                cold["AT"] + read + args.since * killed["BATCH"]
+                            )
+                        stop = ["--stop-at", str(kill)]
+                        _, back = launch(args.backend, *run, *at, *stop)
+                        times[tool].append(back["AT"])
+                m = {k: statistics.median(v) for k, v in times.items()}
+                print(
+                    f"{data:<10} {f'{kill}/{args.batches}':>8} {m['cold']:>6.2f} "
+                    f"{m['floor']:>6.2f} {m['keras_ft']:>9.2f} {m['keras']:>7.2f} "
+                    f"{m['keras_ft'] - m['floor']:>+20.2f} "
+                    f"{m['keras'] - m['floor']:>+17.2f}",
+                    flush=True,
+                )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
