@@ -228,7 +228,7 @@ class ObjectStorage:
                 upload.result()
             staging.check_cancelled()
             self._commit_manifest(local(MANIFEST_FILE), committed)
-        except _CommittedByAnother:
+        except _Refused:
             raise LeaseLapsedError(
                 errno.EBUSY,
                 f"{self._path(sequence)} was committed by another writer while "
@@ -249,18 +249,7 @@ class ObjectStorage:
             return
         with open(path, "rb") as f:
             data = f.read()
-
-        def put() -> None:
-            try:
-                self.fs.pipe_file(key, data, mode="create")
-            except FileExistsError:
-                raise _CommittedByAnother() from None
-            except Exception as e:  # Network and service errors differ.
-                if _precondition_failed(e):
-                    raise _CommittedByAnother() from None
-                raise
-
-        _as_os_error(put, f"upload of {key}")
+        _as_os_error(lambda: _put_if(self.fs, key, data), f"upload of {key}")
 
     def unstage(self, staging: Staging) -> None:
         shutil.rmtree(staging.path, ignore_errors=True)
@@ -397,20 +386,11 @@ class ObjectStorage:
         store has a conditional create (S3's `If-None-Match`, what fsspec's
         `mode="create"` asks for); elsewhere fsspec checks, then writes, and
         two writers within one round trip may both write."""
-        key = f"{self.root}/{name}"
-        for attempt in range(_RETRIES):
-            try:
-                self.fs.pipe_file(key, data, mode="create")
-                return True
-            except FileExistsError:
-                return False
-            except Exception as e:  # Network and service errors differ.
-                if _precondition_failed(e):
-                    return False
-                if attempt == _RETRIES - 1:
-                    raise
-                time.sleep(0.25 * 2**attempt)
-        raise AssertionError("unreachable")
+        try:
+            _retried(lambda: _put_if(self.fs, f"{self.root}/{name}", data))
+        except _Refused:
+            return False
+        return True
 
     def read_small(self, name: str, limit: int) -> bytes | None:
         with contextlib.suppress(AttributeError):
@@ -544,15 +524,7 @@ class RemoteLease:
         if not self._conditional:
             self.fs.pipe_file(self.key, data)
             return
-        condition = {"mode": "create"} if over is None else {"IfMatch": over}
-        try:
-            written = self.fs.pipe_file(self.key, data, **condition)
-        except FileExistsError:
-            raise _Refused() from None
-        except Exception as e:  # Network and service errors differ.
-            if _precondition_failed(e):
-                raise _Refused() from None
-            raise
+        written = _put_if(self.fs, self.key, data, over)
         etag = written.get("ETag") if isinstance(written, dict) else None
         self._etag = etag or self._etag_now()
 
@@ -687,12 +659,29 @@ class RemoteLease:
         )
 
 
-class _CommittedByAnother(Exception):
-    """A manifest created only if absent was there already."""
-
-
 class _Refused(Exception):
-    """A conditional write of the lease found it written by another."""
+    """A conditional write found the object there, or changed since read."""
+
+
+def _put_if(fs: Any, key: str, data: bytes, over: str | None = None) -> Any:
+    """`fs.pipe_file()`, conditional: the object is created only if absent
+    (`over` is `None`), or replaced only if its ETag is `over`.
+
+    Returns:
+        The store's answer (on S3, with the new ETag).
+
+    Raises:
+        _Refused: if the condition does not hold.
+    """
+    condition = {"mode": "create"} if over is None else {"IfMatch": over}
+    try:
+        return fs.pipe_file(key, data, **condition)
+    except FileExistsError:
+        raise _Refused() from None
+    except Exception as e:  # Network and service errors differ.
+        if _precondition_failed(e):
+            raise _Refused() from None
+        raise
 
 
 def _warn_best_effort(fs: Any, directory: str) -> None:
@@ -729,7 +718,7 @@ def _as_os_error(action: Callable[[], _T], what: str) -> _T:
     """`action()`, retried; a failure is an `OSError`, as a disk's would be."""
     try:
         return _retried(action)
-    except (FileNotFoundError, _CommittedByAnother):
+    except (FileNotFoundError, _Refused):
         raise
     except Exception as e:  # Any backend's error is a failed write.
         raise OSError(
@@ -743,7 +732,7 @@ def _retried(action: Callable[[], _T]) -> _T:
     for attempt in range(_RETRIES):
         try:
             return action()
-        except (FileNotFoundError, _CommittedByAnother):
+        except (FileNotFoundError, _Refused):
             raise
         except Exception:  # Network and service errors differ by backend.
             if attempt == _RETRIES - 1:
