@@ -30,6 +30,7 @@ from keras_ft.state.training_state import optimizer_step
 from keras_ft.training import (
     callback_state,
     exits,
+    inputs,
     policy,
     restarts,
     resume,
@@ -284,6 +285,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._state: WorkerTrainingState | None = None
         self._callbacks: callback_state.FitCallbacks | None = None
         self._resumption: resume.Resumption | None = None
+        self._inputs = inputs.InputPosition(None)
         self._reported_interval: int | None = None
         self._pending_epoch_end: tuple[int, dict | None] | None = None
         self._epoch_begin_rng: dict = {}
@@ -304,6 +306,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._resumption.remove()
             self._resumption = None
         compat.probe()  # Warns once for each internal this Keras lacks.
+        self._inputs.remove()  # Left by a fit() that raised.
+        self._inputs = inputs.InputPosition(compat.fit_epoch_iterator())
         callback_list = compat.calling_callback_list(self)
         self._callbacks = callback_state.FitCallbacks(
             self, callback_list, self._on_epoch_end_after_all
@@ -420,11 +424,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         # read through without training.
         jumped = compat.set_initial_epoch(model, start.epoch)
         if jumped and start is point:  # Shuffles follow the adapter's epoch.
-            compat.start_data_at_epoch(point.epoch)
+            compat.start_data_at_epoch(self._inputs.epoch_iterator, point.epoch)
         if not jumped and start is not point:
             model.stop_training = True  # After the first batch, read through.
         self._resumption = resume.Resumption(
-            model, start, self._state.apply_metrics, jumped
+            model, start, self._state.apply_metrics, jumped, self._inputs
         )
         if self.verbose:
             saved = datetime.datetime.fromtimestamp(point.saved_at)
@@ -474,6 +478,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epoch = epoch
         self._batches_in_epoch = 0
         self._skip_until = 0
+        self._inputs.begin_epoch()
         if self._resumption is not None:
             self._skip_until = self._resumption.begin_epoch(
                 epoch, self.params.get("steps"), self._callbacks.others
@@ -553,6 +558,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._resumption is not None:
             self._resumption.remove()
             self._resumption = None
+        self._inputs.remove()
         self._preemption.stop()
         completed = self._epochs_completed >= self.params.get("epochs", 0)
         stopper = self._stopped_by_service()
@@ -659,6 +665,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         if pending:
             extra["callbacks_pending"] = self._callbacks.keys(list(pending))
         started = time.monotonic()
+        if batch:  # Counted in the save's cost: a tf.data state may be large.
+            position = self._inputs.state_at(batch)
+            if position is not None:
+                extra["input"] = position
         try:
             self._raise_write_errors(
                 lambda: self._state.back_up(

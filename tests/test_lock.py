@@ -142,3 +142,28 @@ def test_a_fifo_or_symlinked_directory_is_refused_without_blocking(tmp_path):
     with pytest.raises(ValueError, match="is a symlink"):
         DirectoryLock(str(tmp_path / "linked")).acquire()
     assert list(elsewhere.iterdir()) == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_does_not_keep_the_lock(tmp_path):
+    # Keras' PyDataset worker processes are forked from the trainer and
+    # outlive a fit() that raised; the next fit() must get its lock back.
+    held = DirectoryLock(str(tmp_path))
+    held.acquire()
+    ready, started = os.pipe()
+    child = os.fork()
+    if child == 0:  # The child got copies of every descriptor; it waits.
+        os.write(started, b"x")  # After fork's handlers in the child ran.
+        signal.pause()
+        os._exit(0)
+    os.read(ready, 1)
+    try:
+        held.release()
+        again = DirectoryLock(str(tmp_path))
+        again.acquire()  # Raised DirectoryInUseError while the child lived.
+        again.release()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        os.close(ready)
+        os.close(started)

@@ -130,3 +130,20 @@ class DirectoryLock:
                 os.remove(self.path)
         os.close(self._fd)
         self._fd = None
+
+
+def _close_in_child() -> None:
+    # A forked child (a worker process loading a PyDataset, say) gets copies
+    # of every descriptor, and a flock lasts while any copy is open: a child
+    # that outlives the fit() (Keras' workers do when fit() raises) would
+    # keep the directory locked against the next fit(), or the restart.
+    for lock in list(_held.values()):
+        if lock._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(lock._fd)
+            lock._fd = None
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_child)

@@ -8,6 +8,13 @@ touches a private Keras name or walks stack frames.
 """
 
 from keras_ft.compat.building import planned_variables
+from keras_ft.compat.data import (
+    PyDatasetView,
+    TfDataState,
+    fit_epoch_iterator,
+    restore_tf_iterator,
+    start_data_at_epoch,
+)
 from keras_ft.compat.multi_worker import (
     CHECKED_KERAS_VERSIONS,
     install_multi_worker_fixes,
@@ -42,7 +49,6 @@ from keras_ft.compat.training import (
     set_initial_epoch,
     set_keras_global_seed_state,
     stack_holds,
-    start_data_at_epoch,
     tf_dataset_reshuffles,
 )
 
@@ -50,6 +56,8 @@ __all__ = [
     "CHECKED_KERAS_VERSIONS",
     "DISABLE_ENV",
     "CompatibilityWarning",
+    "PyDatasetView",
+    "TfDataState",
     "available",
     "build_metrics",
     "calling_callback_list",
@@ -58,6 +66,7 @@ __all__ = [
     "main_thread_frame",
     "disabled",
     "fail",
+    "fit_epoch_iterator",
     "install_multi_worker_fixes",
     "install_multi_worker_fixes_if_needed",
     "keras_global_seed_state",
@@ -68,6 +77,7 @@ __all__ = [
     "print_msg",
     "probe",
     "raise_loading_failure",
+    "restore_tf_iterator",
     "record_saveables",
     "set_initial_epoch",
     "set_keras_global_seed_state",

@@ -101,50 +101,6 @@ def calling_callback_list(
     return None  # Called by hand, outside fit().
 
 
-def _adapter_counts_epochs() -> bool:
-    # Keras 3.16 shuffles arrays from the data adapter's own count of epochs,
-    # which every fit() starts at 0; earlier releases draw from NumPy's global
-    # generator, which the backup holds.
-    from keras.src.trainers.data_adapters import array_data_adapter
-
-    adapter = array_data_adapter.ArrayDataAdapter
-    return "_epoch" in _code_names(adapter.__init__)
-
-
-@register(
-    "data_epoch",
-    "a fit() resumed at a later epoch shuffles arrays in the order of its own "
-    "first epoch, not of the epoch it resumes (not bitwise-exact)",
-    applies=_adapter_counts_epochs,
-)
-def _check_data_epoch() -> bool:
-    return hasattr(sys, "_getframe") and _adapter_counts_epochs()
-
-
-def start_data_at_epoch(epoch: int) -> None:
-    """Has the running `fit()`'s data adapter count `epoch` epochs as done.
-
-    Call from `on_train_begin`: `fit()`'s `epoch_iterator` is a local a few
-    frames up. Adapters that keep no count (a generator, a PyDataset,
-    `tf.data`, arrays before Keras 3.16) are left alone.
-    """
-    if not epoch or not available("data_epoch"):
-        return
-    frame = sys._getframe(1)
-    for _ in range(8):
-        if frame is None:
-            break
-        adapter = getattr(frame.f_locals.get("epoch_iterator"), "data_adapter", None)
-        if adapter is not None:
-            if isinstance(getattr(adapter, "_epoch", None), int):
-                # Advanced, not set: fit() has already counted an epoch or
-                # not, depending on how it built the model.
-                adapter._epoch += epoch
-            return
-        frame = frame.f_back
-    fail("data_epoch", LookupError("fit() has no local `epoch_iterator`"))
-
-
 @register("tensorboard_steps", "TensorBoard's step axis restarts after a resume")
 def _check_tensorboard_steps() -> bool:
     board = keras.callbacks.TensorBoard

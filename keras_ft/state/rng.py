@@ -30,9 +30,27 @@ from keras_ft import backend, compat
 
 def capture() -> dict[str, Any]:
     """The current state of every global generator in use."""
-    version, internal, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {
+    state = from_raw(capture_raw())
+    seed_state = compat.keras_global_seed_state()
+    if seed_state is not None:
+        state["keras"] = keras.ops.convert_to_numpy(seed_state.value)
+    torch_state = backend.generator_state()
+    if torch_state is not None:
+        state["torch"] = torch_state
+    return state
+
+
+def capture_raw() -> tuple[Any, Any]:
+    """The data side's generators (Python's, NumPy's) as they give their
+    state: a few microseconds, cheap enough for every item a pipeline loads.
+    `from_raw()` makes it what `capture()` returns."""
+    return random.getstate(), np.random.get_state()
+
+
+def from_raw(raw: tuple[Any, Any]) -> dict[str, Any]:
+    """What `capture_raw()` returned, as `capture()` gives it."""
+    (version, internal, gauss), (name, keys, pos, has_gauss, cached) = raw
+    return {
         "python": [version, list(internal), gauss],
         "numpy": {
             "name": name,
@@ -42,13 +60,6 @@ def capture() -> dict[str, Any]:
             "cached_gaussian": float(cached),
         },
     }
-    seed_state = compat.keras_global_seed_state()
-    if seed_state is not None:
-        state["keras"] = keras.ops.convert_to_numpy(seed_state.value)
-    torch_state = backend.generator_state()
-    if torch_state is not None:
-        state["torch"] = torch_state
-    return state
 
 
 MODEL_SIDE = ("torch", "keras")

@@ -20,6 +20,7 @@ import keras
 from keras_ft import backend, compat
 from keras_ft.state import ResumePoint, rng
 from keras_ft.training import callback_state
+from keras_ft.training.inputs import InputPosition
 
 
 class FastForward:
@@ -31,7 +32,11 @@ class FastForward:
         logs: The logs reported for each skipped step.
         on_done: Called once the last skipped step has been consumed.
         on_first_batch: Called with the first skipped batch, when the data
-            pipeline hands it to `train_function` (TensorFlow, JAX).
+            pipeline hands it to `train_function` (TensorFlow, JAX); with
+            the iterator's `element_spec` (or `None`) if nothing is pulled.
+        at_source: Called with the iterator at the first skipped step;
+            returns whether the input skips the trained batches itself (then
+            the skipped steps pull nothing through the pipeline).
     """
 
     def __init__(
@@ -41,8 +46,11 @@ class FastForward:
         logs: dict[str, float],
         on_done: Callable[[], None],
         on_first_batch: Callable[[Any], None] | None = None,
+        at_source: Callable[[Any], bool] | None = None,
     ):
         self.model = model
+        self.at_source = at_source
+        self.pulls = True
         self.steps_per_execution = getattr(model, "steps_per_execution", 1) or 1
         self.remaining = steps
         self.logs = dict(logs)
@@ -61,10 +69,16 @@ class FastForward:
             self.model.train_function = self.original
 
     def _skip(self, *args: Any) -> Any:
+        if self.at_source is not None:
+            at_source, self.at_source = self.at_source, None
+            self.pulls = not at_source(backend.step_iterator(args))
         self.remaining -= self.steps_per_execution
         result, batches, iterator = backend.skipped_step(
-            args, self.logs, self.steps_per_execution
+            args, self.logs, self.steps_per_execution, pull=self.pulls
         )
+        if not self.pulls and self.on_first_batch is not None:
+            first, self.on_first_batch = self.on_first_batch, None
+            first(getattr(iterator, "element_spec", None))
         if batches and self.on_first_batch is not None:
             first, self.on_first_batch = self.on_first_batch, None
             if compat.tf_dataset_reshuffles(iterator):
@@ -102,6 +116,7 @@ class Resumption:
             returns whether they matched.
         jumped: Whether `fit()` starts at `point.epoch`; if not, the
             completed epochs before it are read through without training.
+        inputs: The input `fit()` reads, if it can skip trained items.
     """
 
     def __init__(
@@ -110,8 +125,10 @@ class Resumption:
         point: ResumePoint,
         apply_metrics: Callable[[list], bool],
         jumped: bool,
+        inputs: InputPosition | None = None,
     ):
         self.model = model
+        self.inputs = inputs
         self.point = point
         self.apply_metrics = apply_metrics
         self.skip_epochs_before = 0 if jumped else point.epoch
@@ -172,8 +189,10 @@ class Resumption:
             if metrics_set:
                 return
             # TensorFlow builds compiled metrics inside the first step; build
-            # them now, from the batch in hand, to give them their values.
-            compat.build_metrics(model, batch)
+            # them now, from the batch (or its spec) in hand, to give them
+            # their values.
+            if batch is not None:
+                compat.build_metrics(model, batch)
             if not self.apply_metrics(metrics):
                 warnings.warn(
                     f"BackupAndRestore: the backup holds {len(metrics)} metric "
@@ -190,12 +209,23 @@ class Resumption:
             self._fast_forward = None
             rng.apply(extra.get("rng", {}), only=rng.MODEL_SIDE)
 
+        # Where the input allows it, the trained batches are not loaded at
+        # all: the skipped steps then pull nothing.
+        inputs = self.inputs
+        skipping = inputs is not None and inputs.skip(point)
+
+        def at_source(iterator: Any) -> bool:
+            return skipping or (
+                inputs is not None and inputs.restore_iterator(point, iterator)
+            )
+
         self._fast_forward = FastForward(
             model,
             point.batch,
             extra.get("logs", {}),
             on_done=skipped_all,
             on_first_batch=first_batch,
+            at_source=at_source,
         )
 
 

@@ -1,0 +1,381 @@
+"""Internals of Keras' data adapters: the input a running `fit()` reads.
+
+`fit()` gives callbacks no handle on its data: its `epoch_iterator`, and the
+data adapter behind it, are locals a few frames up from `on_train_begin`.
+Through them keras-ft counts epochs for adapters that shuffle by epoch, and
+lets a resumed epoch skip the `PyDataset` items trained before the restart
+instead of loading them again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from keras_ft.compat.registry import available, fail, register, usable
+from keras_ft.compat.training import _code_names
+
+
+def fit_epoch_iterator() -> Any:
+    """The running `fit()`'s `epoch_iterator`, or `None` if not found.
+
+    Call from inside `on_train_begin` (it walks up to 10 frames).
+    """
+    if not hasattr(sys, "_getframe"):
+        return None
+    frame = sys._getframe(1)
+    for _ in range(10):
+        if frame is None:
+            break
+        iterator = frame.f_locals.get("epoch_iterator")
+        if getattr(iterator, "data_adapter", None) is not None:
+            return iterator
+        frame = frame.f_back
+    return None
+
+
+def _adapter_counts_epochs() -> bool:
+    # Keras 3.16 shuffles arrays from the data adapter's own count of epochs,
+    # which every fit() starts at 0; earlier releases draw from NumPy's global
+    # generator, which the backup holds.
+    from keras.src.trainers.data_adapters import array_data_adapter
+
+    adapter = array_data_adapter.ArrayDataAdapter
+    return "_epoch" in _code_names(adapter.__init__)
+
+
+@register(
+    "data_epoch",
+    "a fit() resumed at a later epoch shuffles arrays in the order of its own "
+    "first epoch, not of the epoch it resumes (not bitwise-exact)",
+    applies=_adapter_counts_epochs,
+)
+def _check_data_epoch() -> bool:
+    return hasattr(sys, "_getframe") and _adapter_counts_epochs()
+
+
+def start_data_at_epoch(epoch_iterator: Any, epoch: int) -> None:
+    """Has `fit()`'s data adapter count `epoch` epochs as done.
+
+    Adapters that keep no count (a generator, `tf.data`, arrays and
+    `PyDataset`s before Keras 3.16) are left alone.
+    """
+    if not epoch or not available("data_epoch"):
+        return
+    adapter = getattr(epoch_iterator, "data_adapter", None)
+    if adapter is None:
+        fail("data_epoch", LookupError("fit() has no local `epoch_iterator`"))
+        return
+    if isinstance(getattr(adapter, "_epoch", None), int):
+        # Advanced, not set: fit() has already counted an epoch or not,
+        # depending on how it built the model.
+        adapter._epoch += epoch
+
+
+def _py_dataset_adapter_types() -> tuple[type, type]:
+    from keras.src.trainers.data_adapters import py_dataset_adapter
+
+    return py_dataset_adapter.PyDatasetAdapter, py_dataset_adapter.OrderedEnqueuer
+
+
+@register(
+    "input_skip",
+    "a resumed epoch loads the PyDataset items trained before the restart "
+    "again (they are replayed, not skipped)",
+)
+def _check_input_skip() -> bool:
+    adapter, enqueuer = _py_dataset_adapter_types()
+    return (
+        {"_finite_generator", "_finite_enqueuer_generator"}
+        <= _code_names(adapter._get_iterator)
+        and "py_dataset" in _code_names(adapter._finite_generator)
+        and "py_dataset" in _code_names(enqueuer._send_py_dataset)
+    )
+
+
+class Skipped(tuple):
+    """What a `PyDataset` item skipped at the source loads as: nothing.
+
+    A one-element tuple, so that Keras' batch checks pass it through.
+    """
+
+
+_SKIPPED = Skipped((None,))
+
+
+class PyDatasetView:
+    """The `PyDataset` a `fit()` reads, seen through on its way in.
+
+    Installs itself as the adapter's (and its enqueuer's) dataset for the
+    fit: every item load passes `before_load` first (the training keeps the
+    random state an item starts from), and items given to `skip()` load
+    nothing: Keras' own generator draws the epoch's order and asks for them
+    as ever, and gets a `Skipped` marker that the view's generator drops (or
+    hands on as `None`, for a `fit()` loop that pulls a batch for every step
+    itself).
+
+    Args:
+        adapter: The `PyDatasetAdapter` of `fit()`'s epoch iterator.
+        before_load: Called with each index before its item is loaded.
+    """
+
+    def __init__(self, adapter: Any, before_load: Callable[[int], None]):
+        self._adapter = adapter
+        self.dataset = adapter.py_dataset
+        self.sequential = getattr(adapter, "enqueuer", None) is None
+        self._seen = _Seen(self.dataset, before_load)
+        self._placeholders = False
+        self._set_dataset(self._seen)
+        kind = type(adapter)
+        adapter._finite_generator = lambda: self._drop_skipped(
+            kind._finite_generator(adapter)
+        )
+        adapter._finite_enqueuer_generator = lambda: self._drop_skipped(
+            kind._finite_enqueuer_generator(adapter)
+        )
+
+    @classmethod
+    def of(cls, epoch_iterator: Any, before_load: Callable[[int], None]) -> Any:
+        """A view of `epoch_iterator`'s `PyDataset`, or `None` (another input,
+        one of unknown length, or an internal that moved)."""
+        adapter = getattr(epoch_iterator, "data_adapter", None)
+        if adapter is None or not usable("input_skip"):
+            return None
+        adapter_type, _ = _py_dataset_adapter_types()
+        if type(adapter) is not adapter_type:
+            return None  # A subclass may draw its order otherwise.
+        steps = getattr(epoch_iterator, "steps_per_epoch", None)
+        num_batches = adapter.py_dataset.num_batches
+        if num_batches is None or steps not in (None, num_batches):
+            # Epochs that are not one pass: the iterator runs across them.
+            return None
+        try:
+            return cls(adapter, before_load)
+        except Exception as e:
+            fail("input_skip", e)
+            return None
+
+    def trained_indices(self, count: int) -> list[int] | None:
+        """The indices of the epoch's first `count` items, in its order.
+
+        Runs Keras' own generator with nothing loaded, from the random state
+        the pipeline is about to draw the epoch's order from (and leaves that
+        state as it was). The enqueuer of a `PyDataset` with workers draws
+        the same order from the same state.
+        """
+        adapter = self._adapter
+        recorder = _Recorder(self.dataset)
+        state = random.getstate()
+        self._set_dataset(recorder)
+        try:
+            batches = type(adapter)._finite_generator(adapter)
+            list(itertools.islice(batches, count))
+            batches.close()
+        except Exception as e:
+            fail("input_skip", e)
+            return None
+        finally:
+            self._set_dataset(self._seen)
+            random.setstate(state)
+        return recorder.indices if len(recorder.indices) == count else None
+
+    def skip(self, indices: list[int], placeholders: bool) -> None:
+        """Has the next loads of `indices` load nothing.
+
+        Args:
+            placeholders: Hand `None` on for each (PyTorch's `fit()` pulls a
+                batch for every step, skipped or not), instead of dropping.
+        """
+        self._placeholders = placeholders
+        self._seen.skipping = set(indices)
+        enqueuer = getattr(self._adapter, "enqueuer", None)
+        if indices and enqueuer is not None:
+            # Items an earlier run of the enqueuer loaded and left (fit()
+            # pulls a batch to build the model, then stops it), which it
+            # would hand out first; an uninterrupted run's later epochs
+            # start without them.
+            leftovers = enqueuer.ready_queue
+            while not leftovers.empty():
+                leftovers.get_nowait()
+
+    def remove(self) -> None:
+        """Gives the adapter its dataset and generators back."""
+        adapter = self._adapter
+        if adapter.py_dataset is self._seen:
+            self._set_dataset(self.dataset)
+        for name in ("_finite_generator", "_finite_enqueuer_generator"):
+            vars(adapter).pop(name, None)
+
+    def _set_dataset(self, dataset: Any) -> None:
+        self._adapter.py_dataset = dataset
+        enqueuer = getattr(self._adapter, "enqueuer", None)
+        if enqueuer is not None:
+            enqueuer.py_dataset = dataset
+
+    def _drop_skipped(self, batches: Iterator[Any]) -> Iterator[Any]:
+        for batch in batches:
+            if type(batch) is Skipped:
+                if self._placeholders:
+                    yield None
+                continue
+            yield batch
+
+
+class _Seen:
+    """A `PyDataset` stand-in: loads pass a hook, skipped ones load nothing.
+
+    Runs in Keras' loading threads, and in its worker processes (forked with
+    the set of skipped indices): no locks, whose state a fork could copy
+    held; `set.remove()` is atomic.
+    """
+
+    def __init__(self, dataset: Any, before_load: Callable[[int], None] | None):
+        self.dataset = dataset
+        self.before_load = before_load
+        self.skipping: set[int] = set()
+
+    def __getitem__(self, index: int) -> Any:
+        if self.skipping:
+            try:
+                self.skipping.remove(index)
+            except KeyError:
+                pass
+            else:
+                return _SKIPPED
+        if self.before_load is not None:
+            self.before_load(index)
+        return self.dataset[index]
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("dataset", "before_load", "skipping"):  # Mid-unpickling.
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A spawned worker process skips alike, and records nothing back.
+        state = dict(vars(self))
+        state["before_load"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update(state)
+
+
+class _Recorder:
+    """Notes the indices asked for; loads nothing."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+        self.indices: list[int] = []
+
+    def __getitem__(self, index: int) -> Skipped:
+        self.indices.append(index)
+        return _SKIPPED
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("dataset", "indices"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+def _is_tensorflow() -> bool:
+    import keras
+
+    return keras.backend.backend() == "tensorflow"
+
+
+@register(
+    "tf_data_position",
+    "a tf.data pipeline resumed mid-epoch draws the trained batches again, "
+    "and one that reshuffles (`Dataset.shuffle()`) goes on in another order",
+    applies=_is_tensorflow,
+)
+def _check_tf_data_position() -> bool:
+    import tensorflow as tf
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    iterator = iter(tf.data.Dataset.range(1))
+    return (
+        getattr(iterator, "_iterator_resource", None) is not None
+        and hasattr(tf.raw_ops, "SerializeIterator")
+        and hasattr(tf.raw_ops, "DeserializeIterator")
+        and "_current_iterator" in _code_names(EpochIterator._enumerate_iterator)
+    )
+
+
+def _tf_dataset_iterator(epoch_iterator: Any) -> Any:
+    """The iterator of a user's `tf.data.Dataset` that `fit()` is reading."""
+    if epoch_iterator is None or not usable("tf_data_position"):
+        return None
+    adapter = type(getattr(epoch_iterator, "data_adapter", None)).__name__
+    if adapter != "TFDatasetAdapter":
+        return None  # Arrays, generators, PyDatasets: not the user's pipeline.
+    iterator = getattr(epoch_iterator, "_current_iterator", None)
+    # A distributed iterator (a strategy's) has no state of its own to save.
+    return iterator if hasattr(iterator, "_iterator_resource") else None
+
+
+class TfDataState:
+    """Saves the state of the `tf.data` iterator a `fit()` reads.
+
+    The state is TensorFlow's serialized iterator (as `tf.train.Checkpoint`
+    writes it, without the base64 text `iterator._save()` makes of it: 15x
+    faster). A pipeline with state outside the graph (a `py_function`'s)
+    cannot be saved: TensorFlow would skip that state; here the pipeline is
+    not saved at all (found out once), and a resume replays it.
+
+    Args:
+        epoch_iterator: `fit()`'s epoch iterator.
+    """
+
+    def __init__(self, epoch_iterator: Any):
+        self._epoch_iterator = epoch_iterator
+        self._savable = True
+
+    def save(self) -> bytes | None:
+        """The iterator's state, buffers included, or `None`."""
+        iterator = _tf_dataset_iterator(self._epoch_iterator)
+        if iterator is None or not self._savable:
+            return None
+        import tensorflow as tf
+
+        try:
+            state = tf.raw_ops.SerializeIterator(
+                resource_handle=iterator._iterator_resource,
+                external_state_policy=tf.data.experimental.ExternalStatePolicy.FAIL.value,
+            )
+            return tf.io.serialize_tensor(state).numpy()
+        except (tf.errors.FailedPreconditionError, tf.errors.UnimplementedError):
+            self._savable = False  # Replayed on resume.
+        except Exception as e:
+            fail("tf_data_position", e)
+        return None
+
+
+def restore_tf_iterator(iterator: Any, state: bytes) -> bool:
+    """Puts `state` (from `TfDataState.save()`) into `fit()`'s new iterator
+    for the epoch, before it yields anything; returns whether it did."""
+    if not usable("tf_data_position") or not hasattr(iterator, "_iterator_resource"):
+        return False
+    import tensorflow as tf
+
+    try:
+        tf.raw_ops.DeserializeIterator(
+            resource_handle=iterator._iterator_resource,
+            serialized=tf.io.parse_tensor(state, tf.variant),
+        )
+    except tf.errors.OpError:
+        return False  # Another pipeline than the one saved: replayed.
+    except Exception as e:
+        fail("tf_data_position", e)
+        return False
+    return True

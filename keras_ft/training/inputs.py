@@ -1,0 +1,135 @@
+"""Where an epoch's input stands: what a backup notes of it, and how a
+resumed epoch goes on without loading again what was trained.
+
+A `keras.utils.PyDataset` is followed item by item (`compat.PyDatasetView`).
+A resumed epoch skips its trained items at the source: Keras' own generator
+draws the epoch's order as before and asks for every item, and the trained
+ones load nothing, so `__getitem__` runs only for what is left to train.
+What loading them would have drawn from Python's and NumPy's global
+generators (augmentation in `__getitem__`) is not drawn either: a backup
+notes the generators' state just before the first untrained item was loaded,
+and the resumed epoch sets it before loading that item. Items load ahead of
+training (a prefetching pipeline), so the state of the last few loads is kept
+as they happen; a save too far behind the loads (or an older backup) resumes
+by replaying the loads instead.
+
+With workers (`PyDataset(workers=...)`), items load in parallel: the skip is
+the same, but draws inside `__getitem__` were never in a fixed order, and
+processes draw from their own generators, which a resume does not set.
+
+A `tf.data.Dataset` (TensorFlow) is saved as TensorFlow checkpoints its
+iterators: the backup holds the iterator's state, its shuffle and prefetch
+buffers included, and the resumed epoch's new iterator takes it before it
+yields anything. The rest of the epoch, and the order of later epochs of a
+pipeline that reshuffles, come out as in an uninterrupted run. A pipeline
+with state outside the graph (a `py_function`) cannot be saved: replayed.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import numpy as np
+
+from keras_ft import backend, compat
+from keras_ft.state import ResumePoint, rng
+
+# The loads before the training position whose random state is kept: a
+# pipeline prefetching further ahead than this resumes by replay.
+KEPT_LOADS = 64
+
+
+class InputPosition:
+    """The input of one `fit()`, followed as far as it can be.
+
+    Args:
+        epoch_iterator: `fit()`'s epoch iterator (`None` outside `fit()`).
+    """
+
+    def __init__(self, epoch_iterator: Any):
+        self.epoch_iterator = epoch_iterator
+        self._loads = 0  # Items of the epoch loaded or skipped so far.
+        self._before: collections.deque = collections.deque(maxlen=KEPT_LOADS)
+        self._resume_rng: dict[str, Any] | None = None
+        self.view = compat.PyDatasetView.of(epoch_iterator, self._before_load)
+        self._tf_data = compat.TfDataState(epoch_iterator)
+
+    def begin_epoch(self) -> None:
+        """Call before the epoch's pipeline starts (at `on_epoch_begin`)."""
+        self._loads = 0
+        self._before.clear()
+        self._resume_rng = None
+        if self.view is not None:
+            self.view.skip([], placeholders=False)
+
+    def state_at(self, batch: int) -> dict[str, Any] | None:
+        """What a backup after the epoch's first `batch` items notes of the
+        input, or `None` if a resume from it must replay them."""
+        if self.view is None:
+            state = self._tf_data.save()
+            if state is None:
+                return None
+            return {"tf_iterator": np.frombuffer(state, dtype=np.uint8)}
+        if not self.view.sequential:
+            return {}
+        kept = _kept(self._before, batch)
+        if kept is None and self._loads <= batch:
+            now = rng.capture_raw()
+            # If the load of `batch` began meanwhile, it noted its own state.
+            kept = _kept(self._before, batch) or now
+        return None if kept is None else {"rng": rng.from_raw(kept)}
+
+    def skip(self, point: ResumePoint) -> bool:
+        """Sets up the resumed epoch to skip its trained items at the source.
+
+        Call once the random state of the epoch's beginning is back in place.
+        Returns whether it does; if not, the trained items are replayed.
+        """
+        saved = point.extra.get("input")
+        if self.view is None or not isinstance(saved, dict) or not point.batch:
+            return False
+        if self.view.sequential and "rng" not in saved:
+            return False
+        indices = self.view.trained_indices(point.batch)
+        if indices is None:
+            return False
+        self.view.skip(indices, placeholders=backend.loop_pulls_batches())
+        self._loads = point.batch
+        if self.view.sequential:
+            self._resume_rng = saved["rng"]
+        return True
+
+    def restore_iterator(self, point: ResumePoint, iterator: Any) -> bool:
+        """Puts the saved state into the resumed epoch's iterator, at its
+        first step; returns whether it did (if not, the trained batches are
+        drawn through it again)."""
+        saved = point.extra.get("input")
+        if not isinstance(saved, dict) or "tf_iterator" not in saved:
+            return False
+        state = np.asarray(saved["tf_iterator"], dtype=np.uint8).tobytes()
+        return compat.restore_tf_iterator(iterator, state)
+
+    def remove(self) -> None:
+        """Gives `fit()` its input back as it was."""
+        if self.view is not None:
+            self.view.remove()
+            self.view = None
+        self.epoch_iterator = None
+        self._tf_data = compat.TfDataState(None)
+
+    def _before_load(self, index: int) -> None:
+        # In the loading thread: the main thread or a prefetching one.
+        if self._resume_rng is not None:
+            state, self._resume_rng = self._resume_rng, None
+            rng.apply(state)
+        if self.view is not None and self.view.sequential:
+            self._before.append((self._loads, rng.capture_raw()))
+            self._loads += 1
+
+
+def _kept(before: collections.deque, position: int) -> Any:
+    for loaded, state in list(before):  # Copied at once: a loader appends.
+        if loaded == position:
+            return state
+    return None

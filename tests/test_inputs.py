@@ -1,0 +1,236 @@
+"""A resumed epoch skips its trained PyDataset items at the source:
+`__getitem__` runs only for what is left to train, and the run still ends
+where an uninterrupted one does."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+from conftest import run_once_on
+
+import keras_ft
+from keras_ft import compat
+
+ITEMS, BATCH, FEATURES = 12, 8, 4
+SAVE_FREQ, CRASH_AFTER = 4, 6  # Saved after 4 batches of epoch 2, crashed after 6.
+
+
+class Items(keras.utils.PyDataset):
+    """Notes each item it loads (in a file: worker processes load too), and
+    adds NumPy noise to it where asked, like an augmentation."""
+
+    def __init__(self, x, y, log, noise, **kwargs):
+        super().__init__(**kwargs)
+        self.x, self.y, self.log, self.noise = x, y, str(log), noise
+        self.armed = False
+
+    def __len__(self):
+        return ITEMS
+
+    def __getitem__(self, index):
+        if self.armed:
+            with open(self.log, "a") as f:
+                f.write(f"{index}\n")
+        part = slice(index * BATCH, (index + 1) * BATCH)
+        x = self.x[part]
+        if self.noise:
+            x = x + np.random.normal(scale=0.01, size=x.shape)
+        return x.astype("float32"), self.y[part]
+
+    def loads(self):
+        with open(self.log) as f:
+            return [int(line) for line in f]
+
+
+class Arm(keras.callbacks.Callback):
+    """Counts loads from train begin on (not the batches fit() reads to
+    build the model)."""
+
+    def __init__(self, items):
+        super().__init__()
+        self.items = items
+
+    def on_train_begin(self, logs=None):
+        self.items.armed = True
+
+
+class Crash(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == 1 and batch + 1 == CRASH_AFTER:
+            raise RuntimeError("crash")
+
+
+def fit(tmp_path, backup_dir=None, crash=False, noise=True, **workers):
+    keras.utils.set_random_seed(1)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ITEMS * BATCH, FEATURES)).astype("float32")
+    y = x[:, :1] * 2 - x[:, 1:2]
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(8),
+            keras.layers.Dropout(0.2),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(1e-2), "mse", metrics=["mae"])
+    log = tmp_path / "loads"
+    log.write_text("")
+    items = Items(x, y, log, noise, **workers)
+    callbacks = [Arm(items)]
+    if backup_dir is not None:
+        callbacks.append(
+            keras_ft.BackupAndRestore(
+                str(backup_dir), save_freq=SAVE_FREQ, delete_checkpoint=False
+            )
+        )
+    if crash:
+        callbacks.append(Crash())
+        with pytest.raises(RuntimeError, match="crash"):
+            model.fit(items, epochs=2, shuffle=True, verbose=0, callbacks=callbacks)
+    else:
+        model.fit(items, epochs=2, shuffle=True, verbose=0, callbacks=callbacks)
+    return model, items.loads()
+
+
+def resumed(tmp_path, **kwargs):
+    backup = tmp_path / "backup"
+    _, before = fit(tmp_path, backup, crash=True, **kwargs)
+    model, loads = fit(tmp_path, backup, **kwargs)
+    return model, before, loads
+
+
+def assert_same_weights(a, b):
+    for x, y in zip(a.get_weights(), b.get_weights(), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_resumed_epoch_loads_only_untrained_items_bitwise_exact(tmp_path):
+    reference, _ = fit(tmp_path)
+    model, before, loads = resumed(tmp_path)
+    # The crashed run's epoch 2 loaded its order from the start (and maybe
+    # further ahead); the resumed run loads the rest of it, and only that.
+    second_epoch = before[ITEMS:]
+    assert sorted(loads) == sorted(second_epoch[SAVE_FREQ:] + [
+        i for i in range(ITEMS) if i not in second_epoch
+    ])  # fmt: skip
+    assert len(loads) == ITEMS - SAVE_FREQ
+    assert not set(loads) & set(second_epoch[:SAVE_FREQ])
+    # The noise the skipped loads would have drawn is not drawn, and the rest
+    # draws what it drew before: bit for bit.
+    assert_same_weights(reference, model)
+
+
+WORKERS = [
+    pytest.param({"workers": 2}, id="threads"),
+    pytest.param(
+        {"workers": 2, "use_multiprocessing": True},
+        id="processes",
+        marks=pytest.mark.skipif(
+            keras.backend.backend() == "jax",
+            reason="Keras' worker processes fork JAX, which is multithreaded",
+        ),
+    ),
+]
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_workers_skip_trained_items(tmp_path, workers):
+    model, _, loads = resumed(tmp_path, noise=False, **workers)
+    # Each untrained item once (workers load in parallel: their log is not
+    # in the epoch's order).
+    assert len(set(loads)) == len(loads) == ITEMS - SAVE_FREQ
+    if keras.backend.backend() == "tensorflow":
+        # On JAX and PyTorch, fit() builds the model from a batch that the
+        # enqueuer then hands out again in the first epoch, in a timing-
+        # dependent number: an uninterrupted run is not reproducible itself.
+        reference, _ = fit(tmp_path, noise=False, **workers)
+        assert_same_weights(reference, model)
+
+
+def test_replay_without_the_internals_stays_exact(tmp_path):
+    reference, _ = fit(tmp_path)
+    with compat.disabled("input_skip"):
+        model, _, loads = resumed(tmp_path)
+    assert len(loads) == ITEMS  # The trained items are loaded again.
+    assert_same_weights(reference, model)
+
+
+@run_once_on("jax", "the backup format does not depend on the backend")
+def test_backup_without_input_position_replays(tmp_path):
+    # A backup written where the input could not be followed (an older
+    # keras-ft, a Keras without the internals) is resumed by replay.
+    reference, _ = fit(tmp_path)
+    backup = tmp_path / "backup"
+    with compat.disabled("input_skip"):
+        fit(tmp_path, backup, crash=True)
+    model, loads = fit(tmp_path, backup)
+    assert len(loads) == ITEMS
+    assert_same_weights(reference, model)
+
+
+def tf_data_fit(tmp_path, backup_dir=None, crash=False, reshuffle=False):
+    """A tf.data pipeline with a `py_function` (state outside the graph,
+    which TensorFlow cannot checkpoint), counting its calls."""
+    import tensorflow as tf
+
+    calls = []
+
+    def load(index):
+        calls.append(int(index))
+        return index
+
+    keras.utils.set_random_seed(1)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ITEMS * BATCH, FEATURES)).astype("float32")
+    y = x[:, :1] * 2 - x[:, 1:2]
+    dataset = (
+        tf.data.Dataset.range(ITEMS)
+        .shuffle(ITEMS, seed=3, reshuffle_each_iteration=reshuffle)
+        .map(lambda i: tf.ensure_shape(tf.py_function(load, [i], tf.int64), ()))
+        .map(lambda i: (tf.gather(x.reshape(ITEMS, BATCH, -1), i),
+                        tf.gather(y.reshape(ITEMS, BATCH, -1), i)))
+    )  # fmt: skip
+    model = keras.Sequential(
+        [keras.Input((FEATURES,)), keras.layers.Dense(8), keras.layers.Dense(1)]
+    )
+    model.compile(keras.optimizers.Adam(1e-2), "mse")
+    callbacks = [Crash()] if crash else []
+    if backup_dir is not None:
+        callbacks.append(
+            keras_ft.BackupAndRestore(
+                str(backup_dir), save_freq=SAVE_FREQ, delete_checkpoint=False
+            )
+        )
+    try:
+        model.fit(dataset, epochs=2, verbose=0, callbacks=callbacks)
+    except RuntimeError:
+        assert crash
+    return model, calls
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow", reason="tf.data is TensorFlow's"
+)
+def test_tf_data_that_cannot_be_saved_is_replayed_exactly(tmp_path):
+    reference, _ = tf_data_fit(tmp_path)
+    backup = tmp_path / "backup"
+    tf_data_fit(tmp_path, backup, crash=True)
+    model, calls = tf_data_fit(tmp_path, backup)
+    # The trained batches of the epoch went through the pipeline again.
+    assert len(calls) == ITEMS
+    assert_same_weights(reference, model)
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow", reason="tf.data is TensorFlow's"
+)
+def test_tf_data_that_cannot_be_saved_and_reshuffles_says_so(tmp_path):
+    backup = tmp_path / "backup"
+    tf_data_fit(tmp_path, backup, crash=True, reshuffle=True)
+    with pytest.warns(UserWarning, match="reshuffles at every iteration"):
+        tf_data_fit(tmp_path, backup, reshuffle=True)
