@@ -15,9 +15,17 @@ with the same script. Measured, side by side in one run, per input:
 
 The overhead of a resume is its time minus the cold start; the target
 (the "recovery in seconds" issue) is keras-ft within 0.5 s of the floor at
-every kill position. Inputs: NumPy arrays (`fit(shuffle=True)`), a
-`keras.utils.PyDataset` whose `__getitem__` costs `--item-ms` (a decode
-stand-in), and `tf.data` with `Dataset.shuffle()`.
+every kill position.
+
+Then the other half of recovery, the work a kill loses: one uninterrupted
+epoch per keras-ft schedule (every `--save-every` batches, `"auto"`,
+`"continuous"`), its batch ends and commits timed; for kills at 1,000
+moments spread over the epoch, the batches trained since the newest commit
+(lost), beside the epoch's time over no callback (the schedule's cost).
+
+Inputs: NumPy arrays (`fit(shuffle=True)`), a `keras.utils.PyDataset` whose
+`__getitem__` costs `--item-ms` (a decode stand-in), and `tf.data` with
+`Dataset.shuffle()`.
 
 Usage:
     python benchmarks/recovery.py                   # JAX, every input, 3 kills
@@ -108,14 +116,63 @@ def child(args: argparse.Namespace) -> None:
             sys.stdout.flush()
             os._exit(0)
 
+    every = int(args.every) if args.every.isdigit() else args.every
+    if args.timeline:
+        timeline(args, model, data, fit_args, every)
+        return
     callbacks: list = [Stop()]
     if args.tool == "keras_ft":
-        callbacks.insert(0, keras_ft.BackupAndRestore(args.dir, save_freq=args.every))
+        callbacks.insert(0, keras_ft.BackupAndRestore(args.dir, save_freq=every))
     elif args.tool == "keras":
-        callbacks.insert(
-            0, keras.callbacks.BackupAndRestore(args.dir, save_freq=args.every)
-        )
+        callbacks.insert(0, keras.callbacks.BackupAndRestore(args.dir, save_freq=every))
     model.fit(*data, epochs=2, verbose=0, callbacks=callbacks, **fit_args)
+
+
+def timeline(args, model, data, fit_args, every) -> None:
+    """One epoch (after a warm-up one) with schedule `every` (or none, for
+    `--tool cold`); prints its batch ends and commits, in seconds from the
+    epoch's start, as `ENDS ...` and `COMMITS step@seconds ...`."""
+    import keras
+
+    import keras_ft
+
+    ends, commits = [], []
+
+    class Times(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start, self.epoch = time.perf_counter(), epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.epoch == 1:
+                ends.append(time.perf_counter() - self.start)
+
+    times = Times()
+
+    class Commits(keras_ft.CheckpointListener):
+        def after_commit(self, path, epoch, step):
+            if times.epoch == 1:
+                commits.append((step - args.batches, time.perf_counter() - times.start))
+
+    callbacks: list = [times]
+    if args.tool == "keras_ft":
+        callbacks.insert(0, keras_ft.BackupAndRestore(
+            args.dir, save_freq=every, listeners=[Commits()], verbose=0
+        ))  # fmt: skip
+    model.fit(*data, epochs=2, verbose=0, callbacks=callbacks, **fit_args)
+    keras_ft.wait_for_backups()
+    print("ENDS", " ".join(f"{t:.5f}" for t in ends))
+    print("COMMITS", " ".join(f"{step}@{t:.5f}" for step, t in commits))
+
+
+def lost_batches(ends: list[float], commits: list[tuple[int, float]]) -> list[int]:
+    """Batches a kill would lose, for 1,000 kill moments over the epoch."""
+    lost = []
+    for i in range(1000):
+        moment = ends[-1] * (i + 0.5) / 1000
+        done = sum(1 for t in ends if t <= moment)
+        saved = max((step for step, t in commits if t <= moment), default=0)
+        lost.append(done - saved)
+    return lost
 
 
 def launch(backend: str, *extra: str) -> tuple[float, dict[str, float]]:
@@ -133,11 +190,18 @@ def launch(backend: str, *extra: str) -> tuple[float, dict[str, float]]:
         timeout=900,
     )
     wall = time.perf_counter() - begin
-    said = {}
+    said: dict = {}
     for line in result.stdout.splitlines():
         key, _, value = line.partition(" ")
         if key in ("AT", "BATCH"):
             said[key] = float(value)
+        elif key == "ENDS":
+            said[key] = [float(t) for t in value.split()]
+        elif key == "COMMITS":
+            said[key] = [
+                (int(step), float(t))
+                for step, t in (c.split("@") for c in value.split())
+            ]
     if not said:
         raise RuntimeError(f"child {extra} said nothing:\n{result.stderr[-3000:]}")
     return wall, said
@@ -177,9 +241,10 @@ def main() -> None:
     parser.add_argument("--dir", default="")
     parser.add_argument("--stop-at", type=int, default=1)
     parser.add_argument("--kill", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--every", default="50")
+    parser.add_argument("--timeline", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backend", default="jax")
-    parser.add_argument("--inputs", nargs="+", choices=INPUTS, default=list(INPUTS))
+    parser.add_argument("--inputs", nargs="*", choices=INPUTS, default=list(INPUTS))
     parser.add_argument("--batches", type=int, default=600, help="per epoch")
     parser.add_argument("--item-ms", type=float, default=5.0)
     parser.add_argument("--save-every", type=int, default=50)
@@ -238,8 +303,44 @@ def main() -> None:
                     f"{m['keras'] - m['floor']:>+17.2f}",
                     flush=True,
                 )
+        print_lost_work(args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def print_lost_work(args: argparse.Namespace, work: str) -> None:
+    run = ["--batches", str(args.batches), "--input", "arrays", "--timeline"]
+    print(
+        f"\nLost work, {args.backend}: one epoch of {args.batches} batches (arrays), "
+        "batches trained since the newest commit at 1,000 kill moments; the "
+        f"epoch's time over no callback (median of {args.rounds})."
+    )
+    header = (
+        f"{'schedule':<12} {'lost: mean':>10} {'median':>7} {'max':>5} "
+        f"{'saves':>6} {'epoch s':>8} {'over none':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    bare = statistics.median(
+        launch(args.backend, *run, "--tool", "cold")[1]["ENDS"][-1]
+        for _ in range(args.rounds)
+    )
+    for every in (str(args.save_every), "auto", "continuous"):
+        rounds = []
+        for _ in range(args.rounds):
+            directory = os.path.join(work, "lost")
+            shutil.rmtree(directory, ignore_errors=True)
+            at = ["--tool", "keras_ft", "--dir", directory, "--every", every]
+            rounds.append(launch(args.backend, *run, *at)[1])
+        seconds = statistics.median(r["ENDS"][-1] for r in rounds)
+        lost = [n for r in rounds for n in lost_batches(r["ENDS"], r["COMMITS"])]
+        saves = statistics.median(len(r["COMMITS"]) for r in rounds)
+        print(
+            f"{every:<12} {statistics.mean(lost):>10.1f} "
+            f"{statistics.median(lost):>7.0f} {max(lost):>5} {saves:>6.0f} "
+            f"{seconds:>8.2f} {seconds / bare - 1:>+10.1%}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -105,7 +105,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         save_freq: `"epoch"` to save at the end of every epoch, a positive
             integer to save every `save_freq` batches, `"auto"` to save as
             often as keeps the time saves hold up training within
-            `overhead_budget` (keras-ft only), or `False` for no scheduled
+            `overhead_budget` (keras-ft only), `"continuous"` to save at
+            every batch end at which the last backup is committed (the
+            fewest batches lost to a kill, one copy of the state per save;
+            one process only; keras-ft only), or `False` for no scheduled
             saves: only the backup taken on a preemption signal (and
             `save_every_seconds`, if set). Defaults to `"epoch"`.
         double_checkpoint: If `True`, keep at least two backups, as Keras'

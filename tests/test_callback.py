@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 from conftest import (
     STEPS_PER_EPOCH,
+    checkpoint_entries,
     iterations,
+    make_data,
     make_model,
     read_events,
     run_once_on,
@@ -1063,3 +1065,30 @@ def test_restore_line_after_the_last_batch_says_the_end_of_the_epoch(
     assert "resuming at the end of epoch 2/3, optimizer step 8" in out, out
     assert "batch 5" not in out
     assert iterations(model) == 3 * STEPS_PER_EPOCH
+
+
+def test_continuous_saves_whenever_the_writer_is_free(tmp_path):
+    backup = str(tmp_path / "backup")
+    model = make_model()
+    x, y = make_data()
+    commits = []
+
+    class Count(keras_ft.CheckpointListener):
+        def after_commit(self, path, epoch, step):
+            commits.append(step)
+
+    model.fit(
+        x, y, batch_size=4, epochs=2, verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(
+            backup, save_freq="continuous", delete_checkpoint=False,
+            listeners=[Count()], async_save=False,
+        )],
+    )  # fmt: skip
+    # Written in the training thread, each save is in by the next batch end:
+    # one at every one of the 32 (with background writes, at every batch end
+    # the last write is over: tests/test_policy.py).
+    assert commits == list(range(1, 33))
+    assert [n for n in checkpoint_entries(backup) if n.startswith("ckpt-")] == [
+        "ckpt-00000031",
+        "ckpt-00000032",
+    ]  # keep=2

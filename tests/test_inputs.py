@@ -4,10 +4,13 @@ where an uninterrupted one does."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
-from conftest import run_once_on
+from conftest import run_once_on, subprocess_env
 
 import keras_ft
 from keras_ft import compat
@@ -234,3 +237,54 @@ def test_tf_data_that_cannot_be_saved_and_reshuffles_says_so(tmp_path):
     tf_data_fit(tmp_path, backup, crash=True, reshuffle=True)
     with pytest.warns(UserWarning, match="reshuffles at every iteration"):
         tf_data_fit(tmp_path, backup, reshuffle=True)
+
+
+def test_a_generator_replays_and_says_how_much(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ITEMS, BATCH, FEATURES)).astype("float32")
+    y = x[..., :1] * 2
+
+    def batches():
+        while True:
+            yield from zip(x, y, strict=True)
+
+    def fit_generator(crash):
+        model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+        callbacks = [
+            keras_ft.BackupAndRestore(
+                str(tmp_path / "backup"), save_freq=SAVE_FREQ, delete_checkpoint=False
+            )
+        ]
+        if crash:
+            callbacks.append(Crash())
+        model.fit(
+            batches(), steps_per_epoch=ITEMS, epochs=2, verbose=0, callbacks=callbacks
+        )
+
+    with pytest.raises(RuntimeError, match="crash"):
+        fit_generator(crash=True)
+    with pytest.warns(UserWarning, match=f"the {SAVE_FREQ} batches of this epoch"):
+        fit_generator(crash=False)
+
+
+@run_once_on("jax", "whether TensorFlow is imported does not depend on the backend")
+def test_following_the_input_imports_no_tensorflow(tmp_path):
+    # On JAX and PyTorch, a training that never touches TensorFlow must not
+    # import it for keras-ft's sake (hundreds of MB).
+    code = f"""
+import sys
+import keras, numpy as np, keras_ft
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+model.compile("sgd", "mse")
+x = np.zeros((64, 4), "float32")
+model.fit(x, x[:, :1], batch_size=8, epochs=2, verbose=0, callbacks=[
+    keras_ft.BackupAndRestore({str(tmp_path)!r}, save_freq=2, delete_checkpoint=False)])
+keras_ft.wait_for_backups()
+print("IMPORTED" if "tensorflow" in sys.modules else "CLEAN")
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True,
+        env=subprocess_env(), timeout=300,
+    )  # fmt: skip
+    assert out.stdout.strip().endswith("CLEAN"), out.stderr[-2000:]

@@ -203,3 +203,26 @@ def test_save_freq_false_never_asks_for_a_save():
 def test_save_freq_is_validated_by_name(bad):
     with pytest.raises(ValueError, match=f"Received: save_freq={bad!r}"):
         policy.schedule_from_arguments(bad, 0.02, None)
+
+
+def test_continuous_saves_whenever_the_last_backup_is_committed():
+    schedule = policy.schedule_from_arguments("continuous", 0.02, None)
+    schedule.start(0.0)
+    # A write takes three batches: a save at every fourth batch end.
+    writing_until = -1
+    saved = []
+    for batch in range(12):
+        if schedule.on_batch_end(1, float(batch), writing=batch <= writing_until):
+            saved.append(batch)
+            schedule.saved(float(batch))
+            writing_until = batch + 3
+    assert saved == [0, 4, 8]
+    assert not schedule.on_epoch_end(12.0)
+
+
+@pytest.mark.parametrize("save_freq", ["auto", "continuous"])
+def test_clock_driven_schedules_are_refused_with_several_workers(save_freq):
+    schedule = policy.schedule_from_arguments(save_freq, 0.02, None)
+    policy.check_same_step_on_every_worker(schedule, 1, save_freq, None)
+    with pytest.raises(ValueError, match=f"save_freq={save_freq!r}"):
+        policy.check_same_step_on_every_worker(schedule, 2, save_freq, None)

@@ -12,6 +12,7 @@ from keras_ft.compat.data import (
     PyDatasetView,
     TfDataState,
     fit_epoch_iterator,
+    input_kind,
     restore_tf_iterator,
     start_data_at_epoch,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "disabled",
     "fail",
     "fit_epoch_iterator",
+    "input_kind",
     "install_multi_worker_fixes",
     "install_multi_worker_fixes_if_needed",
     "keras_global_seed_state",

@@ -47,6 +47,13 @@ def _adapter_counts_epochs() -> bool:
     return "_epoch" in _code_names(adapter.__init__)
 
 
+def input_kind(epoch_iterator: Any) -> str | None:
+    """The class name of the data adapter `fit()` reads through (Keras'
+    `GeneratorDataAdapter`, `TFDatasetAdapter`, ...), or `None`."""
+    adapter = getattr(epoch_iterator, "data_adapter", None)
+    return None if adapter is None else type(adapter).__name__
+
+
 @register(
     "data_epoch",
     "a fit() resumed at a later epoch shuffles arrays in the order of its own "
@@ -141,12 +148,13 @@ class PyDatasetView:
     def of(cls, epoch_iterator: Any, before_load: Callable[[int], None]) -> Any:
         """A view of `epoch_iterator`'s `PyDataset`, or `None` (another input,
         one of unknown length, or an internal that moved)."""
-        adapter = getattr(epoch_iterator, "data_adapter", None)
-        if adapter is None or not usable("input_skip"):
+        # A subclass may draw its order otherwise.
+        if input_kind(epoch_iterator) != "PyDatasetAdapter":
             return None
+        adapter = epoch_iterator.data_adapter
         adapter_type, _ = _py_dataset_adapter_types()
-        if type(adapter) is not adapter_type:
-            return None  # A subclass may draw its order otherwise.
+        if type(adapter) is not adapter_type or not usable("input_skip"):
+            return None
         steps = getattr(epoch_iterator, "steps_per_epoch", None)
         num_batches = adapter.py_dataset.num_batches
         if num_batches is None or steps not in (None, num_batches):
@@ -314,11 +322,13 @@ def _check_tf_data_position() -> bool:
 
 def _tf_dataset_iterator(epoch_iterator: Any) -> Any:
     """The iterator of a user's `tf.data.Dataset` that `fit()` is reading."""
-    if epoch_iterator is None or not usable("tf_data_position"):
+    if input_kind(epoch_iterator) != "TFDatasetAdapter" or not _is_tensorflow():
+        # Arrays, generators, PyDatasets: not the user's pipeline; on another
+        # backend, Keras reads it through NumPy. Checked before the
+        # capability, whose check imports TensorFlow.
         return None
-    adapter = type(getattr(epoch_iterator, "data_adapter", None)).__name__
-    if adapter != "TFDatasetAdapter":
-        return None  # Arrays, generators, PyDatasets: not the user's pipeline.
+    if not usable("tf_data_position"):
+        return None
     iterator = getattr(epoch_iterator, "_current_iterator", None)
     # A distributed iterator (a strategy's) has no state of its own to save.
     return iterator if hasattr(iterator, "_iterator_resource") else None
@@ -364,7 +374,7 @@ class TfDataState:
 def restore_tf_iterator(iterator: Any, state: bytes) -> bool:
     """Puts `state` (from `TfDataState.save()`) into `fit()`'s new iterator
     for the epoch, before it yields anything; returns whether it did."""
-    if not usable("tf_data_position") or not hasattr(iterator, "_iterator_resource"):
+    if not hasattr(iterator, "_iterator_resource") or not usable("tf_data_position"):
         return False
     import tensorflow as tf
 

@@ -28,6 +28,7 @@ with state outside the graph (a `py_function`) cannot be saved: replayed.
 from __future__ import annotations
 
 import collections
+import warnings
 from typing import Any
 
 import numpy as np
@@ -109,6 +110,18 @@ class InputPosition:
             return False
         state = np.asarray(saved["tf_iterator"], dtype=np.uint8).tobytes()
         return compat.restore_tf_iterator(iterator, state)
+
+    def replaying(self, count: int) -> None:
+        """Says so where the input can only replay the `count` batches of the
+        resumed epoch trained before the restart (a Python generator)."""
+        if compat.input_kind(self.epoch_iterator) == "GeneratorDataAdapter":
+            warnings.warn(
+                "BackupAndRestore: a Python generator cannot skip what it "
+                f"yielded: the {count} batches of this epoch trained before "
+                "the restart are drawn from it again (not trained). A "
+                "keras.utils.PyDataset resumes without loading them.",
+                stacklevel=2,
+            )
 
     def remove(self) -> None:
         """Gives `fit()` its input back as it was."""

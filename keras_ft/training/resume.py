@@ -215,9 +215,12 @@ class Resumption:
         skipping = inputs is not None and inputs.skip(point)
 
         def at_source(iterator: Any) -> bool:
-            return skipping or (
-                inputs is not None and inputs.restore_iterator(point, iterator)
-            )
+            if inputs is None:
+                return False
+            if skipping or inputs.restore_iterator(point, iterator):
+                return True
+            inputs.replaying(point.batch)
+            return False
 
         self._fast_forward = FastForward(
             model,
