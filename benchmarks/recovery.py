@@ -19,9 +19,11 @@ every kill position.
 
 Then the other half of recovery, the work a kill loses: one uninterrupted
 epoch per keras-ft schedule (every `--save-every` batches, `"auto"`,
-`"continuous"`), its batch ends and commits timed; for kills at 1,000
-moments spread over the epoch, the batches trained since the newest commit
-(lost), beside the epoch's time over no callback (the schedule's cost).
+`"continuous"`), on the `PyDataset` input (its per-item time keeps the host
+waiting, as an accelerator's step would), its batch ends and commits timed;
+for kills at 1,000 moments spread over the epoch, the batches trained since
+the newest commit (lost), beside the epoch's time over no callback (the
+schedule's cost).
 
 Inputs: NumPy arrays (`fit(shuffle=True)`), a `keras.utils.PyDataset` whose
 `__getitem__` costs `--item-ms` (a decode stand-in), and `tf.data` with
@@ -309,9 +311,15 @@ def main() -> None:
 
 
 def print_lost_work(args: argparse.Namespace, work: str) -> None:
-    run = ["--batches", str(args.batches), "--input", "arrays", "--timeline"]
+    # The PyDataset's per-item time stands for a step that keeps the host
+    # waiting (an accelerator's, a decode's): the cores are free to write.
+    run = [
+        "--batches", str(args.batches), "--item-ms", str(args.item_ms),
+        "--input", "pydataset", "--timeline",
+    ]  # fmt: skip
     print(
-        f"\nLost work, {args.backend}: one epoch of {args.batches} batches (arrays), "
+        f"\nLost work, {args.backend}: one epoch of {args.batches} batches (a "
+        f"PyDataset, {args.item_ms:g} ms per item), "
         "batches trained since the newest commit at 1,000 kill moments; the "
         f"epoch's time over no callback (median of {args.rounds})."
     )

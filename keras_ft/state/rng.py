@@ -51,7 +51,8 @@ def from_raw(raw: tuple[Any, Any]) -> dict[str, Any]:
     """What `capture_raw()` returned, as `capture()` gives it."""
     (version, internal, gauss), (name, keys, pos, has_gauss, cached) = raw
     return {
-        "python": [version, list(internal), gauss],
+        # An array, not 625 numbers: a save walks every node of the tree.
+        "python": [version, np.asarray(internal, dtype=np.uint32), gauss],
         "numpy": {
             "name": name,
             "keys": np.array(keys),
@@ -77,7 +78,7 @@ def apply(state: dict[str, Any], only: tuple[str, ...] | None = None) -> None:
         state = {k: v for k, v in state.items() if k in only}
     if "python" in state:
         version, internal, gauss = state["python"]
-        random.setstate((version, tuple(internal), gauss))
+        random.setstate((version, tuple(int(v) for v in internal), gauss))
     if "numpy" in state:
         n = state["numpy"]
         np.random.set_state(
