@@ -288,3 +288,41 @@ print("IMPORTED" if "tensorflow" in sys.modules else "CLEAN")
         env=subprocess_env(), timeout=300,
     )  # fmt: skip
     assert out.stdout.strip().endswith("CLEAN"), out.stderr[-2000:]
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow", reason="tf.data is TensorFlow's"
+)
+def test_a_forged_tf_data_state_is_refused_not_loaded(tmp_path):
+    # A backup is untrusted input: bytes that are not an iterator's state of
+    # this pipeline leave the iterator as it was (the epoch is replayed).
+    import tensorflow as tf
+
+    dataset = (
+        tf.data.Dataset.range(100)
+        .shuffle(100, seed=1, reshuffle_each_iteration=False)
+        .batch(10)
+    )
+    other = tf.data.Dataset.range(5).map(lambda i: i * 2)
+    saved = iter(other)
+    next(saved)
+    state = tf.io.serialize_tensor(
+        tf.raw_ops.SerializeIterator(
+            resource_handle=saved._iterator_resource, external_state_policy=2
+        )
+    ).numpy()
+    rng = np.random.default_rng(0)
+    forged = [
+        b"",
+        rng.bytes(4096),
+        state[: len(state) // 2],
+        state,  # Another pipeline's.
+    ]
+    expected = [b.numpy() for b in dataset]
+    for bad in forged:
+        iterator = iter(dataset)
+        assert not compat.restore_tf_iterator(iterator, bad)
+        got = [b.numpy() for b in iterator]
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected, strict=True):
+            np.testing.assert_array_equal(a, b)

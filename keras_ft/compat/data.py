@@ -316,6 +316,8 @@ def _check_tf_data_position() -> bool:
         getattr(iterator, "_iterator_resource", None) is not None
         and hasattr(tf.raw_ops, "SerializeIterator")
         and hasattr(tf.raw_ops, "DeserializeIterator")
+        and getattr(getattr(iterator, "_dataset", None), "_variant_tensor", None)
+        is not None
         and "_current_iterator" in _code_names(EpochIterator._enumerate_iterator)
     )
 
@@ -378,13 +380,22 @@ def restore_tf_iterator(iterator: Any, state: bytes) -> bool:
         return False
     import tensorflow as tf
 
+    resource = iterator._iterator_resource
     try:
         tf.raw_ops.DeserializeIterator(
-            resource_handle=iterator._iterator_resource,
-            serialized=tf.io.parse_tensor(state, tf.variant),
+            resource_handle=resource, serialized=tf.io.parse_tensor(state, tf.variant)
         )
     except tf.errors.OpError:
-        return False  # Another pipeline than the one saved: replayed.
+        # Damaged, or another pipeline than the one saved: replayed. A restore
+        # that failed part way leaves the iterator empty: start it afresh.
+        try:
+            tf.raw_ops.MakeIterator(
+                dataset=iterator._dataset._variant_tensor, iterator=resource
+            )
+        except Exception as e:
+            fail("tf_data_position", e)
+            raise  # An empty epoch would be trained silently: better stop.
+        return False
     except Exception as e:
         fail("tf_data_position", e)
         return False
