@@ -9,6 +9,11 @@ with the same script. Measured, side by side in one run, per input:
 - keras-ft: `keras_ft.BackupAndRestore(save_freq=--save-every)`, from the
   relaunch to the start of the batch killed;
 - Keras: `keras.callbacks.BackupAndRestore(save_freq=--save-every)`, the same;
+- Orbax: `keras.callbacks.OrbaxCheckpoint(save_freq=--save-every)`, resumed by
+  hand as its docs have it (`model.load_weights(directory)` when the
+  directory holds a checkpoint, then `fit()`: the epoch starts again at its
+  first batch); only where `orbax-checkpoint` is installed (`make bench`
+  installs it);
 - floor: cold + reading the checkpoint (`WorkerTrainingState.restore()`,
   measured on the backup left by the kill) + training the `--since` batches
   trained after the backup (from the killed run's own batch time).
@@ -47,7 +52,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOLS = ("cold", "keras_ft", "keras")
+TOOLS = ("cold", "keras_ft", "keras", "orbax")
 INPUTS = ("arrays", "pydataset", "tfdata")
 
 
@@ -265,9 +270,17 @@ def main() -> None:
         f"{args.save_every}, killed {args.since} batches after one; seconds from "
         f"the relaunch to the batch killed (median of {args.rounds})."
     )
+    tools = ["keras_ft", "keras"]
+    try:
+        import orbax.checkpoint  # noqa: F401
+
+        tools.append("orbax")
+    except ImportError:
+        print("(orbax-checkpoint is not installed: no OrbaxCheckpoint column)")
     header = (
         f"{'input':<10} {'kill at':>8} {'cold':>6} {'floor':>6} {'keras-ft':>9} "
-        f"{'Keras':>7} {'keras-ft over floor':>20} {'Keras over floor':>17}"
+        f"{'Keras':>7} {'Orbax':>7} {'keras-ft over floor':>20} "
+        f"{'Keras over floor':>17} {'Orbax over floor':>17}"
     )
     print(header)
     print("-" * len(header))
@@ -282,7 +295,7 @@ def main() -> None:
                 for _ in range(args.rounds):
                     _, cold = launch(args.backend, *run, "--tool", "cold")
                     times["cold"].append(cold["AT"])
-                    for tool in ("keras_ft", "keras"):
+                    for tool in tools:
                         directory = os.path.join(work, tool)
                         shutil.rmtree(directory, ignore_errors=True)
                         at = ["--tool", tool, "--dir", directory]
@@ -297,12 +310,13 @@ def main() -> None:
                         stop = ["--stop-at", str(kill)]
                         _, back = launch(args.backend, *run, *at, *stop)
                         times[tool].append(back["AT"])
-                m = {k: statistics.median(v) for k, v in times.items()}
+                m = {k: statistics.median(v) for k, v in times.items() if v}
+                orbax = m.get("orbax", float("nan"))
                 print(
                     f"{data:<10} {f'{kill}/{args.batches}':>8} {m['cold']:>6.2f} "
                     f"{m['floor']:>6.2f} {m['keras_ft']:>9.2f} {m['keras']:>7.2f} "
-                    f"{m['keras_ft'] - m['floor']:>+20.2f} "
-                    f"{m['keras'] - m['floor']:>+17.2f}",
+                    f"{orbax:>7.2f} {m['keras_ft'] - m['floor']:>+20.2f} "
+                    f"{m['keras'] - m['floor']:>+17.2f} {orbax - m['floor']:>+17.2f}",
                     flush=True,
                 )
         print_lost_work(args, work)
