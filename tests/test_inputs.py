@@ -112,6 +112,7 @@ def assert_same_weights(a, b):
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.compat_core
 def test_resumed_epoch_loads_only_untrained_items_bitwise_exact(tmp_path):
     reference, _ = fit(tmp_path)
     model, before, loads = resumed(tmp_path)

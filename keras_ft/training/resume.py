@@ -1,11 +1,13 @@
 """Resuming inside `fit()`: skip what was trained, restore what was reset.
 
 `fit()` restarts an epoch at its first batch. To continue at batch `k`, the
-model's `train_function` is replaced for the first `k` steps by one that takes
-the batch from the data pipeline (so the pipeline, its shuffling and its
-random draws advance exactly as before) without running the model, then hands
-back the real one (`backend.skipped_step()` knows how each backend's `fit()`
-loop calls `train_function`).
+model's `train_function` is replaced for the first `k` steps by one that does
+not run the model, then hands back the real one (`backend.skipped_step()`
+knows how each backend's `fit()` loop calls `train_function`). Where the input
+can skip the trained batches itself (`inputs.py`: a `PyDataset`, a `tf.data`
+iterator restored), the skipped steps pull nothing; otherwise each takes its
+batch from the pipeline, so that the pipeline, its shuffling and its random
+draws advance exactly as before.
 """
 
 from __future__ import annotations
