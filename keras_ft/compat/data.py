@@ -121,8 +121,8 @@ class PyDatasetView:
     random state an item starts from), and items given to `skip()` load
     nothing: Keras' own generator draws the epoch's order and asks for them
     as ever, and gets a `Skipped` marker that the view's generator drops (or
-    hands on as `None`, for a `fit()` loop that pulls a batch for every step
-    itself).
+    hands on as an empty tuple, for a `fit()` loop that pulls a batch for
+    every step itself).
 
     Args:
         adapter: The `PyDatasetAdapter` of `fit()`'s epoch iterator.
@@ -194,8 +194,9 @@ class PyDatasetView:
         """Has the next loads of `indices` load nothing.
 
         Args:
-            placeholders: Hand `None` on for each (PyTorch's `fit()` pulls a
-                batch for every step, skipped or not), instead of dropping.
+            placeholders: Hand an empty tuple on for each (PyTorch's `fit()`
+                pulls a batch for every step, skipped or not), instead of
+                dropping them.
         """
         self._placeholders = placeholders
         self._seen.skipping = set(indices)
@@ -227,7 +228,7 @@ class PyDatasetView:
         for batch in batches:
             if type(batch) is Skipped:
                 if self._placeholders:
-                    yield None
+                    yield ()  # No leaves: every Keras converts it as is.
                 continue
             yield batch
 
