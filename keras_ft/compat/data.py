@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from keras_ft.compat.registry import available, fail, register, usable
-from keras_ft.compat.training import _code_names
+from keras_ft.compat.training import _code_names, local_up_the_stack
 
 
 def fit_epoch_iterator() -> Any:
@@ -26,15 +26,12 @@ def fit_epoch_iterator() -> Any:
     """
     if not hasattr(sys, "_getframe"):
         return None
-    frame = sys._getframe(1)
-    for _ in range(10):
-        if frame is None:
-            break
-        iterator = frame.f_locals.get("epoch_iterator")
-        if getattr(iterator, "data_adapter", None) is not None:
-            return iterator
-        frame = frame.f_back
-    return None
+    return local_up_the_stack(
+        sys._getframe(1),
+        10,
+        "epoch_iterator",
+        lambda iterator: getattr(iterator, "data_adapter", None) is not None,
+    )
 
 
 def _adapter_counts_epochs() -> bool:

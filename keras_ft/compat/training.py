@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -88,17 +89,31 @@ def calling_callback_list(
     """
     if not usable("callback_list"):
         return None
-    frame = sys._getframe(1)
-    for _ in range(6):
+    # None when called by hand, outside fit().
+    return local_up_the_stack(
+        sys._getframe(1),
+        6,
+        "self",
+        lambda owner: (
+            isinstance(owner, keras.callbacks.CallbackList)
+            and any(c is callback for c in owner.callbacks)
+        ),
+    )
+
+
+def local_up_the_stack(
+    frame: Any, depth: int, name: str, accept: Callable[[Any], bool]
+) -> Any:
+    """The local variable `name` of `frame` or of the `depth - 1` frames
+    that called it, the nearest one that `accept()` takes, or `None`."""
+    for _ in range(depth):
         if frame is None:
             break
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, keras.callbacks.CallbackList) and any(
-            c is callback for c in owner.callbacks
-        ):
-            return owner
+        value = frame.f_locals.get(name)
+        if accept(value):
+            return value
         frame = frame.f_back
-    return None  # Called by hand, outside fit().
+    return None
 
 
 @register("tensorboard_steps", "TensorBoard's step axis restarts after a resume")
