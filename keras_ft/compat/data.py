@@ -145,11 +145,9 @@ class PyDatasetView:
     def of(cls, epoch_iterator: Any, before_load: Callable[[int], None]) -> Any:
         """A view of `epoch_iterator`'s `PyDataset`, or `None` (another input,
         one of unknown length, or an internal that moved)."""
-        # A subclass may draw its order otherwise.
-        if input_kind(epoch_iterator) != "PyDatasetAdapter":
-            return None
-        adapter = epoch_iterator.data_adapter
+        adapter = getattr(epoch_iterator, "data_adapter", None)
         adapter_type, _ = _py_dataset_adapter_types()
+        # A subclass may draw its order otherwise.
         if type(adapter) is not adapter_type or not usable("input_skip"):
             return None
         steps = getattr(epoch_iterator, "steps_per_epoch", None)
@@ -259,7 +257,8 @@ class _Seen:
         return len(self.dataset)
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("dataset", "before_load", "skipping"):  # Mid-unpickling.
+        if name in ("dataset", "before_load", "skipping", "indices"):
+            # Not set yet (mid-unpickling): not the dataset's.
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
@@ -273,24 +272,16 @@ class _Seen:
         vars(self).update(state)
 
 
-class _Recorder:
+class _Recorder(_Seen):
     """Notes the indices asked for; loads nothing."""
 
     def __init__(self, dataset: Any):
-        self.dataset = dataset
+        super().__init__(dataset, None)
         self.indices: list[int] = []
 
     def __getitem__(self, index: int) -> Skipped:
         self.indices.append(index)
         return _SKIPPED
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("dataset", "indices"):
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
 
 
 def _is_tensorflow() -> bool:
