@@ -1,9 +1,12 @@
 """Cost of a backup: keras-ft vs `keras.callbacks.BackupAndRestore` vs nothing.
 
-Measures, side by side in one run, on TensorFlow and JAX (one process each):
+Measures, side by side in one run, on TensorFlow, JAX and PyTorch (one
+process each):
 1. `fit()` time of a ~5M-parameter MLP with Adam saving every batch: no
    callback, Keras' own, keras-ft synchronous, keras-ft asynchronous (the
-   default); and keras-ft with `save_freq="auto"` over a longer run;
+   default); how long one save holds training up (saves far enough apart
+   for each write to end first) against one copy of the state; and keras-ft
+   with `save_freq="auto"` over a longer run;
 2. `fit()` time of a ~50M-parameter MLP saving every epoch: no callback,
    Keras' own, keras-ft;
 3. save and restore throughput against raw write+fsync of the same number
@@ -38,7 +41,7 @@ import threading
 import time
 
 med = statistics.median
-BACKENDS = ("tensorflow", "jax")
+BACKENDS = ("tensorflow", "jax", "torch")
 
 
 def build_model(width: int):
@@ -193,6 +196,91 @@ class Stopwatch:
         self.ended = 0.0
 
 
+class CopyOnly:
+    """What any backup must do before training may go on: one copy of the
+    model's and optimizer's variables into host memory, here by NumPy on one
+    thread into a buffer allocated and touched beforehand (the floor a save's
+    blocking time is measured against). Each variable is read without a copy,
+    as keras-ft reads it (`keras.ops.convert_to_numpy()` would copy twice)."""
+
+    def __init__(self, every: int):
+        import keras
+        import numpy as np
+
+        from keras_ft.backend import view
+
+        self.every = every
+        self.buffer = None
+
+        class Callback(keras.callbacks.Callback):
+            def on_train_batch_end(inner, batch, logs=None):
+                if (batch + 1) % every:
+                    return
+                model = inner.model  # Syncs, on JAX, as a save must.
+                values = [view(v) for v in model.weights + model.optimizer.variables]
+                if self.buffer is None:
+                    self.buffer = np.ones(sum(v.nbytes for v in values), np.uint8)
+                offset = 0
+                for value in values:
+                    flat = value.reshape(-1).view(np.uint8)
+                    np.copyto(self.buffer[offset : offset + flat.size], flat)
+                    offset += flat.size
+
+        self.callback = Callback()
+
+
+class Blocking:
+    """Around the callbacks measured: how long their batch ends held training
+    up, at the batches they save at (every `every` batches, the first left
+    out: it may allocate)."""
+
+    def __init__(self, every: int):
+        import keras
+
+        self.times: list[float] = []
+        self._start = 0.0
+
+        class First(keras.callbacks.Callback):
+            def on_train_batch_end(inner, batch, logs=None):
+                self._start = time.perf_counter()
+
+        class Last(keras.callbacks.Callback):
+            def on_train_batch_end(inner, batch, logs=None):
+                if (batch + 1) % every == 0 and batch + 1 > every:
+                    self.times.append(time.perf_counter() - self._start)
+
+        self.first, self.last = First(), Last()
+
+    def around(self, callbacks: list) -> list:
+        return [self.first, *callbacks, self.last]
+
+
+def blocking_runner(width, x, y, make_callbacks):
+    """Like `fit_runner()`; each call returns the median time the callbacks
+    held training up at a save."""
+    model = build_model(width)
+    model.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
+
+    def run() -> float:
+        blocking = Blocking(BLOCKING_EVERY)
+        model.fit(
+            x,
+            y,
+            batch_size=32,
+            epochs=1,
+            verbose=0,
+            callbacks=blocking.around(make_callbacks()),
+        )
+        return med(blocking.times)
+
+    return run
+
+
+# Saves far enough apart for each write to end before the next save: what
+# a save itself costs the training thread, not the disk's pace.
+BLOCKING_EVERY = 8
+
+
 def fit_runner(width, x, y, make_callbacks, epochs=1):
     """A warmed-up model; each call runs `fit()` with fresh callbacks and
     returns the seconds from the call to the end of the last train end."""
@@ -323,6 +411,29 @@ def measure(args) -> dict:
             args.repeats,
         )
         result["steps"] = args.fit_steps
+
+        # 1a. Blocking time of one save, against one copy of the state.
+        xs, ys = data(BLOCKING_EVERY * 8)
+        result["blocking"] = interleaved(
+            {
+                "copy": blocking_runner(
+                    args.width, xs, ys, lambda: [CopyOnly(BLOCKING_EVERY).callback]
+                ),
+                "keras-ft": blocking_runner(
+                    args.width,
+                    xs,
+                    ys,
+                    ft(f"{root}/f-b", save_freq=BLOCKING_EVERY),
+                ),
+                "keras": blocking_runner(
+                    args.width,
+                    xs,
+                    ys,
+                    keras_own(f"{root}/f-kb", save_freq=BLOCKING_EVERY),
+                ),
+            },
+            args.repeats,
+        )
 
         # 1b. save_freq="auto" over a longer run.
         xa, ya = data(args.auto_steps)
@@ -471,6 +582,31 @@ def rows_of(r: dict) -> list[tuple[str, str, str, str]]:
             spread(floor, "{:.2f}"),
             "",
             "",
+        )
+    )
+
+    blocking = r["blocking"]
+    for name, label in (
+        ("copy", "one copy of the state (NumPy, one thread)"),
+        ("keras", "Keras' own save"),
+        ("keras-ft", "keras-ft async save"),
+    ):
+        rows.append(
+            (
+                f"training held up per save, every {BLOCKING_EVERY} batches: "
+                f"{label}, ms",
+                spread([t * 1000 for t in blocking[name]], "{:.1f}"),
+                "",
+                "",
+            )
+        )
+    ratios = paired(blocking["keras-ft"], blocking["copy"], lambda a, c: a / c)
+    rows.append(
+        (
+            "  keras-ft save held up / one copy of the state",
+            spread(ratios, "{:.2f}"),
+            "<= 1.50",
+            "yes" if med(ratios) <= 1.5 else "no",
         )
     )
 

@@ -628,6 +628,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                 saved = f"backed up {where}"
                 if checkpoint is not None:  # None on a worker: the chief commits.
                     saved += f" to {checkpoint.path}"
+                elif self._skipped_non_finite:  # Found by the writer's check.
+                    saved = f"{where} is not finite and was not backed up"
             else:
                 saved = f"{where} is not finite and was not backed up"
         self.preempted_by = signum.name
@@ -672,15 +674,22 @@ class BackupAndRestore(keras.callbacks.Callback):
             position = self._inputs.state_at(batch)
             if position is not None:
                 extra["input"] = position
+
+        def back_up() -> None:
+            try:
+                self._state.back_up(epoch, batch, extra, replaces_last=replaces_last)
+            except NonFiniteStateError as e:
+                if e.at is None:
+                    raise  # This state's.
+                # An earlier save's, found by its writer's check, raised
+                # before this one started: reported, then this one goes on.
+                self._skip_non_finite(_non_finite_text(e))
+                self._state.back_up(epoch, batch, extra, replaces_last=replaces_last)
+
         try:
-            self._raise_write_errors(
-                lambda: self._state.back_up(
-                    epoch, batch, extra, replaces_last=replaces_last
-                )
-            )
+            self._raise_write_errors(back_up)
         except NonFiniteStateError as e:
-            shown = ", ".join(e.variables[:3])
-            self._skip_non_finite(f"{shown} hold NaN or infinity at {where}")
+            self._skip_non_finite(_non_finite_text(e, where))
             return False
         now = time.monotonic()
         self._schedule.saved(now, cost=now - started)
@@ -712,9 +721,18 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
 
     def _raise_write_errors(self, step: Any) -> Any:
-        """Runs `step`; a failed write raises, or warns with `on_save_error`."""
+        """Runs `step`; a failed write raises, or warns with `on_save_error`.
+
+        A save its writer refused as not finite (checked in the background)
+        warns, as one refused at once does.
+        """
         try:
             return step()
+        except NonFiniteStateError as e:
+            if e.at is None:
+                raise
+            self._skip_non_finite(_non_finite_text(e))
+            return None
         except CheckpointWriteError as e:
             if self.on_save_error == "warn":
                 warnings.warn(f"BackupAndRestore: {e.strerror}", stacklevel=3)
@@ -724,6 +742,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._preemption.stop()
             self._state.unlock()
             raise
+
+
+def _non_finite_text(error: NonFiniteStateError, where: str | None = None) -> str:
+    shown = ", ".join(error.variables[:3])
+    return f"{shown} hold NaN or infinity at {error.at or where}"
 
 
 def _float_logs(logs: dict | None) -> dict[str, float]:

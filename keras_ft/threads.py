@@ -253,7 +253,10 @@ remover = _Pool(1, "keras-ft-remover")
 transfer = _Pool(8, "keras-ft-transfer")
 # A second thread for copies, on a machine with more than one core.
 copy_helper = _Pool(1, "keras-ft-copy", needs_two_cores=True)
-_POOLS = (hasher, syncer, verifier, remover, transfer, copy_helper)
+# The NaN/infinity check of a copy written in the background: off the
+# training thread's time, ahead of the writer.
+checker = _Pool(1, "keras-ft-finite-check")
+_POOLS = (hasher, syncer, verifier, remover, transfer, copy_helper, checker)
 _holders = 0
 _holders_lock = threading.Lock()
 

@@ -46,7 +46,7 @@ from keras_ft.state import (
     arrays,
     configuration,
 )
-from keras_ft.state.training_state import optimizer_step
+from keras_ft.state.training_state import optimizer_step, progress_text
 from keras_ft.threads import BackgroundWriter, PendingWrite, wait_for_removals
 from keras_ft.training.listeners import CheckpointListener, check_listeners, notify
 from keras_ft.training.policy import KeepLast
@@ -95,7 +95,9 @@ class WorkerTrainingState:
             to host memory, and a background thread writes and commits it;
             `wait()` waits for the commit. If `False`, `back_up()` returns
             the committed checkpoint. Either way the copy and the write
-            overlap, piece by piece. Defaults to `False`.
+            overlap, piece by piece; in the background the state's
+            NaN/infinity check follows the copy too, so that `back_up()`
+            waits for the copy alone. Defaults to `False`.
         task: This process's role; detected from the framework if `None`.
             Defaults to `None`.
         listeners: `keras_ft.CheckpointListener`s told before each save,
@@ -318,7 +320,10 @@ class WorkerTrainingState:
 
         Raises:
             keras_ft.NonFiniteStateError: if a model or optimizer variable
-                holds a NaN or an infinity; nothing is committed.
+                holds a NaN or an infinity; nothing is committed. With
+                `async_save`, the check runs in the background: its error
+                is raised by a later call (`back_up()`, `wait()`, `close()`),
+                like a failed write's, and says which save it was (`at`).
             keras_ft.CheckpointWriteError: if this write, or with
                 `async_save` the previous one, failed.
         """
@@ -349,9 +354,17 @@ class WorkerTrainingState:
         )
         # The copy goes into the buffer the saves in flight share: each value
         # waits until the save before has written it out, and this save's
-        # write follows the copy, so the disk never waits for all of it.
+        # write follows the copy, so the disk never waits for all of it. In
+        # the background, the NaN/infinity check follows the copy too (the
+        # write follows the check): training then waits for the copy alone,
+        # and a non-finite state is refused by the writer, before its commit.
         snapshot = self._state.snapshot(
-            epochs_completed, batches_completed, extra, copy=True, fill=False
+            epochs_completed,
+            batches_completed,
+            extra,
+            copy=True,
+            fill=False,
+            check_later=self.async_save,
         )
         try:
             cancel = self._start_commit(snapshot, replaces_last)
@@ -359,8 +372,10 @@ class WorkerTrainingState:
             snapshot.release()  # Never written: the next copy must not wait.
             raise
         snapshot.weights.fill()  # On failure, the write sees it and calls off.
-        if snapshot.weights.non_finite:
+        if snapshot.weights.non_finite:  # Checked during the copy.
             cancel.set()  # The write stops where it is and commits nothing.
+            with contextlib.suppress(NonFiniteStateError):
+                self._committed_unless_async()  # Unless it found it first.
             raise NonFiniteStateError(snapshot.weights.non_finite)
         return self._committed_unless_async()
 
@@ -705,6 +720,14 @@ def write_snapshot(snapshot: Snapshot, directory: str | Staging) -> None:
         )
     finally:
         snapshot.release()
+    if captured.non_finite:  # Known once the file is written: never committed.
+        metadata = snapshot.metadata
+        raise NonFiniteStateError(
+            captured.non_finite,
+            progress_text(metadata["epochs_completed"], metadata["batches_completed"])
+            if captured.checked_later
+            else None,
+        )
     staging.write_file(arrays.ARRAYS_FILE, [arrays.to_bytes(snapshot.arrays)])
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -1014,6 +1015,75 @@ def test_non_finite_weights_with_a_finite_loss_are_never_backed_up(
         keras.ops.convert_to_numpy(v) for v in restored.optimizer.variables
     ]
     assert all(np.all(np.isfinite(v)) for v in optimizer_values)
+
+
+class Tally(keras.layers.Layer):
+    """Passes its input through; holds a variable the loss does not use."""
+
+    def build(self, input_shape):
+        self.count = self.add_weight(shape=(3,), initializer="zeros", trainable=False)
+
+    def call(self, inputs):
+        return inputs
+
+
+class PoisonBetweenBatches(keras.callbacks.Callback):
+    """Puts an infinity into `Tally`'s variable at one batch end and takes it
+    out at a later one: the loss stays finite throughout."""
+
+    def __init__(self, poison_at: int, heal_at: int):
+        super().__init__()
+        self.poison_at, self.heal_at = poison_at, heal_at
+
+    def on_train_batch_end(self, batch, logs=None):
+        count = self.model.layers[1].count
+        if batch == self.poison_at:
+            count.assign(np.array([0.0, np.inf, 0.0], "float32"))
+        elif batch == self.heal_at:
+            count.assign(np.zeros(3, "float32"))
+
+
+def test_a_background_check_refuses_non_finite_saves_and_later_ones_go_on(
+    backup_dir, data
+):
+    # In the background, the NaN/infinity check runs after the copy (training
+    # waits for the copy alone) and the writer refuses the save before its
+    # commit; the warning still names the save, and the next saves go on.
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8), Tally(), keras.layers.Dense(1)]
+    )
+    model.compile(keras.optimizers.Adam(1e-2), loss="mse")
+    with pytest.warns(UserWarning) as record:
+        model.fit(
+            *data,
+            epochs=1,
+            batch_size=16,
+            verbose=0,
+            callbacks=[PoisonBetweenBatches(poison_at=1, heal_at=3),
+                       keras_ft.BackupAndRestore(backup_dir, save_freq=1, keep=100,
+                                                 delete_checkpoint=False)],
+        )  # fmt: skip
+    keras_ft.wait_for_backups()
+    refused = sorted(
+        str(w.message).split(" at ")[1].split(";")[0]
+        for w in record
+        if "hold NaN or infinity" in str(w.message)
+    )
+    assert refused == ["epoch 1, batch 2", "epoch 1, batch 3"]
+    saved = set()
+    for checkpoint in chief_checkpoints(backup_dir):
+        path = os.path.join(backup_dir, "chief", checkpoint, "metadata.json")
+        with open(path) as f:
+            metadata = json.load(f)
+        saved.add((metadata["epochs_completed"], metadata["batches_completed"]))
+    assert {(0, 2), (0, 3)}.isdisjoint(saved)
+    assert {(0, 1), (0, 4)} <= saved
+    restored = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8), Tally(), keras.layers.Dense(1)]
+    )
+    restored.compile(keras.optimizers.Adam(1e-2), loss="mse")
+    keras_ft.WorkerTrainingState(restored, backup_dir).restore()
+    assert all(np.all(np.isfinite(w)) for w in weights_of(restored))
 
 
 def test_save_freq_false_saves_only_on_preemption(backup_dir, data):

@@ -4,6 +4,7 @@ where an uninterrupted one does."""
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 
@@ -75,6 +76,9 @@ def warm_up(tmp_path_factory):
     fit(tmp_path_factory.mktemp("warm-up"))
 
 
+_FITS = itertools.count()
+
+
 def fit(tmp_path, backup_dir=None, crash=False, noise=True, **workers):
     keras.utils.set_random_seed(1)
     rng = np.random.default_rng(0)
@@ -89,7 +93,9 @@ def fit(tmp_path, backup_dir=None, crash=False, noise=True, **workers):
         ]
     )
     model.compile(keras.optimizers.Adam(1e-2), "mse", metrics=["mae"])
-    log = tmp_path / "loads"
+    # A log of its own: the enqueuer of a fit() that raised goes on loading
+    # (and noting) the rest of its epoch in the background.
+    log = tmp_path / f"loads-{next(_FITS)}"
     log.write_text("")
     items = Items(x, y, log, noise, **workers)
     callbacks = [Arm(items)]

@@ -353,7 +353,12 @@ def test_non_finite_state_is_refused_by_name_and_commits_nothing(
     kernel.assign(value)
     with pytest.raises(NonFiniteStateError, match="dense_1/vars/0") as e:
         state.back_up(1)
+        # In the background, the writer checks the copy and raises later.
+        assert async_save
+        state.wait()
     assert e.value.variables == ["layers/dense_1/vars/0"]
+    # Said of which save, where it is raised after that save returned.
+    assert e.value.at == ("epoch 2" if async_save else None)  # One-based.
     state.wait()
     assert tree_digest(backup_dir) == before
     assert [c.sequence for c in state.checkpoints()] == [1]

@@ -44,17 +44,30 @@ class NonFiniteStateError(CheckpointError):
 
     Attributes:
         variables: The weights-file paths of the values that are not finite.
+        at: Where in training the state was taken ("epoch 2, batch 30"),
+            when the error is raised after the save that took it returned
+            (a save in the background); else `None`.
     """
 
-    def __init__(self, variables: list[str]):
+    def __init__(self, variables: list[str], at: str | None = None):
         self.variables = list(variables)
+        self.at = at
         shown = ", ".join(self.variables[:3])
         more = f" and {len(self.variables) - 3} more" if len(variables) > 3 else ""
+        state = "this state" if at is None else f"the state at {at}"
         super().__init__(
             f"The model's variables are not finite ({shown}{more} hold NaN or "
-            "infinity), so this state was not backed up; the previous backup "
+            f"infinity), so {state} was not backed up; the previous backup "
             "is kept."
         )
+
+
+def progress_text(epochs_completed: int, batches_completed: int) -> str:
+    """Where a save was taken, as `BackupAndRestore` says it: "epoch 2"
+    (its end) or "epoch 3, batch 10" (one-based epochs)."""
+    if batches_completed:
+        return f"epoch {epochs_completed + 1}, batch {batches_completed}"
+    return f"epoch {epochs_completed}"
 
 
 class ConfigurationChangedError(ValueError):
@@ -154,6 +167,7 @@ class TrainingState:
         extra: dict[str, Any] | None = None,
         copy: bool = True,
         fill: bool = True,
+        check_later: bool = False,
     ) -> Snapshot:
         """The state now, with `extra` (JSON values and NumPy arrays) added.
 
@@ -170,6 +184,10 @@ class TrainingState:
                 call `snapshot.weights.fill()` before the next training step
                 (a writer may start on it first and follow the copy).
                 Defaults to `True`.
+            check_later: With `copy`, whether the weights' NaN/infinity
+                check follows the copy in the background rather than being
+                part of it (see `WeightsLayout.capture()`). Defaults to
+                `False`.
         """
         tree = {
             "seed_generators": [
@@ -186,7 +204,7 @@ class TrainingState:
         if self.sharded():
             # Each process copies its share; no weights file is written.
             return Snapshot(None, metadata, state_arrays, self.share())
-        captured = self._weights.capture(copy=copy, fill=fill)
+        captured = self._weights.capture(copy=copy, fill=fill, check_later=check_later)
         return Snapshot(captured, metadata, state_arrays)
 
     def share(self) -> sharded.Share:

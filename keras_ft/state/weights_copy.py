@@ -4,8 +4,12 @@ A save copies each variable into its place in the file image, on two threads
 (the training thread waits for the copy anyway; two cores copy faster),
 batch by batch, so that a writer can follow the copy and write each batch
 as soon as it is ready, and the next save's copy of a batch waits until the
-previous save's write has passed it. Each piece is checked for NaN and
-infinity while it is in the cache: a non-finite state is never backed up.
+previous save's write has passed it. Every value is checked for NaN and
+infinity before its bytes are written: a non-finite state is never backed
+up. The check is part of the copy, piece by piece while it is in the cache;
+or, for a save written in the background, it runs after the copy in a
+thread of its own, which the writer follows, so that training waits for the
+copy alone.
 """
 
 from __future__ import annotations
@@ -53,13 +57,18 @@ class CapturedWeights:
     """
 
     chunks: list[Any]
+    # How much of the buffer is ready to write: copied and checked.
     filled: Watermark | None = None
     written: Watermark | None = None
     # The previous capture's `written`: its write goes to disk first.
     previous: Watermark | None = None
     _fill: Any = dataclasses.field(default=None, repr=False)
-    # Filled in by the copy: the datasets holding a NaN or an infinity.
+    # Filled in by the check, before `filled` finishes: the datasets holding
+    # a NaN or an infinity.
     non_finite: list[str] = dataclasses.field(default_factory=list)
+    # Whether the check follows the copy in the background (`fill()` then
+    # returns before `non_finite` is known).
+    checked_later: bool = False
 
     def fill(self) -> None:
         """Copies the variables into the buffer (in this thread), if not yet."""
@@ -107,17 +116,29 @@ class CopyBuffer:
         if self._image is None and self._allocating is None:
             self._allocating = threads.start_daemon(self._allocate, "keras-ft-allocate")
 
-    def capture(self, values: list[np.ndarray], fill: bool) -> CapturedWeights:
+    def capture(
+        self, values: list[np.ndarray], fill: bool, check_later: bool = False
+    ) -> CapturedWeights:
         """A copy of `values` in the buffer (see `WeightsLayout.capture()`)."""
         self._allocate()
         previous, filled = self._written, Watermark(self.size)
         # Only a capture handed to a writer before it is filled is followed.
         written = self._written = None if fill else Watermark(self.size)
         captured = CapturedWeights(
-            [memoryview(self._image)[: self.size]], filled, written, previous
+            [memoryview(self._image)[: self.size]],
+            filled,
+            written,
+            previous,
+            checked_later=check_later,
         )
         captured._fill = functools.partial(
-            self._fill, values, previous, filled, captured.non_finite
+            self._fill,
+            self._copy_batches,
+            values,
+            previous,
+            filled,
+            captured.non_finite,
+            check_later,
         )
         if fill:
             captured.fill()
@@ -125,39 +146,68 @@ class CopyBuffer:
 
     def _fill(
         self,
+        batches: list[tuple[int, list[_Piece], int]],
         values: list[np.ndarray],
         previous: Watermark | None,
         filled: Watermark,
         non_finite: list[str],
+        check_later: bool,
     ) -> None:
-        """Copies `values` into the buffer in file order, raising `filled`.
+        """Copies `values` into the buffer in file order.
 
         Batch by batch: each waits until the previous capture's write has
         passed it, and is copied by this thread and a helper together (the
         training thread waits for the copy anyway; two cores copy faster).
-        Each piece is checked for NaN and infinity while it is in the cache;
-        the names of the datasets that hold one are added to `non_finite`.
+        Each piece is checked for NaN and infinity while it is in the cache,
+        raising `filled` as batches are done; with `check_later`, the check
+        is handed to a thread of its own once the copy is made, and it
+        raises `filled`. The names of the datasets that hold a NaN or an
+        infinity are added to `non_finite` before `filled` finishes.
         """
         bad: set[int] = set()
         try:
-            for ready, pieces, split in self._copy_batches:
+            for ready, pieces, split in batches:
                 if previous is not None:
                     previous.wait_for(ready)
+                check = not check_later
                 helper = threads.copy_helper() if 0 < split < len(pieces) else None
                 if helper is not None:
-                    second = helper.submit(_copy_pieces, values, pieces[split:])
-                    bad.update(_copy_pieces(values, pieces[:split]))
+                    second = helper.submit(_copy_pieces, values, pieces[split:], check)
+                    bad.update(_copy_pieces(values, pieces[:split], check))
                     bad.update(second.result())
                 else:
-                    bad.update(_copy_pieces(values, pieces))
-                filled.advance(ready)
-            filled.finish()
+                    bad.update(_copy_pieces(values, pieces, check))
+                if check:
+                    filled.advance(ready)
         except BaseException as e:
             filled.abandon(e)
             raise
-        finally:
-            names = self._names
-            non_finite.extend(names[i] for i in sorted(bad))
+        if check_later:
+            threads.submit(threads.checker, self._check, batches, filled, non_finite)
+        else:
+            self._finish(filled, non_finite, bad)
+
+    def _check(
+        self,
+        batches: list[tuple[int, list[_Piece], int]],
+        filled: Watermark,
+        non_finite: list[str],
+    ) -> None:
+        """Checks a copy made, batch by batch, raising `filled` as it goes."""
+        bad: set[int] = set()
+        try:
+            for ready, pieces, _ in batches:
+                bad.update(_non_finite_pieces(pieces))
+                filled.advance(ready)
+        except BaseException as e:
+            filled.abandon(e)
+            raise
+        self._finish(filled, non_finite, bad)
+
+    def _finish(self, filled: Watermark, non_finite: list[str], bad: set[int]) -> None:
+        # The names first: a writer that sees `filled` finish reads them.
+        non_finite.extend(self._names[i] for i in sorted(bad))
+        filled.finish()
 
     def _allocate(self) -> None:
         allocating = self._allocating
@@ -241,11 +291,24 @@ def _half(pieces: list[_Piece]) -> int:
     return len(pieces)
 
 
-def _copy_pieces(values: list[np.ndarray], pieces: list[_Piece]) -> set[int]:
-    """Copies `pieces`; returns the indices of values a NaN or inf was seen in."""
+def _copy_pieces(
+    values: list[np.ndarray], pieces: list[_Piece], check: bool = True
+) -> set[int]:
+    """Copies `pieces`; with `check`, returns the indices of the values a NaN
+    or an infinity was seen in (else an empty set). Each piece is checked
+    right after its copy, while it is in the cache."""
     non_finite = set()
     for index, lo, hi, destination in pieces:
         np.copyto(destination, values[index].reshape(-1)[lo:hi], casting="no")
+        if check and index not in non_finite and not all_finite(destination):
+            non_finite.add(index)
+    return non_finite
+
+
+def _non_finite_pieces(pieces: list[_Piece]) -> set[int]:
+    """The indices of the values whose copied pieces hold a NaN or an infinity."""
+    non_finite = set()
+    for index, _, _, destination in pieces:
         if index not in non_finite and not all_finite(destination):
             non_finite.add(index)
     return non_finite

@@ -99,7 +99,9 @@ class WeightsLayout:
         self._gaps: list[tuple[int, bytes]] = []
         self._buffer: CopyBuffer | None = None  # Of this layout, made once.
 
-    def capture(self, copy: bool = True, fill: bool = True) -> CapturedWeights:
+    def capture(
+        self, copy: bool = True, fill: bool = True, check_later: bool = False
+    ) -> CapturedWeights:
         """The model's weights file as it would be written now.
 
         Args:
@@ -114,6 +116,10 @@ class WeightsLayout:
                 writer must advance (at the latest, finish) its `written`,
                 since the next capture's copy of each value waits for it.
                 Defaults to `True`.
+            check_later: With `copy`, whether the NaN/infinity check runs
+                after the copy, in the background, rather than during it:
+                `filled` then waits for the check, and `non_finite` is known
+                once `filled` finishes. Defaults to `False`.
         """
         self._ensure_laid_out()
         values = self._read_values() if self._fast else None
@@ -131,7 +137,7 @@ class WeightsLayout:
             )
         if not copy:
             return CapturedWeights(self._chunks_around(values))
-        return self._copy_buffer().capture(values, fill)
+        return self._copy_buffer().capture(values, fill, check_later)
 
     def dataset_names(self) -> list[str]:
         """HDF5 paths of the datasets with bytes, in `_data_slots()` order."""
