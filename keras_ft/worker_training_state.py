@@ -484,6 +484,8 @@ class WorkerTrainingState:
 
         Raises:
             keras_ft.CheckpointWriteError: if that write failed.
+            keras_ft.NonFiniteStateError: if its writer refused a state
+                that was not finite (`async_save`); nothing was committed.
         """
         self._cancels = []
         checkpoint = self._writer.wait()
@@ -655,7 +657,10 @@ class WorkerTrainingState:
             keras_ft.CheckpointWriteError: if a save in flight failed.
             keras_ft.NoGoodCheckpointError: if every checkpoint is damaged.
         """
-        self.wait()
+        # A save its writer refused as not finite committed nothing: the
+        # newest committed backup is loaded all the same.
+        with contextlib.suppress(NonFiniteStateError):
+            self.wait()
         return self._load_newest(variables_only=True)
 
     def apply_metrics(self, values: list) -> bool:

@@ -370,6 +370,27 @@ def test_non_finite_state_is_refused_by_name_and_commits_nothing(
     assert [c.sequence for c in state.checkpoints()] == [1, 2]
 
 
+def test_roll_back_past_a_save_its_writer_refused(backup_dir, data):
+    # A NaN reaches the variables a step before the loss: the save of that
+    # step is refused in the background, and a rollback then loads the one
+    # before instead of failing on the refusal.
+    model = make_model()
+    state = WorkerTrainingState(model, backup_dir, async_save=True)
+    train_epochs(model, data, 0, 1, state)
+    good = [np.array(w) for w in weights_of(model)]
+    kernel = model.layers[1].kernel
+    value = np.array(kernel)
+    value[0, 0] = np.nan
+    kernel.assign(value)
+    state.back_up(1)
+    resume = state.roll_back()
+    assert resume.epoch == 1
+    for restored, saved in zip(weights_of(model), good, strict=True):
+        np.testing.assert_array_equal(restored, saved)
+    assert [c.sequence for c in state.checkpoints()] == [1]
+    state.close()
+
+
 def test_a_save_that_replaces_the_last_one_leaves_one_per_epoch(backup_dir, data):
     model = make_model()
     state = WorkerTrainingState(model, backup_dir, async_save=True)
