@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -26,6 +27,7 @@ from conftest import (
 )
 
 import keras_ft
+from keras_ft.checkpoint import remote
 
 BUCKET = "keras-ft-test"
 ONCE = run_once_on("jax", "subprocesses against the server")
@@ -154,6 +156,52 @@ def test_a_damaged_object_falls_back_to_the_previous_checkpoint(s3_server, data)
         )  # fmt: skip
     assert iterations(resumed) == 3 * STEPS_PER_EPOCH
     assert [c.sequence for c in keras_ft.watch(backup, timeout=0)] == []
+
+
+@ONCE
+@pytest.mark.parametrize("damage", [None, "flipped", "longer", "shorter", "missing"])
+def test_a_restore_checksums_the_download_as_its_ranges_arrive(
+    s3_server, data, monkeypatch, damage
+):
+    # Ranges of 1 KiB: the weights file arrives in dozens of ranges fetched
+    # concurrently and out of order; its checksum and the loader follow.
+    monkeypatch.setattr(remote, "STREAM_MIN", 4096)
+    monkeypatch.setattr(remote, "STREAM_RANGE", 1024)
+    x, y = data
+    backup = url("ranges")
+    model = make_model(units=256)
+    model.fit(
+        x, y, epochs=2, batch_size=16, verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(backup, delete_checkpoint=False)],
+    )  # fmt: skip
+    fs = s3()
+    key = f"{backup[5:]}/chief/ckpt-00000002/model.weights.h5"
+    weights = fs.cat_file(key)
+    assert len(weights) > 20 * 1024
+    if damage == "flipped":
+        changed = bytearray(weights)
+        changed[len(changed) // 2] ^= 0xFF
+        fs.pipe_file(key, bytes(changed))
+    elif damage == "longer":
+        fs.pipe_file(key, weights + b"\0")
+    elif damage == "shorter":
+        fs.pipe_file(key, weights[:-1024])
+    elif damage == "missing":
+        fs.rm_file(key)
+    downloads_before = set(os.listdir(tempfile.gettempdir()))
+    restored = make_model(units=256)
+    state = keras_ft.WorkerTrainingState(restored, backup)
+    if damage is None:
+        assert state.restore().epoch == 2
+        for mine, saved in zip(weights_of(restored), weights_of(model), strict=True):
+            np.testing.assert_array_equal(mine, saved)
+    else:
+        with pytest.warns(UserWarning, match="ckpt-00000002.*Falling back"):
+            assert state.restore().epoch == 1
+    state.close()
+    # Nothing of the download is left behind.
+    left = set(os.listdir(tempfile.gettempdir())) - downloads_before
+    assert not [n for n in left if n.startswith("keras-ft-download-")]
 
 
 _WRITER = textwrap.dedent(

@@ -400,15 +400,19 @@ def file_digest(
     algorithm: str,
     read: Callable[[int], None] | None = None,
     depth: int = 1,
+    arrived: Callable[[int], None] | None = None,
 ) -> str:
     """The file's checksum; `read(n)` is told when its first n bytes were
-    read. `depth` is as in `open_regular()`."""
+    read. `depth` is as in `open_regular()`. `arrived(n)`, for a file still
+    being written (a download), returns once its first n bytes are there."""
     digest = DIGESTS[algorithm]()
     with os.fdopen(open_regular(path, depth=depth), "rb") as f:
         # So that the file is not recycled while it is read (see the module).
         fcntl.flock(f.fileno(), fcntl.LOCK_SH)
         size = os.fstat(f.fileno()).st_size
         if size < _CHUNK:
+            if arrived is not None:
+                arrived(size)
             digest.update(f.read())
             return digest.hexdigest()
         # Read rather than mapped: from disk, read() in big chunks ran 3-4x
@@ -419,6 +423,8 @@ def file_digest(
         view = memoryview(buffer)
         done = 0
         while done < size:
+            if arrived is not None:
+                arrived(min(done + _CHUNK, size))
             count = f.readinto(buffer)
             if not count:
                 break

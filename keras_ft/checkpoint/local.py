@@ -55,13 +55,23 @@ class LocalStorage:
 
     Args:
         directory: Where committed checkpoints live. Created on first save.
+        arrived: For a directory whose files are still being written (a
+            download of a bucket's checkpoint): `arrived(name)` is `None`
+            for a file that is whole, else a function that returns once the
+            file's first n bytes are there; checksums follow it. Defaults
+            to `None`: every file is whole.
     """
 
     write_error_fix = "Free some space or fix the directory's permissions"
     start_over_fix = "Move the directory away to start training from scratch."
 
-    def __init__(self, directory: str):
+    def __init__(
+        self,
+        directory: str,
+        arrived: Callable[[str], Callable[[int], None] | None] | None = None,
+    ):
         self.directory = os.fspath(directory)
+        self._arrived = arrived
 
     @property
     def location(self) -> str:
@@ -219,6 +229,7 @@ class LocalStorage:
             algorithm,
             read,
             depth=file_io.CHECKPOINT_FILE,
+            arrived=None if self._arrived is None else self._arrived(name),
         )
 
     def open_file(self, checkpoint: Checkpoint, name: str) -> IO[bytes]:
@@ -231,9 +242,18 @@ class LocalStorage:
             os.path.join(checkpoint.path, name), limit, file_io.CHECKPOINT_FILE
         )
 
-    def local_copy(self, checkpoint: Checkpoint, names: list[str]) -> Checkpoint:
+    def local_copy(
+        self,
+        checkpoint: Checkpoint,
+        sizes: dict[str, int],
+        stream: frozenset[str] = frozenset(),
+    ) -> Checkpoint:
         """The checkpoint to load from: on disk, itself."""
         return checkpoint
+
+    def copy_reader(self, local: Checkpoint) -> LocalStorage:
+        """The storage that reads `local_copy()`'s files: this directory."""
+        return LocalStorage(os.path.dirname(local.path))
 
     def release(self, local: Checkpoint) -> None:
         """Nothing to free: `local_copy()` made no copy."""

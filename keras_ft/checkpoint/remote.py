@@ -65,6 +65,7 @@ from keras_ft.checkpoint.format import (
     checkpoint_name,
     checkpoint_sequence,
 )
+from keras_ft.checkpoint.local import LocalStorage
 
 _T = TypeVar("_T")
 LEASE_FILE = ".lease.json"
@@ -132,6 +133,8 @@ class ObjectStorage:
         self.root = root.rstrip("/")
         self.progress = progress
         self.progress_bytes = progress_bytes
+        # Downloads still arriving, by local copy.
+        self._arriving: dict[str, dict[str, _RangedDownload]] = {}
 
     def __repr__(self) -> str:
         return f"ObjectStorage({self.location!r})"
@@ -340,9 +343,21 @@ class ObjectStorage:
             raise ValueError(f"{name} is too large (at most {limit} bytes are read)")
         return data
 
-    def local_copy(self, checkpoint: Checkpoint, names: list[str]) -> Checkpoint:
-        """Downloads the files `names` of `checkpoint` concurrently into a
-        local directory, removed by `release()`."""
+    def local_copy(
+        self,
+        checkpoint: Checkpoint,
+        sizes: dict[str, int],
+        stream: frozenset[str] = frozenset(),
+    ) -> Checkpoint:
+        """Downloads the files of `checkpoint` (`sizes`: names and sizes in
+        its manifest) into a local directory, removed by `release()`.
+
+        The files named in `stream` at least `STREAM_MIN` bytes long arrive
+        in ranges fetched concurrently, written in place, and this returns
+        once they have begun: `copy_reader()` checksums (and the loader then
+        reads) each one as its bytes arrive, rather than after the whole
+        download. The others are whole when this returns.
+        """
         root = tempfile.mkdtemp(prefix="keras-ft-download-")
         local = Checkpoint(
             checkpoint.sequence,
@@ -350,28 +365,53 @@ class ObjectStorage:
         )
         try:
             os.mkdir(local.path)
+            streamed = {
+                name for name, size in sizes.items()
+                if name in stream and size >= STREAM_MIN
+            }  # fmt: skip
+            # The small files first: the transfer threads take work in order.
             downloads = [
                 threads.submit(
                     threads.transfer, self._download, checkpoint, name,
                     local.file(name),
                 )
-                for name in names
+                for name in sizes
+                if name not in streamed
             ]  # fmt: skip
+            self._arriving[local.path] = {
+                name: _RangedDownload(
+                    self, checkpoint, name, local.file(name), sizes[name]
+                )
+                for name in sorted(streamed)
+            }
             for download in downloads:
                 download.result()
         except BaseException:
-            shutil.rmtree(root, ignore_errors=True)
+            self.release(local)
             raise
         return local
+
+    def copy_reader(self, local: Checkpoint) -> LocalStorage:
+        """Reads `local_copy()`'s files, each checksum following its file's
+        download."""
+        streams = self._arriving.get(local.path, {})
+
+        def arrived(name: str) -> Callable[[int], None] | None:
+            download = streams.get(name)
+            return None if download is None else download.wait_for
+
+        return LocalStorage(os.path.dirname(local.path), arrived)
 
     def _download(self, checkpoint: Checkpoint, name: str, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):  # Verification says so.
             _retried(lambda: self.fs.get_file(self._key(checkpoint, name), path))
 
     def release(self, local: Checkpoint) -> None:
-        """Removes a download of `local_copy()` once it is loaded. Arrays a
-        loader mapped from it stay valid: an unlinked file lives on while
-        mapped."""
+        """Removes a download of `local_copy()` once it is loaded (calling
+        off what is still arriving). Arrays a loader mapped from it stay
+        valid: an unlinked file lives on while mapped."""
+        for download in self._arriving.pop(local.path, {}).values():
+            download.stop()
         root = os.path.dirname(local.path)
         if os.path.basename(root).startswith("keras-ft-download-"):
             shutil.rmtree(root, ignore_errors=True)
@@ -657,6 +697,114 @@ class RemoteLease:
             f"whose heartbeat is older than {self.seconds:g} s "
             f"({LEASE_SECONDS_ENV}) is taken over."
         )
+
+
+# Files this large or larger stream into a restore in ranges of
+# `STREAM_RANGE` bytes, fetched concurrently (several connections download
+# faster than one, and the checksum starts with the first range).
+STREAM_MIN = 8 << 20
+STREAM_RANGE = 8 << 20
+
+
+class _RangedDownload:
+    """One object downloaded in ranges on the transfer threads, written in
+    place into a local file of its manifest size; `wait_for(n)` returns once
+    its first n bytes are there.
+
+    An object of another size than the manifest's, a range that cannot be
+    fetched, or `stop()` end the download: waiters then get an `OSError`.
+    """
+
+    def __init__(
+        self, storage: ObjectStorage, checkpoint: Checkpoint, name: str, path: str,
+        size: int,
+    ):  # fmt: skip
+        self.name, self.size = name, size
+        self._key = storage._key(checkpoint, name)
+        self._fs = storage.fs
+        self._done: set[int] = set()  # Range starts that are written.
+        self._level = 0  # The bytes from 0 that are all written.
+        self._error: BaseException | None = None
+        self._condition = threading.Condition()
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
+        os.ftruncate(self._fd, size)
+        starts = range(0, size, STREAM_RANGE)
+        self._pending = len(starts)
+        self._futures = [
+            threads.submit(threads.transfer, self._fetch, start) for start in starts
+        ]
+
+    def _fetch(self, start: int) -> None:
+        end = min(start + STREAM_RANGE, self.size)
+        try:
+            if self._error is not None:  # Called off, or another range failed.
+                self._fail(self._error)
+                return
+            # The last range asks for one byte more: an object longer than
+            # its manifest says returns it.
+            last = end == self.size
+            data = _retried(
+                lambda: self._fs.cat_file(
+                    self._key, start=start, end=end + 1 if last else end
+                )
+            )
+            if len(data) != end - start:
+                raise OSError(
+                    errno.EIO,
+                    f"{self.name} is not the size its manifest says "
+                    f"({self.size} bytes)",
+                )
+            view = memoryview(data)
+            offset = start
+            while view.nbytes:
+                written = os.pwrite(self._fd, view, offset)
+                view, offset = view[written:], offset + written
+        except BaseException as e:
+            self._fail(e)
+            return
+        with self._condition:
+            self._done.add(start)
+            while self._level in self._done:
+                self._done.discard(self._level)
+                self._level = min(self._level + STREAM_RANGE, self.size)
+            self._finish_one()
+
+    def _fail(self, error: BaseException) -> None:
+        with self._condition:
+            if self._error is None:
+                self._error = error
+            self._finish_one()
+
+    def _finish_one(self) -> None:
+        self._pending -= 1
+        if self._pending == 0:
+            os.close(self._fd)
+        self._condition.notify_all()
+
+    def wait_for(self, level: int) -> None:
+        """Returns once the file's first `level` bytes are written.
+
+        Raises:
+            OSError: if the download failed or was stopped.
+        """
+        with self._condition:
+            while self._level < min(level, self.size):
+                if self._error is not None:
+                    error = self._error
+                    if isinstance(error, OSError):
+                        raise error
+                    raise OSError(errno.EIO, f"{self.name}: {error}") from error
+                self._condition.wait()
+
+    def stop(self) -> None:
+        """Calls off the ranges not yet fetched and waits for the others."""
+        with self._condition:
+            if self._error is None:
+                self._error = OSError(errno.ECANCELED, "the download was called off")
+            self._condition.notify_all()
+        for future in self._futures:
+            with contextlib.suppress(BaseException):
+                future.result()
 
 
 class _Refused(Exception):

@@ -173,8 +173,20 @@ class Storage(Protocol):
         regular file, `FileNotFoundError` if missing."""
         ...
 
-    def local_copy(self, checkpoint: Checkpoint, names: list[str]) -> Checkpoint:
-        """A local directory holding the files `names` to load from."""
+    def local_copy(
+        self,
+        checkpoint: Checkpoint,
+        sizes: dict[str, int],
+        stream: frozenset[str] = frozenset(),
+    ) -> Checkpoint:
+        """A local directory holding the files to load from (`sizes`: their
+        names and sizes in the manifest); those in `stream` may still be
+        arriving (see `copy_reader()`)."""
+        ...
+
+    def copy_reader(self, local: Checkpoint) -> Storage:
+        """The storage that reads `local`'s files (waiting for the bytes of
+        files still arriving)."""
         ...
 
     def release(self, local: Checkpoint) -> None:
@@ -428,13 +440,20 @@ class CheckpointStore:
         files = self._manifest(checkpoint)
         _check_names(self.storage, checkpoint, files)
         try:
-            local = self.storage.local_copy(checkpoint, list(files))
+            local = self.storage.local_copy(
+                checkpoint,
+                {name: _size(entry) for name, entry in files.items()},
+                # A piecewise file's reader checks its pieces itself, with
+                # no checksum pass to follow a download: it is whole first.
+                stream=frozenset(n for n, e in files.items() if not e.get(PIECEWISE)),
+            )
         except OSError as e:
             raise CorruptCheckpointError(
                 checkpoint.path, f"could not be read ({e})"
             ) from None
-        # What is loaded is the local copy: it is what gets verified.
-        on_disk = LocalStorage(os.path.dirname(local.path))
+        # What is loaded is the local copy: it is what gets verified, as its
+        # bytes arrive (a bucket's download streams into the checksums).
+        on_disk = self.storage.copy_reader(local)
         try:
             _check_sizes(on_disk, local, files)
         except BaseException:
@@ -756,6 +775,11 @@ def _check_digests(
     if not isinstance(metadata, dict):
         raise CorruptCheckpointError(checkpoint.path, "metadata is not an object")
     return metadata
+
+
+def _size(entry: dict[str, Any]) -> int:
+    size = entry.get("size")
+    return size if isinstance(size, int) and size >= 0 else 0
 
 
 def _telling(progress: ReadProgress, name: str) -> Callable[[int], None]:

@@ -273,6 +273,11 @@ class TrainingState:
         else `apply()` reads them itself. With `progress` (of the
         checkpoint's verification), reads only what it has read.
         """
+        if progress is not None:
+            # A bucket's files may still be arriving: each is read once its
+            # checksum (which waits for its bytes) has read it.
+            for name in (METADATA_FILE, arrays.ARRAYS_FILE):
+                _wait_for_whole(directory, name, progress)
         metadata = _read_metadata(directory)
         extra = _extra(directory, metadata)
         self._check_build_config(directory, metadata)
@@ -605,6 +610,14 @@ def _warn_unchecked_build(model: keras.Model) -> None:
         "batch, or give it an `Input`) so that a restore builds nothing.",
         stacklevel=4,
     )
+
+
+def _wait_for_whole(directory: str, name: str, progress: ReadProgress) -> None:
+    try:
+        size = os.lstat(os.path.join(directory, name)).st_size
+    except OSError:
+        return  # Missing: reading it says so.
+    progress.wait_for(name, size)
 
 
 def _read_metadata(directory: str) -> dict:
