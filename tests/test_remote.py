@@ -167,6 +167,7 @@ def test_a_restore_checksums_the_download_as_its_ranges_arrive(
     # concurrently and out of order; its checksum and the loader follow.
     monkeypatch.setattr(remote, "STREAM_MIN", 4096)
     monkeypatch.setattr(remote, "STREAM_RANGE", 1024)
+    monkeypatch.setattr(remote, "STREAM_RANGE_MAX", 1024)
     x, y = data
     backup = url("ranges")
     model = make_model(units=256)

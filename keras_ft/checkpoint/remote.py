@@ -699,11 +699,18 @@ class RemoteLease:
         )
 
 
-# Files this large or larger stream into a restore in ranges of
-# `STREAM_RANGE` bytes, fetched concurrently (several connections download
-# faster than one, and the checksum starts with the first range).
-STREAM_MIN = 8 << 20
-STREAM_RANGE = 8 << 20
+# Files this large or larger stream into a restore in ranges fetched
+# concurrently: several connections download faster than one, and the
+# checksum starts once the first range is in. A range is a share of the
+# file (one per transfer thread) within these bounds: each request costs a
+# round trip and the server's fixed work (against the local S3 server, 8 MiB
+# ranges of a 72 MB file downloaded slower than one GET; 16-36 MiB ones,
+# 25-40 % faster).
+STREAM_MIN = 16 << 20
+STREAM_RANGE = 16 << 20
+STREAM_RANGE_MAX = 64 << 20
+STREAM_CONNECTIONS = 4
+_STREAM_PARTS = 8
 
 
 class _RangedDownload:
@@ -728,14 +735,24 @@ class _RangedDownload:
         self._condition = threading.Condition()
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
         os.ftruncate(self._fd, size)
-        starts = range(0, size, STREAM_RANGE)
+        share = -(-size // _STREAM_PARTS)
+        self._range = min(max(STREAM_RANGE, share), STREAM_RANGE_MAX)
+        starts = range(0, size, self._range)
         self._pending = len(starts)
+        # Each connection fetches every n-th range, in order: the file
+        # fills from its start, with at most n requests in flight.
+        n = min(STREAM_CONNECTIONS, len(starts))
         self._futures = [
-            threads.submit(threads.transfer, self._fetch, start) for start in starts
+            threads.submit(threads.transfer, self._fetch_every, starts[i::n])
+            for i in range(n)
         ]
 
+    def _fetch_every(self, starts: range) -> None:
+        for start in starts:
+            self._fetch(start)
+
     def _fetch(self, start: int) -> None:
-        end = min(start + STREAM_RANGE, self.size)
+        end = min(start + self._range, self.size)
         try:
             if self._error is not None:  # Called off, or another range failed.
                 self._fail(self._error)
@@ -766,7 +783,7 @@ class _RangedDownload:
             self._done.add(start)
             while self._level in self._done:
                 self._done.discard(self._level)
-                self._level = min(self._level + STREAM_RANGE, self.size)
+                self._level = min(self._level + self._range, self.size)
             self._finish_one()
 
     def _fail(self, error: BaseException) -> None:
