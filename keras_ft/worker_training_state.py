@@ -20,6 +20,7 @@ from keras_ft.checkpoint.errors import (
     CheckpointWriteError,
     LeaseLapsedError,
     ProcessesDisagreeError,
+    SaveCancelled,
 )
 from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.format import is_url, local_path
@@ -374,8 +375,6 @@ class WorkerTrainingState:
         snapshot.weights.fill()  # On failure, the write sees it and calls off.
         if snapshot.weights.non_finite:  # Checked during the copy.
             cancel.set()  # The write stops where it is and commits nothing.
-            with contextlib.suppress(NonFiniteStateError):
-                self._committed_unless_async()  # Unless it found it first.
             raise NonFiniteStateError(snapshot.weights.non_finite)
         return self._committed_unless_async()
 
@@ -726,12 +725,14 @@ def write_snapshot(snapshot: Snapshot, directory: str | Staging) -> None:
     finally:
         snapshot.release()
     if captured.non_finite:  # Known once the file is written: never committed.
+        if not captured.checked_later:
+            # Checked during the copy: `back_up()` raised it, and called the
+            # write off (it may not have seen that yet).
+            raise SaveCancelled(f"{staging} holds a state that is not finite.")
         metadata = snapshot.metadata
         raise NonFiniteStateError(
             captured.non_finite,
-            progress_text(metadata["epochs_completed"], metadata["batches_completed"])
-            if captured.checked_later
-            else None,
+            progress_text(metadata["epochs_completed"], metadata["batches_completed"]),
         )
     staging.write_file(arrays.ARRAYS_FILE, [arrays.to_bytes(snapshot.arrays)])
 

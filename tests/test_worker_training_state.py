@@ -377,6 +377,7 @@ def test_roll_back_past_a_save_its_writer_refused(backup_dir, data):
     model = make_model()
     state = WorkerTrainingState(model, backup_dir, async_save=True)
     train_epochs(model, data, 0, 1, state)
+    state.wait()  # The buffer is free: the next save's check is in the background.
     good = [np.array(w) for w in weights_of(model)]
     kernel = model.layers[1].kernel
     value = np.array(kernel)

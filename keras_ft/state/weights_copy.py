@@ -7,9 +7,11 @@ as soon as it is ready, and the next save's copy of a batch waits until the
 previous save's write has passed it. Every value is checked for NaN and
 infinity before its bytes are written: a non-finite state is never backed
 up. The check is part of the copy, piece by piece while it is in the cache;
-or, for a save written in the background, it runs after the copy in a
-thread of its own, which the writer follows, so that training waits for the
-copy alone.
+or, for a save written in the background into a buffer whose last write is
+over, it runs after the copy in a thread of its own, which the writer
+follows, so that training waits for the copy alone. (When saves come faster
+than the disk takes them, the copy waits for the last write, and checks as
+it copies.)
 """
 
 from __future__ import annotations
@@ -122,6 +124,11 @@ class CopyBuffer:
         """A copy of `values` in the buffer (see `WeightsLayout.capture()`)."""
         self._allocate()
         previous, filled = self._written, Watermark(self.size)
+        if previous is not None and previous.level < previous.total:
+            # Saves come faster than the disk takes them: the copy waits for
+            # the last write anyway, and a check after it would only put
+            # off this write (and compete with training for the cores).
+            check_later = False
         # Only a capture handed to a writer before it is filled is followed.
         written = self._written = None if fill else Watermark(self.size)
         captured = CapturedWeights(
