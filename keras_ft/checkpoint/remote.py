@@ -66,6 +66,7 @@ from keras_ft.checkpoint.format import (
     checkpoint_sequence,
 )
 from keras_ft.checkpoint.local import LocalStorage
+from keras_ft.threads import Cancelled, Watermark
 
 _T = TypeVar("_T")
 LEASE_FILE = ".lease.json"
@@ -701,11 +702,10 @@ class RemoteLease:
 
 # Files this large or larger stream into a restore in ranges fetched
 # concurrently: several connections download faster than one, and the
-# checksum starts once the first range is in. A range is a share of the
-# file (one per transfer thread) within these bounds: each request costs a
-# round trip and the server's fixed work (against the local S3 server, 8 MiB
-# ranges of a 72 MB file downloaded slower than one GET; 16-36 MiB ones,
-# 25-40 % faster).
+# checksum starts once the first range is in. A range is an eighth of the
+# file within these bounds: each request costs a round trip and the server's
+# fixed work (against the local S3 server, 8 MiB ranges of a 72 MB file
+# downloaded slower than one GET; 16-36 MiB ones, 25-40 % faster).
 STREAM_MIN = 16 << 20
 STREAM_RANGE = 16 << 20
 STREAM_RANGE_MAX = 64 << 20
@@ -729,16 +729,15 @@ class _RangedDownload:
         self.name, self.size = name, size
         self._key = storage._key(checkpoint, name)
         self._fs = storage.fs
-        self._done: set[int] = set()  # Range starts that are written.
-        self._level = 0  # The bytes from 0 that are all written.
+        self._arrived = Watermark(size)
+        self._done: set[int] = set()  # Range starts written past the watermark.
         self._error: BaseException | None = None
-        self._condition = threading.Condition()
+        self._lock = threading.Lock()
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
         os.ftruncate(self._fd, size)
         share = -(-size // _STREAM_PARTS)
         self._range = min(max(STREAM_RANGE, share), STREAM_RANGE_MAX)
         starts = range(0, size, self._range)
-        self._pending = len(starts)
         # Each connection fetches every n-th range, in order: the file
         # fills from its start, with at most n requests in flight.
         n = min(STREAM_CONNECTIONS, len(starts))
@@ -748,80 +747,65 @@ class _RangedDownload:
         ]
 
     def _fetch_every(self, starts: range) -> None:
-        for start in starts:
-            self._fetch(start)
+        try:
+            for start in starts:
+                if self._error is not None:  # Called off, or a range failed.
+                    return
+                self._fetch(start)
+        except BaseException as e:
+            self._fail(e)
 
     def _fetch(self, start: int) -> None:
         end = min(start + self._range, self.size)
-        try:
-            if self._error is not None:  # Called off, or another range failed.
-                self._fail(self._error)
-                return
-            # The last range asks for one byte more: an object longer than
-            # its manifest says returns it.
-            last = end == self.size
-            data = _retried(
-                lambda: self._fs.cat_file(
-                    self._key, start=start, end=end + 1 if last else end
-                )
+        # The last range asks for one byte more: an object longer than its
+        # manifest says returns it.
+        asked = end + 1 if end == self.size else end
+        data = _retried(lambda: self._fs.cat_file(self._key, start=start, end=asked))
+        if len(data) != end - start:
+            raise OSError(
+                errno.EIO,
+                f"{self.name} is not the size its manifest says ({self.size} bytes)",
             )
-            if len(data) != end - start:
-                raise OSError(
-                    errno.EIO,
-                    f"{self.name} is not the size its manifest says "
-                    f"({self.size} bytes)",
-                )
-            view = memoryview(data)
-            offset = start
-            while view.nbytes:
-                written = os.pwrite(self._fd, view, offset)
-                view, offset = view[written:], offset + written
-        except BaseException as e:
-            self._fail(e)
-            return
-        with self._condition:
+        view, offset = memoryview(data), start
+        while view.nbytes:
+            written = os.pwrite(self._fd, view, offset)
+            view, offset = view[written:], offset + written
+        with self._lock:
             self._done.add(start)
-            while self._level in self._done:
-                self._done.discard(self._level)
-                self._level = min(self._level + self._range, self.size)
-            self._finish_one()
+            level = self._arrived.level
+            while level in self._done:
+                self._done.discard(level)
+                level = min(level + self._range, self.size)
+            self._arrived.advance(level)
 
     def _fail(self, error: BaseException) -> None:
-        with self._condition:
+        with self._lock:
             if self._error is None:
                 self._error = error
-            self._finish_one()
-
-    def _finish_one(self) -> None:
-        self._pending -= 1
-        if self._pending == 0:
-            os.close(self._fd)
-        self._condition.notify_all()
+        self._arrived.abandon(error)
 
     def wait_for(self, level: int) -> None:
         """Returns once the file's first `level` bytes are written.
 
         Raises:
-            OSError: if the download failed or was stopped.
+            OSError: if the download failed or was stopped first.
         """
-        with self._condition:
-            while self._level < min(level, self.size):
-                if self._error is not None:
-                    error = self._error
-                    if isinstance(error, OSError):
-                        raise error
-                    raise OSError(errno.EIO, f"{self.name}: {error}") from error
-                self._condition.wait()
+        try:
+            self._arrived.wait_for(level)
+        except Cancelled:
+            error = self._error
+            if isinstance(error, OSError):
+                raise error from None
+            raise OSError(errno.EIO, f"{self.name}: {error!r}") from error
 
     def stop(self) -> None:
-        """Calls off the ranges not yet fetched and waits for the others."""
-        with self._condition:
-            if self._error is None:
-                self._error = OSError(errno.ECANCELED, "the download was called off")
-            self._condition.notify_all()
+        """Calls off the ranges not yet fetched, waits for the others, and
+        closes the file."""
+        self._fail(OSError(errno.ECANCELED, "the download was called off"))
         for future in self._futures:
             with contextlib.suppress(BaseException):
                 future.result()
+        os.close(self._fd)
 
 
 class _Refused(Exception):
