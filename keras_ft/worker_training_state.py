@@ -96,9 +96,10 @@ class WorkerTrainingState:
             to host memory, and a background thread writes and commits it;
             `wait()` waits for the commit. If `False`, `back_up()` returns
             the committed checkpoint. Either way the copy and the write
-            overlap, piece by piece; in the background the state's
-            NaN/infinity check follows the copy too, so that `back_up()`
-            waits for the copy alone. Defaults to `False`.
+            overlap, piece by piece; in the background, once the last
+            save's write is over, the state's NaN/infinity check follows
+            the copy too, so that `back_up()` waits for the copy alone.
+            Defaults to `False`.
         task: This process's role; detected from the framework if `None`.
             Defaults to `None`.
         listeners: `keras_ft.CheckpointListener`s told before each save,
@@ -322,9 +323,10 @@ class WorkerTrainingState:
         Raises:
             keras_ft.NonFiniteStateError: if a model or optimizer variable
                 holds a NaN or an infinity; nothing is committed. With
-                `async_save`, the check runs in the background: its error
-                is raised by a later call (`back_up()`, `wait()`, `close()`),
-                like a failed write's, and says which save it was (`at`).
+                `async_save`, the check runs in the background when the
+                last save's write is over: its error is then raised by a
+                later call (`back_up()`, `wait()`, `close()`), like a failed
+                write's, and says which save it was (`at`).
             keras_ft.CheckpointWriteError: if this write, or with
                 `async_save` the previous one, failed.
         """
@@ -356,9 +358,10 @@ class WorkerTrainingState:
         # The copy goes into the buffer the saves in flight share: each value
         # waits until the save before has written it out, and this save's
         # write follows the copy, so the disk never waits for all of it. In
-        # the background, the NaN/infinity check follows the copy too (the
-        # write follows the check): training then waits for the copy alone,
-        # and a non-finite state is refused by the writer, before its commit.
+        # the background, once the last write is over, the NaN/infinity check
+        # follows the copy too (the write follows the check): training then
+        # waits for the copy alone, and the writer refuses a non-finite state
+        # before its commit.
         snapshot = self._state.snapshot(
             epochs_completed,
             batches_completed,
