@@ -26,7 +26,7 @@ from keras_ft.distribute.launch import (
     warn_of_jax_default_timeouts,
 )
 from keras_ft.state import NonFiniteStateError, ResumePoint, rng
-from keras_ft.state.training_state import optimizer_step
+from keras_ft.state.training_state import optimizer_step, progress_text
 from keras_ft.training import (
     callback_state,
     exits,
@@ -650,7 +650,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         `pending`: later callbacks whose epoch end has not run yet (noted
         in the backup, so that a resume from it can say so).
         """
-        where = f"epoch {epoch + 1}" + (f", batch {batch}" if batch else "")
+        # As a refusal found later by the writer says it (`progress_text()`).
+        where = progress_text(epoch if batch else epoch + 1, batch or 0)
         if not _finite_loss(logs):
             self._skip_non_finite(f"the loss is {logs.get('loss')} at {where}")
             return False
