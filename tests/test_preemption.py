@@ -281,3 +281,40 @@ def test_a_signal_for_a_handler_that_was_replaced_ends_nothing():
         """
     )
     assert_still_alive(code)
+
+
+def test_a_signal_to_a_forked_worker_is_not_the_trainings():
+    """Keras' worker processes (a `PyDataset` with `use_multiprocessing`) are
+    forked while the handlers are in place, and `multiprocessing.Pool` ends
+    them with SIGTERM: each must die of it, as without keras-ft, and the
+    training process must not take it for its own preemption."""
+    code = textwrap.dedent(
+        """
+        import multiprocessing, os, signal, time
+        from keras_ft.training.preemption import PreemptionWatcher
+
+        def idle(ready):
+            ready.set()
+            time.sleep(60)
+
+        watcher = PreemptionWatcher((signal.SIGTERM,), grace_period=0.3)
+        assert watcher.install()  # In charge until uninstall(), as in fit().
+        fork = multiprocessing.get_context("fork")
+        workers = []
+        for _ in range(2):
+            ready = fork.Event()
+            workers.append(fork.Process(target=idle, args=(ready,), daemon=True))
+            workers[-1].start()
+            assert ready.wait(30)
+        for worker in workers:
+            os.kill(worker.pid, signal.SIGTERM)
+        for worker in workers:
+            worker.join(30)
+        assert [w.exitcode for w in workers] == [-signal.SIGTERM] * 2, workers
+        time.sleep(1.5)  # Past the grace period a wrong one would start.
+        assert watcher.received is None
+        watcher.uninstall()
+        print("alive")
+        """
+    )
+    assert_still_alive(code)

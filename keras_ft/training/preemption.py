@@ -19,6 +19,7 @@ notebook after a failed `fit()` is a plain `KeyboardInterrupt` again.
 from __future__ import annotations
 
 import _thread
+import contextlib
 import functools
 import json
 import os
@@ -281,6 +282,35 @@ def _remove_stale_watchers(signum: signal.Signals, frame: Any) -> None:
         watcher.uninstall()
         if signal.getsignal(signum) == handler:
             return  # Could not step aside; leave the chain as it is.
+
+
+def _step_aside_in_child() -> None:
+    # A forked child (a Keras worker process loading a PyDataset) has no
+    # training to save: a signal must do to it what it would have done
+    # without keras-ft (`multiprocessing.Pool` ends its workers with SIGTERM,
+    # Ctrl-C reaches the whole process group), not start a grace period in a
+    # process that is not training.
+    for signum in signal.valid_signals():
+        try:
+            handler = signal.getsignal(signum)
+        except ValueError:
+            continue
+        if not _is_watcher(handler):
+            continue
+        while _is_watcher(handler):
+            handler = handler.__self__._previous.get(signum, signal.SIG_DFL)
+        with contextlib.suppress(ValueError, OSError, TypeError):
+            signal.signal(signum, handler)
+
+
+def _is_watcher(handler: Any) -> bool:
+    return isinstance(getattr(handler, "__self__", None), PreemptionWatcher) and (
+        getattr(handler, "__func__", None) is PreemptionWatcher._handle
+    )
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_step_aside_in_child)
 
 
 def _deliver(handler: Any, signum: signal.Signals, frame: Any) -> None:

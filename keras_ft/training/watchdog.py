@@ -103,6 +103,31 @@ def _wakeup_reader() -> bool:
     return True
 
 
+def _forget_in_child() -> None:
+    # A forked child (a Keras worker process loading a PyDataset) inherits
+    # the wakeup descriptor, the pipe the parent's reader thread reads, but
+    # not that thread: a signal to the child (`multiprocessing.Pool` ends its
+    # workers with SIGTERM) would reach the parent's sentinels as if the
+    # parent had been sent it, and start its grace period. The child gets a
+    # lock of its own too: a copy may have been held at the fork.
+    global _wakeup_write, _sentinels_lock
+    write, _wakeup_write = _wakeup_write, None
+    _sentinels.clear()
+    _sentinels_lock = threading.Lock()
+    if write is None:
+        return
+    with contextlib.suppress(ValueError, OSError):
+        current = signal.set_wakeup_fd(-1)
+        if current != write:
+            signal.set_wakeup_fd(current)  # Someone else's: theirs to keep.
+    with contextlib.suppress(OSError):
+        os.close(write)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def _read_wakeups(read: int) -> None:
     while True:
         data = os.read(read, 64)
