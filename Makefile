@@ -36,7 +36,7 @@ test: venv lint
 	@failed=""; logs=$$(mktemp -d); \
 	for backend in $(BACKENDS); do \
 		echo "=== KERAS_BACKEND=$$backend"; \
-		KERAS_BACKEND=$$backend $(PY) -m pytest -rfE $(PYTEST_ARGS) 2>&1 \
+		KERAS_BACKEND=$$backend $(PY) -m pytest -rfE --durations=15 $(PYTEST_ARGS) 2>&1 \
 			| tee $$logs/$$backend.log; \
 		status=$${PIPESTATUS[0]}; \
 		echo "=== KERAS_BACKEND=$$backend: pytest exit status $$status"; \

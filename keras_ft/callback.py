@@ -179,9 +179,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             prints what it was waiting for and exits with status 75
             (`keras_ft.RETRYABLE_EXIT_CODE`), so a scheduler restarts the job
             from its last backup. `None` turns it on in a multi-process run
-            (one stuck or frozen process stalls every other) with the bound
-            max(10 x the slowest batch seen, 120 s); `"auto"` does so in any
-            run; a number is a fixed bound in seconds; `False` turns it off.
+            (one stuck or frozen process stalls every other) and where the
+            input loads in worker processes (a `PyDataset` with
+            `use_multiprocessing`: Keras waits for ever for the item of a
+            worker that was killed), with the bound max(10 x the slowest
+            batch seen, 120 s); `"auto"` does so in any run; a number is a
+            fixed bound in seconds; `False` turns it off.
             Defaults to `None`.
         first_batch_timeout: The bound for the first batch of a `fit()`
             (which compiles, and after a restore replays input), with
@@ -403,6 +406,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             task.num_workers,
             describe,
             running if fit_calls is not None else (lambda: True),
+            loads_in_processes=compat.loads_in_processes(self._inputs.epoch_iterator),
         )
 
     def _stop_deadline(self) -> None:

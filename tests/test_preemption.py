@@ -219,11 +219,12 @@ def test_a_watcher_reinstalled_after_its_training_raised_is_in_the_chain_once():
         signal.signal(signal.SIGUSR1, old)
 
 
-def assert_still_alive(code: str) -> None:
+def assert_still_alive(code: str, *args: str) -> None:
     """Runs `code` in a new interpreter: it must end by itself, printing
     "alive" (not be ended by a grace period it should never have started)."""
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        [sys.executable, "-c", code, *args], capture_output=True, text=True,
+        timeout=60,
         env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))},
     )  # fmt: skip
     assert result.returncode == 0 and "alive" in result.stdout, (
@@ -283,14 +284,24 @@ def test_a_signal_for_a_handler_that_was_replaced_ends_nothing():
     assert_still_alive(code)
 
 
-def test_a_signal_to_a_forked_worker_is_not_the_trainings():
+@pytest.mark.parametrize("early", [False, True], ids=["idle", "at-fork"])
+def test_a_signal_to_a_forked_worker_is_not_the_trainings(early):
     """Keras' worker processes (a `PyDataset` with `use_multiprocessing`) are
     forked while the handlers are in place, and `multiprocessing.Pool` ends
     them with SIGTERM: each must die of it, as without keras-ft, and the
-    training process must not take it for its own preemption."""
+    training process must not take it for its own preemption. Also when the
+    signal comes before the child has run its fork hooks (`early`: a loaded
+    machine may take milliseconds to schedule a child at all)."""
     code = textwrap.dedent(
         """
-        import multiprocessing, os, signal, time
+        import multiprocessing, os, signal, sys, time
+
+        EARLY = sys.argv[1] == "True"
+        if EARLY:  # A hook registered first runs first in the child.
+            os.register_at_fork(
+                after_in_child=lambda: os.kill(os.getpid(), signal.SIGTERM)
+            )
+
         from keras_ft.training.preemption import PreemptionWatcher
 
         def idle(ready):
@@ -305,9 +316,9 @@ def test_a_signal_to_a_forked_worker_is_not_the_trainings():
             ready = fork.Event()
             workers.append(fork.Process(target=idle, args=(ready,), daemon=True))
             workers[-1].start()
-            assert ready.wait(30)
-        for worker in workers:
-            os.kill(worker.pid, signal.SIGTERM)
+            if not EARLY:
+                assert ready.wait(30)
+                os.kill(workers[-1].pid, signal.SIGTERM)
         for worker in workers:
             worker.join(30)
         assert [w.exitcode for w in workers] == [-signal.SIGTERM] * 2, workers
@@ -317,4 +328,4 @@ def test_a_signal_to_a_forked_worker_is_not_the_trainings():
         print("alive")
         """
     )
-    assert_still_alive(code)
+    assert_still_alive(code, str(early))

@@ -3,6 +3,7 @@ SIGTERM seen by a thread."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -99,15 +100,20 @@ def test_bad_stall_timeouts_are_named(value):
 
 
 def test_the_deadline_is_on_by_default_only_in_a_cluster(tmp_path, data):
-    """Single process, default: no deadline thread during fit()."""
+    """Single process, arrays, default: no deadline thread during fit()."""
     x, y = data
     seen = []
 
+    def deadlines():
+        return {t for t in threading.enumerate() if t.name == "keras-ft-deadline"}
+
+    # Another test's fit() that raised may have left its deadline running
+    # (it ends once it sees that fit() is over).
+    earlier = deadlines()
+
     class Look(keras_ft.BackupAndRestore.__mro__[1]):  # keras.callbacks.Callback
         def on_train_batch_end(self, batch, logs=None):
-            seen.append(
-                any(t.name == "keras-ft-deadline" for t in threading.enumerate())
-            )
+            seen.append(bool(deadlines() - earlier))
 
     for stall_timeout, expected in [(None, False), ("auto", True)]:
         seen.clear()
@@ -121,7 +127,7 @@ def test_the_deadline_is_on_by_default_only_in_a_cluster(tmp_path, data):
             ],
         )  # fmt: skip
         assert seen and set(seen) == {expected}
-    assert not any(t.name == "keras-ft-deadline" for t in threading.enumerate())
+    assert not deadlines() - earlier
 
 
 def launch(backup_dir: str, *args: str) -> subprocess.Popen:
@@ -187,3 +193,81 @@ def test_sigterm_ends_a_process_whose_training_thread_is_blocked_in_c(tmp_path):
     assert "backed up" not in out
     committed = resumed_at(backup)
     assert committed >= 1
+
+
+LOST_WORKER = """
+import os, signal, sys, time
+import keras, numpy as np
+import keras_ft
+from keras_ft.training import watchdog
+
+watchdog.STALL_FLOOR_SECONDS = 2.0  # 120 s by default.
+ARMED = os.path.join(sys.argv[1] + "-armed")
+
+class Items(keras.utils.PyDataset):
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, index):
+        try:
+            os.remove(ARMED)
+        except FileNotFoundError:
+            pass
+        else:  # The OOM killer ends this worker halfway through an item.
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.02)
+        x = np.full((8, 4), index / 40, "float32")
+        return x, x[:, :1]
+
+class Arm(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 5:
+            open(ARMED, "w").close()
+            print("ARMED", flush=True)
+
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+model.compile("sgd", "mse")
+model.fit(
+    Items(workers=2, use_multiprocessing=True), epochs=1, verbose=0,
+    callbacks=[Arm(), keras_ft.BackupAndRestore(sys.argv[1], save_freq=2)],
+)
+print("FINISHED")
+"""
+
+
+def live_in_session(session: int) -> list[int]:
+    """The processes of `session` that are running (not zombies)."""
+    live = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, _, _, sid = f.read().rsplit(")", 1)[1].split()[:4]
+        except OSError:
+            continue
+        if int(sid) == session and state != "Z":
+            live.append(int(pid))
+    return live
+
+
+@ONCE
+def test_a_killed_input_worker_ends_the_wait_retryably(tmp_path):
+    """Keras waits for ever for the item of a `PyDataset` worker process
+    that was killed: by default the deadline bounds it, and the process ends
+    with the retryable status, taking its worker processes with it."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", LOST_WORKER, str(tmp_path / "backup")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=subprocess_env(), start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = process.communicate(timeout=120)
+        assert "ARMED" in out, err
+        assert process.returncode == RETRYABLE_EXIT_CODE, (out, err)
+        assert "no batch ended" in out and "while waiting for epoch 1" in out, out
+        deadline = time.monotonic() + 10
+        while live_in_session(process.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not live_in_session(process.pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)

@@ -13,6 +13,7 @@ from keras_ft.compat.data import (
     TfDataState,
     fit_epoch_iterator,
     input_kind,
+    loads_in_processes,
     restore_tf_iterator,
     start_data_at_epoch,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "fail",
     "fit_epoch_iterator",
     "input_kind",
+    "loads_in_processes",
     "install_multi_worker_fixes",
     "install_multi_worker_fixes_if_needed",
     "keras_global_seed_state",

@@ -51,6 +51,19 @@ def input_kind(epoch_iterator: Any) -> str | None:
     return None if adapter is None else type(adapter).__name__
 
 
+def loads_in_processes(epoch_iterator: Any) -> bool:
+    """Whether `fit()`'s input loads in worker processes: a `PyDataset` with
+    `use_multiprocessing` (Keras waits, without a bound, for an item whose
+    worker was killed: by the OOM killer, say)."""
+    adapter = getattr(epoch_iterator, "data_adapter", None)
+    dataset = getattr(adapter, "py_dataset", None)
+    try:
+        # Keras' own rule for an enqueuer of processes.
+        return bool(dataset.use_multiprocessing) and dataset.workers > 0
+    except Exception:  # Another input, or an internal that moved.
+        return False
+
+
 @register(
     "data_epoch",
     "a fit() resumed at a later epoch shuffles arrays in the order of its own "

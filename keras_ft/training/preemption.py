@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from keras_ft import compat, threads
-from keras_ft.training.watchdog import SignalSentinel
+from keras_ft.training.watchdog import SignalSentinel, forget_in_child
 
 
 def parse_signals(value: Iterable[Any] | None) -> tuple[signal.Signals, ...]:
@@ -284,23 +284,47 @@ def _remove_stale_watchers(signum: signal.Signals, frame: Any) -> None:
             return  # Could not step aside; leave the chain as it is.
 
 
-def _step_aside_in_child() -> None:
-    # A forked child (a Keras worker process loading a PyDataset) has no
-    # training to save: a signal must do to it what it would have done
-    # without keras-ft (`multiprocessing.Pool` ends its workers with SIGTERM,
-    # Ctrl-C reaches the whole process group), not start a grace period in a
-    # process that is not training.
+# A process forked during fit() (Keras' worker processes for a PyDataset with
+# `use_multiprocessing`) is not training: a signal must do to it what it would
+# have done without keras-ft (`multiprocessing.Pool` ends its workers with
+# SIGTERM; Ctrl-C reaches the whole process group), not start a grace period,
+# in it or, through the wakeup pipe they share, in its parent. The forking
+# thread holds the watched signals back across the fork, so that none reaches
+# the child before it has stepped aside (a loaded machine may take
+# milliseconds to run the child at all); the child then receives it as it
+# would have without keras-ft.
+_fork = threading.local()
+
+
+def _watched_signals() -> set[signal.Signals]:
+    watched = set()
     for signum in signal.valid_signals():
-        try:
-            handler = signal.getsignal(signum)
-        except ValueError:
-            continue
-        if not _is_watcher(handler):
-            continue
+        with contextlib.suppress(ValueError, OSError):
+            if _is_watcher(signal.getsignal(signum)):
+                watched.add(signum)
+    return watched
+
+
+def _before_fork() -> None:
+    watched = _watched_signals()
+    _fork.mask = signal.pthread_sigmask(signal.SIG_BLOCK, watched) if watched else None
+
+
+def _after_fork_in_parent() -> None:
+    mask, _fork.mask = getattr(_fork, "mask", None), None
+    if mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _after_fork_in_child() -> None:
+    for signum in _watched_signals():
+        handler = signal.getsignal(signum)
         while _is_watcher(handler):
             handler = handler.__self__._previous.get(signum, signal.SIG_DFL)
         with contextlib.suppress(ValueError, OSError, TypeError):
             signal.signal(signum, handler)
+    forget_in_child()
+    _after_fork_in_parent()  # Lets what was held back arrive, as it now would.
 
 
 def _is_watcher(handler: Any) -> bool:
@@ -309,8 +333,12 @@ def _is_watcher(handler: Any) -> bool:
     )
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_step_aside_in_child)
+if hasattr(os, "register_at_fork") and hasattr(signal, "pthread_sigmask"):
+    os.register_at_fork(
+        before=_before_fork,
+        after_in_parent=_after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
+    )
 
 
 def _deliver(handler: Any, signum: signal.Signals, frame: Any) -> None:

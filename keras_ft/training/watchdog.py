@@ -24,6 +24,7 @@ model, the data or the arguments: do not retry blindly.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import signal
 import sys
@@ -103,13 +104,16 @@ def _wakeup_reader() -> bool:
     return True
 
 
-def _forget_in_child() -> None:
-    # A forked child (a Keras worker process loading a PyDataset) inherits
-    # the wakeup descriptor, the pipe the parent's reader thread reads, but
-    # not that thread: a signal to the child (`multiprocessing.Pool` ends its
-    # workers with SIGTERM) would reach the parent's sentinels as if the
-    # parent had been sent it, and start its grace period. The child gets a
-    # lock of its own too: a copy may have been held at the fork.
+def forget_in_child() -> None:
+    """Leaves a forked child out of signal reporting (call in the child).
+
+    The child (a Keras worker process loading a PyDataset) inherits the
+    wakeup descriptor, the pipe the parent's reader thread reads, but not
+    that thread: a signal to the child (`multiprocessing.Pool` ends its
+    workers with SIGTERM) would reach the parent's sentinels as if the parent
+    had been sent it, and start its grace period. The child gets a lock of
+    its own too: its copy may have been held at the fork.
+    """
     global _wakeup_write, _sentinels_lock
     write, _wakeup_write = _wakeup_write, None
     _sentinels.clear()
@@ -122,10 +126,6 @@ def _forget_in_child() -> None:
             signal.set_wakeup_fd(current)  # Someone else's: theirs to keep.
     with contextlib.suppress(OSError):
         os.close(write)
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _read_wakeups(read: int) -> None:
@@ -171,25 +171,48 @@ def check_stall_timeout(value: object, first_batch_timeout: object) -> None:
         )
 
 
+# The smallest bound of the adaptive deadline (`stall_timeout=None`/"auto").
+STALL_FLOOR_SECONDS = 120.0
+
+
 def start_deadline(
     stall_timeout: float | str | bool | None,
     first_batch_timeout: float,
     num_workers: int,
     describe: Callable[[], str],
     running: Callable[[], bool],
+    loads_in_processes: bool = False,
 ) -> ProgressDeadline | None:
     """The deadline `BackupAndRestore(stall_timeout=...)` asks for, or `None`.
 
-    `None` turns it on in a multi-process run (one stuck process stalls them
-    all) with the adaptive bound; `"auto"` everywhere; a number is a fixed
-    bound; `False` turns it off.
+    `None` turns it on with the adaptive bound where a process other than
+    this one can stall it for ever: in a multi-process run (one stuck process
+    stalls them all), and where the input loads in worker processes
+    (`loads_in_processes`: Keras waits without a bound for the item of a
+    worker that was killed). `"auto"` turns it on everywhere; a number is a
+    fixed bound; `False` turns it off.
     """
-    if stall_timeout is False or (stall_timeout is None and num_workers <= 1):
+    if stall_timeout is False or (
+        stall_timeout is None and num_workers <= 1 and not loads_in_processes
+    ):
         return None
     seconds = None if stall_timeout in (None, "auto") else float(stall_timeout)
     return ProgressDeadline(
-        first_batch_timeout, seconds, describe=describe, running=running
+        first_batch_timeout,
+        seconds,
+        floor_seconds=STALL_FLOOR_SECONDS,
+        describe=describe,
+        running=running,
     )
+
+
+def _exit_now(code: int) -> None:
+    # The process's own worker processes (Keras' for a PyDataset) would
+    # outlive an os._exit(), which skips multiprocessing's clean-up.
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(Exception):
+            child.kill()
+    os._exit(code)
 
 
 class ProgressDeadline:
@@ -219,7 +242,7 @@ class ProgressDeadline:
         floor_seconds: float = 120.0,
         describe: Callable[[], str] = lambda: "the next batch",
         running: Callable[[], bool] = lambda: True,
-        exit: Callable[[int], None] = os._exit,
+        exit: Callable[[int], None] = _exit_now,
     ):
         self.first_batch_seconds = first_batch_seconds
         self.seconds = seconds
