@@ -182,9 +182,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             (one stuck or frozen process stalls every other) and where the
             input loads in worker processes (a `PyDataset` with
             `use_multiprocessing`: Keras waits for ever for the item of a
-            worker that was killed), with the bound max(10 x the slowest
-            batch seen, 120 s); `"auto"` does so in any run; a number is a
-            fixed bound in seconds; `False` turns it off.
+            worker that was killed; there it leaves the time between epochs
+            alone), with the bound max(10 x the slowest batch seen, 120 s);
+            `"auto"` does so in any run; a number is a fixed bound in
+            seconds; `False` turns it off.
             Defaults to `None`.
         first_batch_timeout: The bound for the first batch of a `fit()`
             (which compiles, and after a restore replays input), with
@@ -244,6 +245,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.stall_timeout = stall_timeout
         self.first_batch_timeout = float(first_batch_timeout)
         self._deadline: watchdog.ProgressDeadline | None = None
+        # A deadline only the input asked for is held between epochs.
+        self._deadline_input_only = False
+        self._deadline_held = False
+        self._deadline_held_before_test = False
         self._goodput: GoodputRecorder | None = None
         if is_url(self.backup_dir):
             filesystem(self.backup_dir, storage_options)  # Fails early if missing.
@@ -400,19 +405,51 @@ class BackupAndRestore(keras.callbacks.Callback):
                 where += f" (on worker {task.task_index} of {task.num_workers})"
             return where
 
+        loads_in_processes = compat.loads_in_processes(self._inputs.epoch_iterator)
+        # On by default for the input's worker processes alone (one process):
+        # it bounds the waits for batches, not the work of other callbacks
+        # between epochs (saving a large model), which it did not use to.
+        self._deadline_input_only = (
+            loads_in_processes and task.num_workers <= 1 and self.stall_timeout is None
+        )
+        self._deadline_held = self._deadline_held_before_test = False
         self._deadline = watchdog.start_deadline(
             self.stall_timeout,
             self.first_batch_timeout,
             task.num_workers,
             describe,
             running if fit_calls is not None else (lambda: True),
-            loads_in_processes=compat.loads_in_processes(self._inputs.epoch_iterator),
+            loads_in_processes=loads_in_processes,
         )
 
     def _stop_deadline(self) -> None:
         if self._deadline is not None:
             self._deadline.close()
             self._deadline = None
+
+    def _hold_deadline(self, held: bool) -> None:
+        """Holds a deadline only the input asked for (`True`), or lets it
+        run again (`False`)."""
+        if (
+            self._deadline is None
+            or not self._deadline_input_only
+            or held == self._deadline_held
+        ):
+            return
+        self._deadline_held = held
+        if held:
+            self._deadline.pause()
+        else:
+            self._deadline.resume()
+
+    def on_test_begin(self, logs: dict | None = None) -> None:
+        # Validation reads its input too.
+        self._deadline_held_before_test = self._deadline_held
+        self._hold_deadline(False)
+
+    def on_test_end(self, logs: dict | None = None) -> None:
+        if self._deadline_held_before_test:
+            self._hold_deadline(True)
 
     def on_test_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if self._deadline is not None:  # Validation is progress too.
@@ -479,8 +516,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         return None
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        if self._deadline is not None:  # Past validation and epoch-end saves.
-            self._deadline.batch_ended()
+        if self._deadline_held:
+            self._hold_deadline(False)
+        elif self._deadline is not None:  # Past validation and epoch-end saves.
+            self._deadline.progressed()
         compat.set_initial_epoch(self.model, None)
         self._epoch = epoch
         self._batches_in_epoch = 0
@@ -500,6 +539,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         # With steps_per_execution > 1, `batch` is the last of several steps.
         if self._deadline is not None:
             self._deadline.batch_ended()
+            if batch + 1 == self.params.get("steps"):
+                self._hold_deadline(True)  # The epoch's last batch.
         if self._goodput is not None:
             self._goodput.batch_end(self._optimizer_step, self.backup_seconds)
         steps = batch + 1 - self._batches_in_epoch
@@ -517,6 +558,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._report_interval()
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        self._hold_deadline(True)  # Where the epoch's length was not known.
         skipped = self._resumption is not None and self._resumption.skips_epoch(epoch)
         if self.preempted_by or skipped:
             return  # Backed up at the exact step already, or a skipped epoch.

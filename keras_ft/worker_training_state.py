@@ -376,7 +376,9 @@ class WorkerTrainingState:
             snapshot.release()  # Never written: the next copy must not wait.
             raise
         snapshot.weights.fill()  # On failure, the write sees it and calls off.
-        if snapshot.weights.non_finite:  # Checked during the copy.
+        # Checked during the copy. A check that follows the copy is the
+        # writer's to report, even if it is already over.
+        if not snapshot.weights.checked_later and snapshot.weights.non_finite:
             cancel.set()  # The write stops where it is and commits nothing.
             raise NonFiniteStateError(snapshot.weights.non_finite)
         return self._committed_unless_async()

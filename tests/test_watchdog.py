@@ -225,11 +225,26 @@ class Arm(keras.callbacks.Callback):
             open(ARMED, "w").close()
             print("ARMED", flush=True)
 
+class Slow(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        if not getattr(self, "began", False):
+            self.began = True
+            time.sleep(4)  # The first batch compiles.
+
+    def on_epoch_end(self, epoch, logs=None):
+        time.sleep(4)  # Saving a large model, say: not a stall.
+
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
 model.compile("sgd", "mse")
+kill = sys.argv[2] == "kill"
 model.fit(
-    Items(workers=2, use_multiprocessing=True), epochs=1, verbose=0,
-    callbacks=[Arm(), keras_ft.BackupAndRestore(sys.argv[1], save_freq=2)],
+    Items(workers=2, use_multiprocessing=True),
+    validation_data=None if kill else Items(workers=2, use_multiprocessing=True),
+    epochs=1 if kill else 2, verbose=0,
+    callbacks=[
+        Arm() if kill else Slow(),
+        keras_ft.BackupAndRestore(sys.argv[1], save_freq=2),
+    ],
 )
 print("FINISHED")
 """
@@ -255,7 +270,7 @@ def test_a_killed_input_worker_ends_the_wait_retryably(tmp_path):
     that was killed: by default the deadline bounds it, and the process ends
     with the retryable status, taking its worker processes with it."""
     process = subprocess.Popen(
-        [sys.executable, "-c", LOST_WORKER, str(tmp_path / "backup")],
+        [sys.executable, "-c", LOST_WORKER, str(tmp_path / "backup"), "kill"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=subprocess_env(), start_new_session=True,
     )  # fmt: skip
@@ -271,3 +286,17 @@ def test_a_killed_input_worker_ends_the_wait_retryably(tmp_path):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
+
+
+@ONCE
+def test_the_input_workers_deadline_leaves_epoch_end_work_alone(tmp_path):
+    """A deadline on only for the input's worker processes bounds the waits
+    for batches (validation's included), not another callback's epoch-end
+    work, and the first batch has `first_batch_timeout`: a fit() whose first
+    batch and epoch ends are slower than the bound still finishes."""
+    result = subprocess.run(
+        [sys.executable, "-c", LOST_WORKER, str(tmp_path / "backup"), "slow"],
+        capture_output=True, text=True, env=subprocess_env(), timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, (result.stdout, result.stderr)
+    assert "FINISHED" in result.stdout and "no batch ended" not in result.stdout

@@ -267,6 +267,12 @@ class ProgressDeadline:
             return self.seconds
         return max(self.factor * self._slowest, self.floor_seconds)
 
+    def progressed(self) -> None:
+        """Restarts the clock without counting a batch (an epoch began): the
+        first batch keeps `first_batch_seconds`."""
+        with self._lock:
+            self._last = time.monotonic()
+
     def batch_ended(self) -> None:
         now = time.monotonic()
         with self._lock:
@@ -280,14 +286,22 @@ class ProgressDeadline:
         """No deadline inside the block (a restore, an evaluation, a final
         save): what is not a training batch is bounded elsewhere or not at
         all."""
-        with self._lock:
-            self._paused += 1
+        self.pause()
         try:
             yield
         finally:
-            with self._lock:
-                self._paused -= 1
-                self._last = time.monotonic()
+            self.resume()
+
+    def pause(self) -> None:
+        """No deadline until `resume()` (pauses nest)."""
+        with self._lock:
+            self._paused += 1
+
+    def resume(self) -> None:
+        """Ends a `pause()`; the time paused does not count."""
+        with self._lock:
+            self._paused -= 1
+            self._last = time.monotonic()
 
     def _run(self) -> None:
         while not self._stop.wait(0.5):
