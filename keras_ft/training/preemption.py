@@ -272,14 +272,9 @@ def _remove_stale_watchers(signum: signal.Signals, frame: Any) -> None:
     """Uninstalls watchers on top of `signum`'s chain whose training is over."""
     while True:
         handler = signal.getsignal(signum)
-        watcher = getattr(handler, "__self__", None)
-        if (
-            not isinstance(watcher, PreemptionWatcher)
-            or getattr(handler, "__func__", None) is not PreemptionWatcher._handle
-            or watcher.training_running(frame)
-        ):
+        if not _is_watcher(handler) or handler.__self__.training_running(frame):
             return
-        watcher.uninstall()
+        handler.__self__.uninstall()
         if signal.getsignal(signum) == handler:
             return  # Could not step aside; leave the chain as it is.
 

@@ -239,7 +239,7 @@ class ProgressDeadline:
         first_batch_seconds: float,
         seconds: float | None = None,
         factor: float = 10.0,
-        floor_seconds: float = 120.0,
+        floor_seconds: float = STALL_FLOOR_SECONDS,
         describe: Callable[[], str] = lambda: "the next batch",
         running: Callable[[], bool] = lambda: True,
         exit: Callable[[int], None] = _exit_now,
