@@ -420,6 +420,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             describe,
             running if fit_calls is not None else (lambda: True),
             loads_in_processes=loads_in_processes,
+            # JAX's coordination service lives in process 0; the others abort
+            # (SIGABRT, not the retryable 75) as soon as it is gone.
+            peers_first=(
+                task.num_workers > 1
+                and task.task_index == 0
+                and keras.backend.backend() == "jax"
+            ),
         )
 
     def _stop_deadline(self) -> None:

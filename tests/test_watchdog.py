@@ -68,6 +68,32 @@ def test_a_stall_ends_the_process_with_the_retryable_code(capsys):
     assert "while waiting for epoch 2, batch 7" in said and "status 75" in said
 
 
+@pytest.mark.parametrize("peers_first", [False, True])
+def test_the_process_its_peers_need_outlives_their_deadlines(peers_first):
+    """JAX's process 0 hosts the service whose end aborts the others: past
+    its deadline it waits about a batch and a few looks more, so that a
+    peer's deadline (its last batch ended a batch later) ends it first."""
+    watch, exits = deadline(
+        first_batch_seconds=5.0, seconds=1.0, peers_first=peers_first
+    )
+    try:
+        watch.batch_ended()
+        time.sleep(0.4)
+        watch.batch_ended()  # The slowest batch: 0.4 s.
+        started = time.monotonic()
+        while not exits and time.monotonic() - started < 10:
+            time.sleep(0.05)
+        waited = time.monotonic() - started
+    finally:
+        watch.close()
+    assert exits == [RETRYABLE_EXIT_CODE]
+    assert watch.linger_seconds() == pytest.approx(0.4 + 1.5, abs=0.1)
+    if peers_first:
+        assert 1.0 + 1.9 <= waited < 1.0 + 1.9 + 1.5, waited
+    else:
+        assert 1.0 <= waited < 1.0 + 1.5, waited
+
+
 def test_a_deadline_of_a_training_that_ended_never_fires():
     watch, exits = deadline(first_batch_seconds=0.5, running=lambda: False)
     try:

@@ -173,6 +173,10 @@ def check_stall_timeout(value: object, first_batch_timeout: object) -> None:
 
 # The smallest bound of the adaptive deadline (`stall_timeout=None`/"auto").
 STALL_FLOOR_SECONDS = 120.0
+# How often a deadline is looked at, and the longest a process that must
+# outlive its peers waits for their deadlines to end them.
+_POLL_SECONDS = 0.5
+_MAX_LINGER_SECONDS = 30.0
 
 
 def start_deadline(
@@ -182,6 +186,7 @@ def start_deadline(
     describe: Callable[[], str],
     running: Callable[[], bool],
     loads_in_processes: bool = False,
+    peers_first: bool = False,
 ) -> ProgressDeadline | None:
     """The deadline `BackupAndRestore(stall_timeout=...)` asks for, or `None`.
 
@@ -190,7 +195,7 @@ def start_deadline(
     stalls them all), and where the input loads in worker processes
     (`loads_in_processes`: Keras waits without a bound for the item of a
     worker that was killed). `"auto"` turns it on everywhere; a number is a
-    fixed bound; `False` turns it off.
+    fixed bound; `False` turns it off. `peers_first`: see `ProgressDeadline`.
     """
     if stall_timeout is False or (
         stall_timeout is None and num_workers <= 1 and not loads_in_processes
@@ -203,6 +208,7 @@ def start_deadline(
         floor_seconds=STALL_FLOOR_SECONDS,
         describe=describe,
         running=running,
+        peers_first=peers_first,
     )
 
 
@@ -231,6 +237,12 @@ class ProgressDeadline:
             called from the deadline's thread.
         running: Whether the training is still running (a `fit()` that
             raised never says it ended); once not, the deadline stops.
+        peers_first: This process hosts a service whose end aborts the
+            other processes (JAX's coordination service, in process 0): once
+            its deadline has passed, it waits a little longer before it
+            exits, so that the others' deadlines (which passed at most about
+            a batch later) end them with the retryable status, not JAX's
+            abort.
         exit: Ends the process; `os._exit` but in tests.
     """
 
@@ -242,6 +254,7 @@ class ProgressDeadline:
         floor_seconds: float = STALL_FLOOR_SECONDS,
         describe: Callable[[], str] = lambda: "the next batch",
         running: Callable[[], bool] = lambda: True,
+        peers_first: bool = False,
         exit: Callable[[int], None] = _exit_now,
     ):
         self.first_batch_seconds = first_batch_seconds
@@ -250,6 +263,7 @@ class ProgressDeadline:
         self.floor_seconds = floor_seconds
         self.describe = describe
         self.running = running
+        self.peers_first = peers_first
         self._exit = exit
         self._last = time.monotonic()
         self._slowest = 0.0
@@ -304,7 +318,7 @@ class ProgressDeadline:
             self._last = time.monotonic()
 
     def _run(self) -> None:
-        while not self._stop.wait(0.5):
+        while not self._stop.wait(_POLL_SECONDS):
             with self._lock:
                 if self._paused:
                     continue
@@ -321,8 +335,18 @@ class ProgressDeadline:
                     "from its last backup, which is intact.\n"
                 )
                 sys.stdout.flush()
+                if self.peers_first:
+                    time.sleep(self.linger_seconds())
                 self._exit(RETRYABLE_EXIT_CODE)
                 return
+
+    def linger_seconds(self) -> float:
+        """How long a `peers_first` process waits past its deadline: the
+        others' last batch ended at most about a batch after its own, and
+        each deadline is looked at every `_POLL_SECONDS`."""
+        with self._lock:
+            slowest = self._slowest
+        return min(slowest + 3 * _POLL_SECONDS, _MAX_LINGER_SECONDS)
 
     def close(self) -> None:
         self._stop.set()
