@@ -341,3 +341,94 @@ def test_a_forged_tf_data_state_is_refused_not_loaded(tmp_path):
         assert len(got) == len(expected)
         for a, b in zip(got, expected, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def grain_fit(tmp_path, backup_dir=None, crash=False, kind="map"):
+    """A Grain pipeline (a shuffled `MapDataset` of single samples, batched),
+    noting each sample its source loads from train begin on."""
+    grain = pytest.importorskip("grain")
+    log = tmp_path / f"grain-loads-{next(_FITS)}"
+    log.write_text("")
+
+    class Source:
+        def __init__(self, x, y):
+            self.x, self.y, self.armed = x, y, False
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, index):
+            if self.armed:
+                with open(log, "a") as f:
+                    f.write(f"{index}\n")
+            return self.x[index], self.y[index]
+
+    keras.utils.set_random_seed(1)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ITEMS * BATCH, FEATURES)).astype("float32")
+    y = x[:, :1] * 2 - x[:, 1:2]
+    source = Source(x, y)
+    dataset = grain.MapDataset.source(source).shuffle(seed=3).batch(BATCH)
+    if kind == "iter":
+        dataset = dataset.to_iter_dataset()
+    elif kind == "mix":  # The same batches; its iterator's state differs.
+        dataset = grain.IterDataset.mix([dataset.to_iter_dataset()], weights=[1.0])
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(8),
+            keras.layers.Dropout(0.2),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(1e-2), "mse")
+
+    class Arm(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            source.armed = True
+
+    callbacks = [Arm()]
+    if backup_dir is not None:
+        callbacks.append(
+            keras_ft.BackupAndRestore(
+                str(backup_dir), save_freq=SAVE_FREQ, delete_checkpoint=False
+            )
+        )
+    if crash:
+        callbacks.append(Crash())
+    try:
+        model.fit(dataset, epochs=2, verbose=0, callbacks=callbacks)
+    except RuntimeError:
+        assert crash
+    return model, [int(line) for line in log.read_text().split()]
+
+
+@pytest.mark.parametrize("kind", ["map", "iter"])
+def test_grain_resumes_from_its_iterator_state(tmp_path, kind):
+    """The resumed epoch's iterator starts where the backup's was: the source
+    loads only the samples left to train, and the run ends bit for bit as an
+    uninterrupted one."""
+    import grain
+
+    reference, _ = grain_fit(tmp_path, kind=kind)
+    backup = tmp_path / "backup"
+    grain_fit(tmp_path, backup, crash=True, kind=kind)
+    model, loads = grain_fit(tmp_path, backup, kind=kind)
+    # Every epoch's order (the shuffle is seeded once), less the batches
+    # trained before the crash; Grain's threads load out of order.
+    order = list(grain.MapDataset.range(ITEMS * BATCH).shuffle(seed=3))
+    assert sorted(loads) == sorted(order[SAVE_FREQ * BATCH :])
+    assert_same_weights(reference, model)
+
+
+def test_a_grain_state_the_pipeline_refuses_is_replayed_exactly(tmp_path):
+    """Resumed with a pipeline whose iterator's state is shaped otherwise
+    (the same batches): Grain refuses the saved state, and the epoch's
+    trained batches are drawn again, saying so."""
+    reference, _ = grain_fit(tmp_path)
+    backup = tmp_path / "backup"
+    grain_fit(tmp_path, backup, crash=True)
+    with pytest.warns(UserWarning, match="Grain could not take the saved state"):
+        model, loads = grain_fit(tmp_path, backup, kind="mix")
+    assert len(loads) == ITEMS * BATCH  # The whole epoch, trained part too.
+    assert_same_weights(reference, model)

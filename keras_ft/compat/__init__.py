@@ -17,6 +17,7 @@ from keras_ft.compat.data import (
     restore_tf_iterator,
     start_data_at_epoch,
 )
+from keras_ft.compat.grain_input import GrainView
 from keras_ft.compat.multi_worker import (
     CHECKED_KERAS_VERSIONS,
     install_multi_worker_fixes,
@@ -58,6 +59,7 @@ __all__ = [
     "CHECKED_KERAS_VERSIONS",
     "DISABLE_ENV",
     "CompatibilityWarning",
+    "GrainView",
     "PyDatasetView",
     "TfDataState",
     "available",

@@ -23,11 +23,19 @@ buffers included, and the resumed epoch's new iterator takes it before it
 yields anything. The rest of the epoch, and the order of later epochs of a
 pipeline that reshuffles, come out as in an uninterrupted run. A pipeline
 with state outside the graph (a `py_function`) cannot be saved: replayed.
+
+A Grain `MapDataset` or `IterDataset` is saved as Grain checkpoints its
+iterators (`compat.GrainView`): the backup holds the state of the epoch's
+iterator after the trained batches (JSON, a few bytes), and the resumed
+epoch's new iterator takes it before it yields anything, so nothing trained
+is loaded again. A state Grain refuses (another pipeline) is replayed, and
+so is a `grain.DataLoader` (which Keras rebuilds from its parts).
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import warnings
 from typing import Any
 
@@ -55,6 +63,7 @@ class InputPosition:
         self._resume_rng: dict[str, Any] | None = None
         self.view = compat.PyDatasetView.of(epoch_iterator, self._before_load)
         self._tf_data = compat.TfDataState(epoch_iterator)
+        self.grain = compat.GrainView.of(epoch_iterator)
 
     def begin_epoch(self) -> None:
         """Call before the epoch's pipeline starts (at `on_epoch_begin`)."""
@@ -67,6 +76,15 @@ class InputPosition:
     def state_at(self, batch: int) -> dict[str, Any] | None:
         """What a backup after the epoch's first `batch` items notes of the
         input, or `None` if a resume from it must replay them."""
+        if self.grain is not None:
+            state = self.grain.state_at(batch)
+            try:
+                text = json.dumps(state) if state is not None else None
+            except (TypeError, ValueError):
+                text = None  # Not plain data: replayed.
+            if text is None:
+                return None
+            return {"grain": np.frombuffer(text.encode(), dtype=np.uint8)}
         if self.view is None:
             state = self._tf_data.save()
             if state is None:
@@ -88,7 +106,19 @@ class InputPosition:
         Returns whether it does; if not, the trained items are replayed.
         """
         saved = point.extra.get("input")
-        if self.view is None or not isinstance(saved, dict) or not point.batch:
+        if not isinstance(saved, dict) or not point.batch:
+            return False
+        if self.grain is not None and "grain" in saved:
+            try:
+                text = np.asarray(saved["grain"], dtype=np.uint8).tobytes()
+                state = json.loads(text.decode())
+            except (TypeError, ValueError):
+                return False  # Damaged: replayed.
+            if not isinstance(state, dict):
+                return False
+            self.grain.skip(state, point.batch, backend.loop_pulls_batches())
+            return True
+        if self.view is None:
             return False
         if self.view.sequential and "rng" not in saved:
             return False
@@ -128,6 +158,9 @@ class InputPosition:
         if self.view is not None:
             self.view.remove()
             self.view = None
+        if self.grain is not None:
+            self.grain.remove()
+            self.grain = None
         self.epoch_iterator = None
         self._tf_data = compat.TfDataState(None)
 
