@@ -31,8 +31,10 @@ the newest commit (lost), beside the epoch's time over no callback (the
 schedule's cost).
 
 Inputs: NumPy arrays (`fit(shuffle=True)`), a `keras.utils.PyDataset` whose
-`__getitem__` costs `--item-ms` (a decode stand-in), and `tf.data` with
-`Dataset.shuffle()`.
+`__getitem__` costs `--item-ms` (a decode stand-in), `tf.data` with
+`Dataset.shuffle()`, and a Grain `MapDataset` of the same batches, shuffled,
+whose source costs `--item-ms` a batch (read by Grain's own threads), where
+`grain` is installed.
 
 Usage:
     python benchmarks/recovery.py                   # JAX, every input, 3 kills
@@ -53,7 +55,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = ("cold", "keras_ft", "keras", "orbax")
-INPUTS = ("arrays", "pydataset", "tfdata")
+INPUTS = ("arrays", "pydataset", "tfdata", "grain")
 
 
 def child(args: argparse.Namespace) -> None:
@@ -73,19 +75,33 @@ def child(args: argparse.Namespace) -> None:
     x = rng.normal(size=(batches * batch_size, width)).astype("float32")
     y = x[:, :1] * 2.0 + 1.0
 
+    def load(index: int):
+        time.sleep(args.item_ms / 1000)
+        part = slice(index * batch_size, (index + 1) * batch_size)
+        return x[part], y[part]
+
     class Decoded(keras.utils.PyDataset):
         def __len__(self) -> int:
             return batches
 
         def __getitem__(self, index: int):
-            time.sleep(args.item_ms / 1000)
-            part = slice(index * batch_size, (index + 1) * batch_size)
-            return x[part], y[part]
+            return load(index)
+
+    class Source:  # Grain's random-access source of the same batches.
+        def __len__(self) -> int:
+            return batches
+
+        def __getitem__(self, index: int):
+            return load(index)
 
     if args.input == "arrays":
         data, fit_args = (x, y), {"batch_size": batch_size, "shuffle": True}
     elif args.input == "pydataset":
         data, fit_args = (Decoded(),), {"shuffle": True}
+    elif args.input == "grain":
+        import grain
+
+        data, fit_args = (grain.MapDataset.source(Source()).shuffle(seed=0),), {}
     else:
         import tensorflow as tf
 
@@ -251,7 +267,7 @@ def main() -> None:
     parser.add_argument("--every", default="50")
     parser.add_argument("--timeline", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backend", default="jax")
-    parser.add_argument("--inputs", nargs="*", choices=INPUTS, default=list(INPUTS))
+    parser.add_argument("--inputs", nargs="*", choices=INPUTS, default=None)
     parser.add_argument("--batches", type=int, default=600, help="per epoch")
     parser.add_argument("--item-ms", type=float, default=5.0)
     parser.add_argument("--save-every", type=int, default=50)
@@ -264,6 +280,13 @@ def main() -> None:
         return
     if args.quick:
         args.batches, args.rounds = 200, 1
+    if args.inputs is None:
+        args.inputs = list(INPUTS)
+        try:
+            import grain  # noqa: F401
+        except ImportError:
+            args.inputs.remove("grain")
+            print("(grain is not installed: no Grain input)")
     common = ["--batches", str(args.batches), "--item-ms", str(args.item_ms)]
     print(
         f"Recovery, {args.backend}: {args.batches} batches per epoch, a backup every "

@@ -363,6 +363,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.backup_seconds = 0.0
         self._last_save = None
         task = self._state.task
+        if task.num_workers > 1:
+            # Only the chief's input state is backed up, and a Grain iterator's
+            # state may differ between processes (each reads its own shard).
+            self._inputs.leave_grain()
         self.preempted_by = None
         self._preemption.start(
             callback_list, self._state.store, task.num_workers, task.is_chief,

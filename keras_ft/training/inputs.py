@@ -153,14 +153,19 @@ class InputPosition:
                 stacklevel=2,
             )
 
+    def leave_grain(self) -> None:
+        """Replays a Grain dataset's trained batches on resume rather than
+        setting its iterator's saved state."""
+        if self.grain is not None:
+            self.grain.remove()
+            self.grain = None
+
     def remove(self) -> None:
         """Gives `fit()` its input back as it was."""
         if self.view is not None:
             self.view.remove()
             self.view = None
-        if self.grain is not None:
-            self.grain.remove()
-            self.grain = None
+        self.leave_grain()
         self.epoch_iterator = None
         self._tf_data = compat.TfDataState(None)
 
