@@ -432,3 +432,17 @@ def test_a_grain_state_the_pipeline_refuses_is_replayed_exactly(tmp_path):
         model, loads = grain_fit(tmp_path, backup, kind="mix")
     assert len(loads) == ITEMS * BATCH  # The whole epoch, trained part too.
     assert_same_weights(reference, model)
+
+
+def test_a_forged_grain_state_is_refused_not_loaded():
+    # Bytes that are not a JSON object leave the epoch to be replayed.
+    from keras_ft.training.inputs import grain_state
+
+    def saved(text: bytes) -> np.ndarray:
+        return np.frombuffer(text, dtype=np.uint8)
+
+    assert grain_state(saved(b'{"next_index": 4}')) == {"next_index": 4}
+    forged = [b"", b"\xff\xfe", b"[1, 2]", b'"text"', b"{", b"[" * 100_000]
+    for bad in forged:
+        assert grain_state(saved(bad)) is None, bad[:20]
+    assert grain_state("not bytes") is None

@@ -109,13 +109,9 @@ class InputPosition:
         if not isinstance(saved, dict) or not point.batch:
             return False
         if self.grain is not None and "grain" in saved:
-            try:
-                text = np.asarray(saved["grain"], dtype=np.uint8).tobytes()
-                state = json.loads(text.decode())
-            except (TypeError, ValueError):
+            state = grain_state(saved["grain"])
+            if state is None:
                 return False  # Damaged: replayed.
-            if not isinstance(state, dict):
-                return False
             self.grain.skip(state, point.batch, backend.loop_pulls_batches())
             return True
         if self.view is None:
@@ -177,6 +173,18 @@ class InputPosition:
         if self.view is not None and self.view.sequential:
             self._before.append((self._loads, rng.capture_raw()))
             self._loads += 1
+
+
+def grain_state(saved: Any) -> dict | None:
+    """The Grain iterator state a backup holds (JSON bytes), or `None` when
+    they are not one. A backup is untrusted input: only plain data comes out,
+    and Grain's `set_state()` refuses what its iterator does not know."""
+    try:
+        text = np.asarray(saved, dtype=np.uint8).tobytes().decode()
+        state = json.loads(text)
+    except (TypeError, ValueError, RecursionError):
+        return None
+    return state if isinstance(state, dict) else None
 
 
 def _kept(before: collections.deque, position: int) -> Any:
