@@ -4,24 +4,20 @@ Grain's iterators are checkpointable: `get_state()` is a few bytes of JSON
 (for a `MapDataset`, the index of the next element), and `set_state()` puts
 a new iterator where an old one was without loading what came before. The
 view puts a Grain dataset of its own between the user's dataset and Keras'
-conversion for the backend, whose iterator notes the state after each
-batch it hands on, and puts a resumed epoch's new iterator at the saved
+conversion for the backend, whose iterator hands the state after each
+batch it hands on to `after_batch`, and puts a resumed epoch's new iterator at the saved
 state before it yields anything.
 """
 
 from __future__ import annotations
 
-import collections
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from keras_ft.compat.registry import fail, register, usable
 from keras_ft.compat.training import _code_names
-
-# The states before the training position that are kept: a pipeline that
-# reads further ahead than this resumes by replay.
-KEPT_STATES = 64
 
 
 def _grain_in_use() -> bool:
@@ -74,16 +70,21 @@ class GrainView:
     Args:
         epoch_iterator: `fit()`'s epoch iterator.
         adapter: Its `GrainDatasetAdapter`.
+        after_batch: Called with the batches an iterator has handed on in
+            the epoch and its state after them, as each is handed on.
     """
 
-    def __init__(self, epoch_iterator: Any, adapter: Any):
+    def __init__(
+        self,
+        epoch_iterator: Any,
+        adapter: Any,
+        after_batch: Callable[[int, dict], None],
+    ):
         import keras
 
         self._epoch_iterator, self._adapter = epoch_iterator, adapter
         self.dataset = adapter._dataset
-        # (batches drawn in the epoch, state after them) of the newest
-        # iterator.
-        self._states: collections.deque = collections.deque(maxlen=KEPT_STATES)
+        self.after_batch = after_batch
         self._pending: tuple[dict, int, bool] | None = None
         adapter._dataset = _followed(self.dataset, self)
         self._tf_dataset = None
@@ -92,7 +93,9 @@ class GrainView:
             self._set_tf_dataset(adapter.get_tf_dataset())
 
     @classmethod
-    def of(cls, epoch_iterator: Any) -> GrainView | None:
+    def of(
+        cls, epoch_iterator: Any, after_batch: Callable[[int, dict], None]
+    ) -> GrainView | None:
         """A view of `epoch_iterator`'s Grain dataset, or `None` (another
         input, a `grain.DataLoader`, epochs that are not one pass of it, or
         an internal that moved)."""
@@ -110,18 +113,10 @@ class GrainView:
         if getattr(epoch_iterator, "steps_per_epoch", None) is not None:
             return None  # One iterator runs across the epochs.
         try:
-            return cls(epoch_iterator, adapter)
+            return cls(epoch_iterator, adapter, after_batch)
         except Exception as e:
             fail("grain_position", e)
             return None
-
-    def state_at(self, batch: int) -> dict | None:
-        """The state of the epoch's iterator after its first `batch`
-        batches, if it is still known."""
-        for position, state in list(self._states):  # A loader may append.
-            if position == batch:
-                return state
-        return None
 
     def skip(self, state: dict, count: int, placeholders: bool) -> None:
         """Has the next iterator start from `state`, after the epoch's first
@@ -143,7 +138,6 @@ class GrainView:
     def _started(self, iterator: Any) -> tuple[int, int]:
         """Called by an iterator at its first `next()`: where in the epoch
         it starts, and how many placeholders it hands on first."""
-        self._states.clear()
         pending, self._pending = self._pending, None
         if pending is None:
             return 0, 0
@@ -201,7 +195,7 @@ def _followed(dataset: Any, view: GrainView) -> Any:
                 return ()  # No leaves: every Keras converts it as is.
             item = next(self.parent)
             self._position += 1
-            view._states.append((self._position, self.parent.get_state()))
+            view.after_batch(self._position, self.parent.get_state())
             return item
 
         def get_state(self) -> dict[str, Any]:

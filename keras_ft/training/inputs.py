@@ -44,8 +44,9 @@ import numpy as np
 from keras_ft import backend, compat
 from keras_ft.state import ResumePoint, rng
 
-# The loads before the training position whose random state is kept: a
-# pipeline prefetching further ahead than this resumes by replay.
+# The loads before the training position whose random state is kept (of a
+# Grain iterator, its state after each batch): a pipeline prefetching
+# further ahead than this resumes by replay.
 KEPT_LOADS = 64
 
 
@@ -63,7 +64,7 @@ class InputPosition:
         self._resume_rng: dict[str, Any] | None = None
         self.view = compat.PyDatasetView.of(epoch_iterator, self._before_load)
         self._tf_data = compat.TfDataState(epoch_iterator)
-        self.grain = compat.GrainView.of(epoch_iterator)
+        self.grain = compat.GrainView.of(epoch_iterator, self._after_batch)
 
     def begin_epoch(self) -> None:
         """Call before the epoch's pipeline starts (at `on_epoch_begin`)."""
@@ -77,7 +78,7 @@ class InputPosition:
         """What a backup after the epoch's first `batch` items notes of the
         input, or `None` if a resume from it must replay them."""
         if self.grain is not None:
-            state = self.grain.state_at(batch)
+            state = _kept(self._before, batch)
             try:
                 text = json.dumps(state) if state is not None else None
             except (TypeError, ValueError):
@@ -164,6 +165,10 @@ class InputPosition:
         self.leave_grain()
         self.epoch_iterator = None
         self._tf_data = compat.TfDataState(None)
+
+    def _after_batch(self, position: int, state: dict) -> None:
+        # A Grain iterator's state after the epoch's first `position` batches.
+        self._before.append((position, state))
 
     def _before_load(self, index: int) -> None:
         # In the loading thread: the main thread or a prefetching one.
