@@ -79,6 +79,17 @@ def warm_up(tmp_path_factory):
 _FITS = itertools.count()
 
 
+def backup_callback(backup_dir) -> list:
+    """keras-ft's callback as every run here has it, if a backup is asked for."""
+    if backup_dir is None:
+        return []
+    return [
+        keras_ft.BackupAndRestore(
+            str(backup_dir), save_freq=SAVE_FREQ, delete_checkpoint=False
+        )
+    ]
+
+
 def fit(tmp_path, backup_dir=None, crash=False, noise=True, **workers):
     keras.utils.set_random_seed(1)
     rng = np.random.default_rng(0)
@@ -98,13 +109,7 @@ def fit(tmp_path, backup_dir=None, crash=False, noise=True, **workers):
     log = tmp_path / f"loads-{next(_FITS)}"
     log.write_text("")
     items = Items(x, y, log, noise, **workers)
-    callbacks = [Arm(items)]
-    if backup_dir is not None:
-        callbacks.append(
-            keras_ft.BackupAndRestore(
-                str(backup_dir), save_freq=SAVE_FREQ, delete_checkpoint=False
-            )
-        )
+    callbacks = [Arm(items), *backup_callback(backup_dir)]
     if crash:
         callbacks.append(Crash())
         with pytest.raises(RuntimeError, match="crash"):
@@ -218,12 +223,7 @@ def tf_data_fit(tmp_path, backup_dir=None, crash=False, reshuffle=False):
     )
     model.compile(keras.optimizers.Adam(1e-2), "mse")
     callbacks = [Crash()] if crash else []
-    if backup_dir is not None:
-        callbacks.append(
-            keras_ft.BackupAndRestore(
-                str(backup_dir), save_freq=SAVE_FREQ, delete_checkpoint=False
-            )
-        )
+    callbacks += backup_callback(backup_dir)
     try:
         model.fit(dataset, epochs=2, verbose=0, callbacks=callbacks)
     except RuntimeError:
@@ -387,13 +387,7 @@ def grain_fit(tmp_path, backup_dir=None, crash=False, kind="map"):
         def on_train_begin(self, logs=None):
             source.armed = True
 
-    callbacks = [Arm()]
-    if backup_dir is not None:
-        callbacks.append(
-            keras_ft.BackupAndRestore(
-                str(backup_dir), save_freq=SAVE_FREQ, delete_checkpoint=False
-            )
-        )
+    callbacks = [Arm(), *backup_callback(backup_dir)]
     if crash:
         callbacks.append(Crash())
     try:
