@@ -208,6 +208,22 @@ def launch(args: argparse.Namespace) -> list[Worker]:
 
 
 def committed(backup_dir: str) -> list[str]:
+    """The committed checkpoints' names: on disk, the renamed directories;
+    in a bucket (a URL), the prefixes with their manifest."""
+    if "://" in backup_dir:
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(backup_dir.rstrip("/") + "/chief")
+        fs.invalidate_cache()
+        try:
+            paths = fs.find(root)
+        except FileNotFoundError:
+            return []
+        return sorted(
+            p[len(root) :].strip("/").split("/")[0]
+            for p in paths
+            if p.endswith("/manifest.json")
+        )
     chief = os.path.join(backup_dir, "chief")
     try:
         return sorted(n for n in os.listdir(chief) if n.startswith("ckpt-"))
@@ -220,11 +236,20 @@ def shares(backup_dir: str) -> list[int] | None:
     names = committed(backup_dir)
     if not names:
         return None
-    path = os.path.join(backup_dir, "chief", names[-1], "shards.json")
-    if not os.path.exists(path):
-        return None  # Whole arrays: written by one process.
-    with open(path) as f:
-        table = json.load(f)
+    if "://" in backup_dir:
+        import fsspec
+
+        url = f"{backup_dir.rstrip('/')}/chief/{names[-1]}/shards.json"
+        fs, path = fsspec.core.url_to_fs(url)
+        if not fs.exists(path):
+            return None  # Whole arrays: written by one process.
+        table = json.loads(fs.cat_file(path))
+    else:
+        path = os.path.join(backup_dir, "chief", names[-1], "shards.json")
+        if not os.path.exists(path):
+            return None  # Whole arrays: written by one process.
+        with open(path) as f:
+            table = json.load(f)
     sizes: dict[str, int] = {}
     for variable in table["variables"]:
         for piece in variable["pieces"]:

@@ -276,6 +276,14 @@ def same_in_all_processes(value: int) -> bool:
     return bool(np.all(values == values.flat[0]))
 
 
+def first_process_value(value: int) -> int:
+    """The `value` process 0 of a JAX cluster passes, in every process.
+
+    A collective, as `all_processes_agree()`.
+    """
+    return int(_gather(int(value)).flat[0])
+
+
 def _gather(value: int) -> np.ndarray:
     """`value` from every process (just this one's, in one process)."""
     if keras.backend.backend() == "jax":

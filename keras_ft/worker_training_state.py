@@ -11,6 +11,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import keras
 
@@ -428,16 +429,8 @@ class WorkerTrainingState:
         background into the save's parts directory; the chief's write then
         waits for every process's part and commits (`distribute/sharded.py`).
         """
-        parts_root = self._chief_store.storage.filesystem_path
-        if parts_root is None:
-            raise ValueError(
-                "Invalid value for argument `backup_dir`: the model's variables "
-                "are split across processes (keras.distribution.ModelParallel), "
-                "so every process writes its own pieces, which keras-ft does on "
-                "a filesystem all processes share, not yet in object storage. "
-                "Pass a directory on a shared filesystem. Received: "
-                f"backup_dir={self.backup_dir!r}"
-            )
+        storage = self._chief_store.storage
+        parts_root = storage.filesystem_path
         # One share in host memory at a time; and a failed write raises here.
         self._writer.wait()
         chief = self.task.is_chief
@@ -459,8 +452,12 @@ class WorkerTrainingState:
             raise NonFiniteStateError(bad or ["(a piece another process holds)"])
         self._saves += 1
         tag = f"{self._saves:08d}-{optimizer_step(self.model):012d}"
-        directory = sharded.parts_dir(parts_root, tag)
         process = self.task.task_index
+        if parts_root is None:  # A bucket: every process uploads into place.
+            return self._back_up_sharded_to_bucket(
+                storage, snapshot if chief else None, share, tag, replaces_last
+            )
+        directory = sharded.parts_dir(parts_root, tag)
         if not chief:
             self._writer.submit(
                 lambda previous: sharded.write_part(directory, process, tag, share)
@@ -476,6 +473,47 @@ class WorkerTrainingState:
             # Parts of saves called off (or killed) before this one.
             sharded.remove_parts(parts_root, before=tag)
             sharded.commit_parts(staging, directory, processes, tag, specs, layouts)
+            staging.write_file(arrays.ARRAYS_FILE, [arrays.to_bytes(snapshot.arrays)])
+
+        self._start_commit(snapshot, replaces_last, write)
+        return self._committed_unless_async()
+
+    def _back_up_sharded_to_bucket(
+        self,
+        storage: Any,
+        snapshot: Snapshot | None,
+        share: sharded.Share,
+        tag: str,
+        replaces_last: bool,
+    ) -> Checkpoint | None:
+        """`_back_up_sharded()` into a bucket: the processes agree on the
+        checkpoint's number, each uploads its part under it in the
+        background, and the chief's commit (its manifest, last) waits for
+        every part. No process waits for another's upload."""
+        chief = self.task.is_chief
+        # The chief holds the lease and has no write in flight: the next
+        # number is free. A collective, as every sharded save's check.
+        sequence = host.first_process_value(storage.next_sequence() if chief else 0)
+        process = self.task.task_index
+        if not chief:
+            self._writer.submit(
+                lambda previous: sharded.upload_part(
+                    storage, sequence, process, tag, share
+                )
+            )
+            if not self.async_save:
+                self._writer.wait()
+            return None
+        assert snapshot is not None
+        specs = self._state.variable_specs()
+        layouts = self._state.layouts()
+        processes = self.task.num_workers
+
+        def write(staging: Staging) -> None:
+            sharded.upload_part(storage, sequence, process, tag, share, staging.cancel)
+            sharded.commit_uploaded_parts(
+                staging, storage, sequence, processes, tag, specs, layouts
+            )
             staging.write_file(arrays.ARRAYS_FILE, [arrays.to_bytes(snapshot.arrays)])
 
         self._start_commit(snapshot, replaces_last, write)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,10 +16,12 @@ import keras
 import numpy as np
 import pytest
 from conftest import (
+    BUCKET,
     STEPS_PER_EPOCH,
     iterations,
     make_model,
     run_once_on,
+    start_moto,
     subprocess_env,
     weights_of,
 )
@@ -29,57 +29,7 @@ from conftest import (
 import keras_ft
 from keras_ft.checkpoint import remote
 
-BUCKET = "keras-ft-test"
 ONCE = run_once_on("jax", "subprocesses against the server")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_moto() -> tuple[subprocess.Popen, int]:
-    """A moto S3 server on a free loopback port, once it accepts connections."""
-    port = _free_port()
-    moto = shutil.which("moto_server", path=os.path.dirname(sys.executable))
-    server = subprocess.Popen(
-        [moto, "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return server, port
-        except OSError:
-            assert server.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    """A moto S3 server on loopback; the environment points fsspec at it."""
-    server, port = start_moto()
-    env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_EC2_METADATA_DISABLED": "true",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    fs = fsspec.filesystem("s3", skip_instance_cache=True)
-    fs.mkdir(BUCKET)
-    yield env
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    server.terminate()
-    server.wait(timeout=30)
 
 
 def s3() -> fsspec.AbstractFileSystem:

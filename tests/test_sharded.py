@@ -17,11 +17,13 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 
 import keras
 import numpy as np
 import pytest
 from conftest import (
+    BUCKET,
     TESTS_DIR,
     checkpoint_entries,
     iterations,
@@ -36,7 +38,7 @@ from keras_ft.checkpoint.errors import (
     ProcessesDisagreeError,
     SaveCancelled,
 )
-from keras_ft.checkpoint.store import CheckpointStore
+from keras_ft.checkpoint.store import CheckpointStore, open_store
 from keras_ft.distribute import sharded
 from keras_ft.state import TrainingState, arrays
 
@@ -140,6 +142,113 @@ def test_a_process_missing_from_a_save_commits_nothing(tmp_path, monkeypatch):
     assert store.checkpoints() == [first]
     sharded.remove_parts(store.directory)
     assert not [n for n in os.listdir(store.directory) if n.startswith(".parts-")]
+
+
+def upload(store, tag: str, processes=(0, 1), total: int = 2):
+    """`commit()` into a bucket: each process uploads its part into the
+    checkpoint's number, the chief's commit lists them in place."""
+    sequence = store.storage.next_sequence()
+    for process in processes:
+        sharded.upload_part(store.storage, sequence, process, tag, pieces_of(process))
+
+    def write(staging):
+        sharded.commit_uploaded_parts(
+            staging, store.storage, sequence, total, tag, SPECS, ["cols", ""]
+        )
+
+    return store.save(write, {"step": 1})
+
+
+class RangeLog:
+    """Each byte range read from the bucket, and each object downloaded whole."""
+
+    def __init__(self, fs, monkeypatch):
+        self.ranges, self.whole = [], []
+        cat_file, get_file = fs.cat_file, fs.get_file
+
+        def ranged(path, start=None, end=None, **kwargs):
+            self.ranges.append((path.rsplit("/", 1)[-1], start, end))
+            return cat_file(path, start=start, end=end, **kwargs)
+
+        def downloaded(rpath, lpath, **kwargs):
+            self.whole.append(rpath.rsplit("/", 1)[-1])
+            return get_file(rpath, lpath, **kwargs)
+
+        monkeypatch.setattr(fs, "cat_file", ranged)
+        monkeypatch.setattr(fs, "get_file", downloaded)
+
+
+def test_pieces_uploaded_to_a_bucket_commit_and_a_restore_fetches_what_it_reads(
+    monkeypatch,
+):
+    store = open_store(f"memory://sharded-{os.getpid()}-{time.monotonic_ns()}/chief")
+    checkpoint = upload(store, "00000001-000000000001")
+    assert store.storage.names(checkpoint) == {
+        "manifest.json", "metadata.json", "shards-00000.bin", "shards-00000.json",
+        "shards-00001.bin", "shards-00001.json", "shards.json",
+    }  # fmt: skip
+    store.verify(checkpoint)  # Whole objects, as `keras-ft verify` checks them.
+    log = RangeLog(store.storage.fs, monkeypatch)
+
+    def read(local, progress):
+        reader = sharded.ShardedReader(local.path, SPECS)
+        try:
+            return reader.read(0, ((0, 0), (6, 4))), reader.read(1, ((), ()))
+        finally:
+            reader.close()
+
+    local, _, (kernel, scalar) = store.fetch(checkpoint, read)
+    store.release(local)
+    np.testing.assert_array_equal(kernel, KERNEL[:, :4])
+    assert scalar == 7
+    # The pieces read, one ranged GET each; no piece file downloaded whole.
+    assert sorted(log.ranges) == [
+        ("shards-00000.bin", 0, 96), ("shards-00000.bin", 128, 136)
+    ]  # fmt: skip
+    assert not [n for n in log.whole if n.endswith(".bin")]
+    assert "shards.json" in log.whole
+
+
+def test_a_damaged_piece_in_a_bucket_is_caught_by_whoever_reads_it():
+    store = open_store(f"memory://sharded-{os.getpid()}-{time.monotonic_ns()}/chief")
+    checkpoint = upload(store, "00000001-000000000001")
+    key = f"{store.storage.root}/{checkpoint.name}/shards-00001.bin"
+    data = bytearray(store.storage.fs.cat_file(key))
+    data[8] ^= 0xFF
+    store.storage.fs.pipe_file(key, bytes(data))
+
+    def read(local, progress):
+        reader = sharded.ShardedReader(local.path, SPECS)
+        try:
+            return reader.read(0, ((0, 0), (6, 8)))
+        finally:
+            reader.close()
+
+    with pytest.raises(CorruptCheckpointError, match="shards-00001.bin.*checksum"):
+        store.fetch(checkpoint, read)
+    with pytest.raises(CorruptCheckpointError, match="shards-00001.bin"):
+        store.verify(checkpoint)  # `keras-ft verify` checks whole objects.
+
+
+def test_a_process_missing_from_a_save_into_a_bucket_commits_nothing(monkeypatch):
+    monkeypatch.setenv(sharded.WAIT_ENV, "1")
+    store = open_store(f"memory://sharded-{os.getpid()}-{time.monotonic_ns()}/chief")
+    first = upload(store, "00000001-000000000001")
+    with pytest.raises(ProcessesDisagreeError, match=r"Processes \[1\] did not write"):
+        upload(store, "00000002-000000000002", processes=(0,))
+    assert store.checkpoints() == [first]
+    assert store.leftovers() == []  # The partial upload was removed.
+    # A process's part of another save under the same number: refused.
+    sequence = store.storage.next_sequence()
+    sharded.upload_part(store.storage, sequence, 1, "other", pieces_of(1))
+    with pytest.raises(ProcessesDisagreeError, match="belongs to another save"):
+        store.save(
+            lambda staging: sharded.commit_uploaded_parts(
+                staging, store.storage, sequence, 2, "mine", SPECS, ["", ""]
+            ),
+            {},
+        )
+    assert store.checkpoints() == [first]
 
 
 def test_a_share_is_one_aligned_image_reused_by_the_next_copy():
@@ -328,3 +437,51 @@ def test_processes_that_find_different_newest_checkpoints_stop_saying_so(tmp_pat
         _, stderr = worker.communicate(timeout=300)
         assert worker.returncode != 0
         assert "found different newest checkpoints" in stderr, stderr[-2000:]
+
+
+# In a bucket (the local S3 server): no filesystem the processes share.
+
+
+def bucket_url(name: str) -> str:
+    return f"s3://{BUCKET}/{name}-{os.getpid()}-{time.monotonic_ns()}"
+
+
+@JAX_CLUSTER
+def test_a_process_killed_while_uploading_resumes_from_the_bucket_exactly(s3_server):
+    common = ["--processes", "2", "--devices", "2", "--epochs", "3",
+              "--save-freq", "3", "--seconds-per-batch", "0.05"]  # fmt: skip
+    reference = run(bucket_url("reference"), *common)
+    backup = bucket_url("killed")
+    killed = run(backup, *common, "--kill-after-commit", "--seed", "2")
+    assert killed["exit_codes_after_kill"][str(killed["victim"])] == -9
+    resumed = one(killed["resumed_steps"])
+    assert 0 < resumed <= killed["killed_after_step"] and resumed % 3 == 0
+    assert one(killed["final_steps"]) == one(reference["final_steps"]) == 24
+    assert one(killed["final_digests"]) == one(reference["final_digests"])
+    # Each process uploaded its own pieces of every checkpoint kept; what
+    # the killed run left uncommitted was removed by the relaunch.
+    store = open_store(f"{backup}/chief")
+    assert store.checkpoints() and store.leftovers() == []
+    for checkpoint in store.checkpoints():
+        store.verify(checkpoint)
+        assert {"shards-00000.bin", "shards-00001.bin"} <= (
+            store.storage.names(checkpoint)
+        )
+
+
+@JAX_CLUSTER
+def test_four_processes_back_up_to_a_bucket_and_restore_into_two_and_one(s3_server):
+    backup = bucket_url("reshard")
+    four = run(backup, "--processes", "4", "--epochs", "1", "--save-freq", "4",
+               "--units", "256")  # fmt: skip
+    assert len(four["shares"]) == 4 and min(four["shares"]) > 0
+    two = run(backup, "--processes", "2", "--devices", "2", "--epochs", "2",
+              "--units", "256")  # fmt: skip
+    assert one(two["resumed_steps"]) == 8
+    assert one(two["restored_digests"]) == one(four["final_digests"])
+    assert len(two["shares"]) == 2
+    single = run(backup, "--processes", "1", "--devices", "4", "--epochs", "3",
+                 "--units", "256")  # fmt: skip
+    assert one(single["resumed_steps"]) == 16
+    assert one(single["restored_digests"]) == one(two["final_digests"])
+    assert single["shares"] is None  # One process writes whole arrays.

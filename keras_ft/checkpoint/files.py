@@ -133,6 +133,13 @@ class Staging(os.PathLike):
         self.digests: dict[str, dict[str, Any]] = {}
         # Files put here already on disk (fsync'ed by whoever wrote them).
         self.synced: set[str] = set()
+        # Files of the checkpoint that other processes put in its place in a
+        # bucket already (a sharded save's pieces): their manifest entries.
+        # Listed in the manifest, never staged or uploaded here.
+        self.in_place: dict[str, dict[str, Any]] = {}
+        # The number the commit takes, where other processes wrote into the
+        # checkpoint before it (agreed beforehand); `None`: the next free one.
+        self.sequence: int | None = None
 
     def __fspath__(self) -> str:
         return self._through

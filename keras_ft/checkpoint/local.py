@@ -64,6 +64,7 @@ class LocalStorage:
 
     write_error_fix = "Free some space or fix the directory's permissions"
     start_over_fix = "Move the directory away to start training from scratch."
+    ranged_reads = False  # A reader opens the files in place.
 
     def __init__(
         self,
@@ -247,6 +248,7 @@ class LocalStorage:
         checkpoint: Checkpoint,
         sizes: dict[str, int],
         stream: frozenset[str] = frozenset(),
+        ranged: frozenset[str] = frozenset(),
     ) -> Checkpoint:
         """The checkpoint to load from: on disk, itself."""
         return checkpoint

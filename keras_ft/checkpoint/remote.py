@@ -120,6 +120,7 @@ class ObjectStorage:
 
     write_error_fix = "Check that the bucket is reachable and the credentials valid"
     filesystem_path = None  # No POSIX path: processes share the bucket.
+    ranged_reads = True
     start_over_fix = "Remove the prefix to start training from scratch."
 
     def __init__(
@@ -215,8 +216,9 @@ class ObjectStorage:
         removed; an upload that fails after retries is an `OSError`."""
         before_number()
         staging.check_cancelled()
-        listing = _as_os_error(self._listing, f"listing {self.location}")
-        sequence = max(listing, default=0) + 1
+        sequence = staging.sequence
+        if sequence is None:
+            sequence = self.next_sequence()
         committed = Checkpoint(sequence, self._path(sequence))
         local = functools.partial(os.path.join, staging.path)
         try:
@@ -226,7 +228,7 @@ class ObjectStorage:
                     self._key(committed, n), staging.cancel,
                 )
                 for n in names
-                if n != MANIFEST_FILE
+                if n != MANIFEST_FILE and n not in staging.in_place
             ]  # fmt: skip
             for upload in uploads:
                 upload.result()
@@ -244,6 +246,50 @@ class ObjectStorage:
             self._remove(committed, ignore_errors=True)
             raise
         return committed
+
+    def next_sequence(self) -> int:
+        """The number the next checkpoint takes: past every prefix there is,
+        partial uploads included."""
+        listing = _as_os_error(self._listing, f"listing {self.location}")
+        return max(listing, default=0) + 1
+
+    def upload_into(
+        self,
+        sequence: int,
+        name: str,
+        path: str,
+        cancel: threading.Event | None = None,
+    ) -> None:
+        """Uploads the local file `path` as `name` of the checkpoint numbered
+        `sequence`, before its commit (a sharded save's piece)."""
+        self._upload(path, self._key(Checkpoint(sequence, ""), name), cancel)
+
+    def remove_uncommitted(self, sequence: int) -> None:
+        """Removes what was uploaded into the checkpoint numbered `sequence`
+        if it has no manifest (a save that failed before its commit)."""
+        with contextlib.suppress(Exception):  # Else the next writer does.
+            if MANIFEST_FILE not in self._listing().get(sequence, set()):
+                self._remove(Checkpoint(sequence, self._path(sequence)), True)
+
+    def read_uncommitted(self, sequence: int, name: str, limit: int) -> bytes | None:
+        """A small file of the checkpoint numbered `sequence`, committed or
+        not; `None` if it is not there (yet)."""
+        key = self._key(Checkpoint(sequence, ""), name)
+        # A listing cached before the upload would say it is not there.
+        with contextlib.suppress(AttributeError):
+            self.fs.invalidate_cache(key)
+
+        def read() -> bytes:
+            with self.fs.open(key, "rb") as f:
+                return f.read(limit + 1)
+
+        try:
+            data = _as_os_error(read, f"download of {key}")
+        except FileNotFoundError:
+            return None
+        if len(data) > limit:
+            raise OSError(errno.EFBIG, f"{key} is larger than {limit} bytes")
+        return data
 
     def _commit_manifest(self, path: str, committed: Checkpoint) -> None:
         """Uploads the manifest; where the store can, only if there is none."""
@@ -349,6 +395,7 @@ class ObjectStorage:
         checkpoint: Checkpoint,
         sizes: dict[str, int],
         stream: frozenset[str] = frozenset(),
+        ranged: frozenset[str] = frozenset(),
     ) -> Checkpoint:
         """Downloads the files of `checkpoint` (`sizes`: names and sizes in
         its manifest) into a local directory, removed by `release()`.
@@ -357,7 +404,9 @@ class ObjectStorage:
         in ranges fetched concurrently, written in place, and this returns
         once they have begun: `copy_reader()` checksums (and the loader then
         reads) each one as its bytes arrive, rather than after the whole
-        download. The others are whole when this returns.
+        download. The files named in `ranged` are not downloaded: a reader
+        fetches the byte ranges it needs of them (`range_reader()`). The
+        others are whole when this returns.
         """
         root = tempfile.mkdtemp(prefix="keras-ft-download-")
         local = Checkpoint(
@@ -377,8 +426,13 @@ class ObjectStorage:
                     local.file(name),
                 )
                 for name in sizes
-                if name not in streamed
+                if name not in streamed and name not in ranged
             ]  # fmt: skip
+            if ranged:
+                with _RANGED_LOCK:
+                    _RANGED[local.path] = functools.partial(
+                        self._read_range, checkpoint, ranged
+                    )
             self._arriving[local.path] = {
                 name: _RangedDownload(
                     self, checkpoint, name, local.file(name), sizes[name]
@@ -403,6 +457,19 @@ class ObjectStorage:
 
         return LocalStorage(os.path.dirname(local.path), arrived)
 
+    def _read_range(
+        self, checkpoint: Checkpoint, names: frozenset[str], name: str,
+        offset: int, size: int,
+    ) -> bytes:  # fmt: skip
+        """`size` bytes at `offset` of the object `name` (one ranged GET)."""
+        if name not in names:
+            raise FileNotFoundError(errno.ENOENT, f"{name} is not read by ranges")
+        key = self._key(checkpoint, name)
+        return _as_os_error(
+            lambda: self.fs.cat_file(key, start=offset, end=offset + size),
+            f"download of {key} (bytes {offset} to {offset + size})",
+        )
+
     def _download(self, checkpoint: Checkpoint, name: str, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):  # Verification says so.
             _retried(lambda: self.fs.get_file(self._key(checkpoint, name), path))
@@ -413,6 +480,8 @@ class ObjectStorage:
         valid: an unlinked file lives on while mapped."""
         for download in self._arriving.pop(local.path, {}).values():
             download.stop()
+        with _RANGED_LOCK:
+            _RANGED.pop(local.path, None)
         root = os.path.dirname(local.path)
         if os.path.basename(root).startswith("keras-ft-download-"):
             shutil.rmtree(root, ignore_errors=True)
@@ -806,6 +875,19 @@ class _RangedDownload:
             with contextlib.suppress(BaseException):
                 future.result()
         os.close(self._fd)
+
+
+# Readers of byte ranges of the objects a local copy left in the bucket,
+# by the copy's path: `reader(name, offset, size) -> bytes`.
+_RANGED: dict[str, Callable[[str, int, int], bytes]] = {}
+_RANGED_LOCK = threading.Lock()
+
+
+def range_reader(directory: str) -> Callable[[str, int, int], bytes] | None:
+    """How to read byte ranges of the files `local_copy()` left in the
+    bucket for the local copy `directory`; `None` if it left none."""
+    with _RANGED_LOCK:
+        return _RANGED.get(os.path.normpath(directory))
 
 
 class _Refused(Exception):

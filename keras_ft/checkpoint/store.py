@@ -101,6 +101,9 @@ class Storage(Protocol):
     # The directory as a POSIX path, where other processes may write pieces
     # of a save beside it; `None` for a bucket.
     filesystem_path: str | None
+    # Whether a piecewise file is left in place on a restore, its reader
+    # fetching the byte ranges it needs (`local_copy(ranged=...)`).
+    ranged_reads: bool
 
     @property
     def identity(self) -> str:
@@ -178,10 +181,12 @@ class Storage(Protocol):
         checkpoint: Checkpoint,
         sizes: dict[str, int],
         stream: frozenset[str] = frozenset(),
+        ranged: frozenset[str] = frozenset(),
     ) -> Checkpoint:
         """A local directory holding the files to load from (`sizes`: their
         names and sizes in the manifest); those in `stream` may still be
-        arriving (see `copy_reader()`)."""
+        arriving (see `copy_reader()`), those in `ranged` may be left where
+        they are, read by ranges (with `ranged_reads`)."""
         ...
 
     def copy_reader(self, local: Checkpoint) -> Storage:
@@ -439,13 +444,20 @@ class CheckpointStore:
         """
         files = self._manifest(checkpoint)
         _check_names(self.storage, checkpoint, files)
+        piecewise = frozenset(n for n, e in files.items() if e.get(PIECEWISE))
+        # A piecewise file's reader checks each piece it reads: in a bucket,
+        # it fetches only the pieces it needs.
+        ranged = piecewise if self.storage.ranged_reads else frozenset()
         try:
+            if ranged:
+                _check_sizes(self.storage, checkpoint, {n: files[n] for n in ranged})
             local = self.storage.local_copy(
                 checkpoint,
                 {name: _size(entry) for name, entry in files.items()},
-                # A piecewise file's reader checks its pieces itself, with
-                # no checksum pass to follow a download: it is whole first.
-                stream=frozenset(n for n, e in files.items() if not e.get(PIECEWISE)),
+                # A piecewise file downloaded has no checksum pass to
+                # follow its download: it is whole first.
+                stream=frozenset(files) - piecewise,
+                ranged=ranged,
             )
         except OSError as e:
             raise CorruptCheckpointError(
@@ -455,7 +467,8 @@ class CheckpointStore:
         # bytes arrive (a bucket's download streams into the checksums).
         on_disk = self.storage.copy_reader(local)
         try:
-            _check_sizes(on_disk, local, files)
+            downloaded = {n: e for n, e in files.items() if n not in ranged}
+            _check_sizes(on_disk, local, downloaded)
         except BaseException:
             self.storage.release(local)
             raise
@@ -593,6 +606,7 @@ class CheckpointStore:
                         f"A checkpoint holds plain files only; {name!r} is not one."
                     )
                 files[name] = staging.digests.get(name) or file_io.entry(path)
+            files.update(staging.in_place)
             with open(os.path.join(through, MANIFEST_FILE), "wb") as f:
                 # Indented: people read manifests too.
                 body = manifest_body(files, time.time(), self._key)

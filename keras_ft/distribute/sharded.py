@@ -36,6 +36,7 @@ import math
 import mmap
 import os
 import shutil
+import tempfile
 import threading
 import time
 import zlib
@@ -47,6 +48,7 @@ import numpy as np
 
 from keras_ft import backend as host
 from keras_ft.checkpoint import files as file_io
+from keras_ft.checkpoint import remote
 from keras_ft.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -54,7 +56,7 @@ from keras_ft.checkpoint.errors import (
     SaveCancelled,
 )
 from keras_ft.checkpoint.files import Staging
-from keras_ft.checkpoint.format import PIECEWISE
+from keras_ft.checkpoint.format import PIECEWISE, Checkpoint
 from keras_ft.checkpoint.local import PARTS_PREFIX
 
 # A shards table lists every variable's pieces: far below this.
@@ -174,16 +176,8 @@ def part_name(process: int) -> str:
     return f"shards-{process:05d}"
 
 
-def write_part(
-    directory: str,
-    process: int,
-    tag: str,
-    share: Share,
-    cancel: threading.Event | None = None,
-) -> None:
-    """Writes this process's pieces and, last, their index: its part is done."""
-    os.makedirs(directory, exist_ok=True)
-    name = part_name(process)
+def _piece_index(share: Share) -> list[dict]:
+    """Where each piece of `share` lies in its file, with its checksum."""
     index = []
     for piece in share.pieces:
         digest = file_io.DIGESTS[file_io.DIGEST]()
@@ -199,19 +193,79 @@ def write_part(
                 file_io.DIGEST: digest.hexdigest(),
             }
         )
+    return index
+
+
+def _index_bytes(process: int, tag: str, entry: dict, pieces: list[dict]) -> bytes:
+    name = part_name(process)
+    body = {"tag": tag, "process": process, "file": f"{name}.bin", "entry": entry}
+    return json.dumps({**body, "pieces": pieces}).encode("utf-8")
+
+
+def write_part(
+    directory: str,
+    process: int,
+    tag: str,
+    share: Share,
+    cancel: threading.Event | None = None,
+) -> None:
+    """Writes this process's pieces and, last, their index: its part is done."""
+    os.makedirs(directory, exist_ok=True)
+    name = part_name(process)
+    pieces = _piece_index(share)
     entry = file_io.write_file(
         os.path.join(directory, f"{name}.bin"),
         [share.image()],
         sync=True,
         cancel=cancel,
     )
-    body = {"tag": tag, "process": process, "file": f"{name}.bin", "entry": entry}
     temporary = os.path.join(directory, f".{name}.json")
-    with open(temporary, "w", encoding="utf-8") as f:
-        json.dump({**body, "pieces": index}, f)
+    with open(temporary, "wb") as f:
+        f.write(_index_bytes(process, tag, entry, pieces))
         f.flush()
         os.fsync(f.fileno())
     os.rename(temporary, os.path.join(directory, f"{name}.json"))
+
+
+def upload_part(
+    storage: Any,
+    sequence: int,
+    process: int,
+    tag: str,
+    share: Share,
+    cancel: threading.Event | None = None,
+) -> None:
+    """Uploads this process's pieces into the checkpoint numbered `sequence`
+    of the bucket `storage` (an `ObjectStorage`), then their index: its part
+    is done. Until the chief's manifest, the checkpoint is a partial upload:
+    never read, removed by the next writer."""
+    name = part_name(process)
+    pieces = _piece_index(share)
+    scratch = tempfile.mkdtemp(prefix="keras-ft-part-")
+    try:
+        path = os.path.join(scratch, f"{name}.bin")
+        # Staged on local disk, as every upload is: written with direct I/O
+        # from the share's buffer, the upload streams it with retries.
+        entry = file_io.write_file(path, [share.image()], sync=False, cancel=cancel)
+        storage.upload_into(sequence, f"{name}.bin", path, cancel)
+        index = os.path.join(scratch, f"{name}.json")
+        with open(index, "wb") as f:
+            f.write(_index_bytes(process, tag, entry, pieces))
+        storage.upload_into(sequence, f"{name}.json", index, cancel)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _read_index_file(directory: str) -> Callable[[int], bytes | None]:
+    def read(process: int) -> bytes | None:
+        path = os.path.join(directory, f"{part_name(process)}.json")
+        try:
+            with open(path, "rb") as f:
+                return f.read(_MAX_TABLE_BYTES)
+        except FileNotFoundError:
+            return None
+
+    return read
 
 
 def wait_for_parts(
@@ -220,15 +274,25 @@ def wait_for_parts(
     tag: str,
     cancel: threading.Event | None = None,
     timeout: float | None = None,
+    read: Callable[[int], bytes | None] | None = None,
 ) -> list[dict]:
     """Every process's index of the save `tag`, once all are written.
 
+    Args:
+        directory: Where the indexes are (a parts directory, or a bucket's
+            checkpoint prefix), as messages name it.
+        read: How to read a process's index; `None` if it is not there yet.
+            Defaults to reading `directory`'s files.
+
     Raises:
-        TimeoutError: naming the processes whose part is missing.
+        ProcessesDisagreeError: naming the processes whose part is missing
+            after `timeout`, or if an index belongs to another save.
         SaveCancelled: if `cancel` is set while waiting.
     """
     if timeout is None:
         timeout = float(os.environ.get(WAIT_ENV, _WAIT_SECONDS))
+    if read is None:
+        read = _read_index_file(directory)
     deadline = time.monotonic() + timeout
     found: dict[int, dict] = {}
     pause = 0.002
@@ -236,15 +300,19 @@ def wait_for_parts(
         for process in range(processes):
             if process in found:
                 continue
-            path = os.path.join(directory, f"{part_name(process)}.json")
-            try:
-                with open(path, encoding="utf-8") as f:
-                    index = json.load(f)
-            except FileNotFoundError:
+            data = read(process)
+            if data is None:
                 continue
+            where = f"{directory}/{part_name(process)}.json"
+            try:
+                index = json.loads(data)
+            except (ValueError, RecursionError) as e:
+                raise ProcessesDisagreeError(f"{where} is unreadable ({e})") from None
+            if not isinstance(index, dict):
+                raise ProcessesDisagreeError(f"{where} is not an index of pieces")
             if index.get("tag") != tag or index.get("process") != process:
                 raise ProcessesDisagreeError(
-                    f"{path} belongs to another save ({index.get('tag')!r}, "
+                    f"{where} belongs to another save ({index.get('tag')!r}, "
                     f"not {tag!r}); the processes of this training disagree "
                     "on which save this is."
                 )
@@ -261,7 +329,8 @@ def wait_for_parts(
                 "longer); this save is not committed."
             )
         time.sleep(pause)
-        pause = min(pause * 2, 0.05)
+        # A bucket is polled more gently than a disk.
+        pause = min(pause * 2, 0.05 if read is None else 0.25)
 
 
 def commit_parts(
@@ -302,6 +371,72 @@ def gather_parts(
     Raises:
         OSError: if the pieces do not cover every variable exactly once.
     """
+    for index in indexes:
+        name = index["file"]
+        os.rename(os.path.join(directory, name), os.path.join(staging, name))
+        staging.digests[name] = {**index["entry"], PIECEWISE: True}
+        staging.synced.add(name)  # Its process fsync'ed it before its index.
+    _write_table(staging, indexes, specs, layouts)
+
+
+def commit_uploaded_parts(
+    staging: Staging,
+    storage: Any,
+    sequence: int,
+    processes: int,
+    tag: str,
+    specs: list[list],
+    layouts: list[str],
+) -> None:
+    """The chief's side of a sharded save into a bucket: waits until every
+    process has uploaded its part into the checkpoint numbered `sequence`,
+    then lists the parts (in place) and writes `shards.json` into `staging`,
+    whose commit uploads the rest and the manifest last.
+
+    Args:
+        storage: The bucket (an `ObjectStorage`).
+        Others: as `gather_parts()`.
+    """
+    names = {p: part_name(p) for p in range(processes)}
+    uploaded: dict[int, bytes] = {}  # Each index as uploaded, for its entry.
+
+    def read(process: int) -> bytes | None:
+        data = storage.read_uncommitted(
+            sequence, f"{names[process]}.json", _MAX_TABLE_BYTES
+        )
+        if data is not None:
+            uploaded[process] = data
+        return data
+
+    staging.sequence = sequence
+    where = storage.url(Checkpoint(sequence, ""))
+    try:
+        indexes = wait_for_parts(where, processes, tag, staging.cancel, read=read)
+        for process, index in enumerate(indexes):
+            name = names[process]
+            if index.get("file") != f"{name}.bin":
+                raise ProcessesDisagreeError(
+                    f"{where}/{name}.json names {index.get('file')!r}, not {name}.bin"
+                )
+            staging.in_place[f"{name}.bin"] = {**index["entry"], PIECEWISE: True}
+            digest = file_io.DIGESTS[file_io.DIGEST]()
+            digest.update(uploaded[process])
+            staging.in_place[f"{name}.json"] = {
+                "size": len(uploaded[process]),
+                file_io.DIGEST: digest.hexdigest(),
+            }
+        _write_table(staging, indexes, specs, layouts)
+    except BaseException:
+        # What did arrive is removed: a failure before the commit (whose
+        # own failure removes it too) leaves no partial checkpoint behind.
+        storage.remove_uncommitted(sequence)
+        raise
+
+
+def _write_table(
+    staging: Staging, indexes: list[dict], specs: list[list], layouts: list[str]
+) -> None:
+    """Writes `shards.json`, the table of every piece of every variable."""
     variables = [
         {
             "path": path,
@@ -315,9 +450,6 @@ def gather_parts(
     ]
     for index in indexes:
         name = index["file"]
-        os.rename(os.path.join(directory, name), os.path.join(staging, name))
-        staging.digests[name] = {**index["entry"], PIECEWISE: True}
-        staging.synced.add(name)  # Its process fsync'ed it before its index.
         for piece in index["pieces"]:
             entry = {k: v for k, v in piece.items() if k != "variable"}
             variables[piece["variable"]]["pieces"].append({"file": name, **entry})
@@ -390,6 +522,8 @@ class ShardedReader:
         self._variables = variables
         self._files: dict[str, int] = {}  # Open descriptors, by name.
         self._lock = threading.Lock()
+        # A bucket's checkpoint: its files' pieces are fetched by range.
+        self._ranges = remote.range_reader(directory)
 
     def read(self, variable: int, bounds: host.Bounds) -> np.ndarray:
         """The slice `bounds` (start, stop) of the variable at `variable`."""
@@ -437,15 +571,20 @@ class ShardedReader:
             raise CorruptCheckpointError(
                 self.directory, f"a piece in {name} has the wrong size or type"
             )
-        with self._lock:
-            fd = self._files.get(name)
-            if fd is None:
-                fd = self._files[name] = _open(self.directory, name)
-        # Read, not mapped: from disk, faulting a mapping's pages in ran 3-4x
-        # slower here (and a save's direct I/O leaves nothing in the cache).
-        raw = np.empty(nbytes, np.uint8)
-        if offset < 0 or os.preadv(fd, [raw], offset) != nbytes:
+        if offset < 0:
             raise CorruptCheckpointError(self.directory, f"{name} is too short")
+        if self._ranges is not None:
+            raw = self._fetch(name, offset, nbytes)
+        else:
+            with self._lock:
+                fd = self._files.get(name)
+                if fd is None:
+                    fd = self._files[name] = _open(self.directory, name)
+            # Read, not mapped: from disk, faulting a mapping's pages in ran
+            # 3-4x slower here (a save's direct I/O leaves nothing cached).
+            raw = np.empty(nbytes, np.uint8)
+            if os.preadv(fd, [raw], offset) != nbytes:
+                raise CorruptCheckpointError(self.directory, f"{name} is too short")
         digest = file_io.DIGESTS[file_io.DIGEST]()
         digest.update(raw)
         if digest.hexdigest() != piece.get(file_io.DIGEST):
@@ -455,6 +594,22 @@ class ShardedReader:
                 "does not match its checksum",
             )
         return raw.view(dtype).reshape(shape)
+
+    def _fetch(self, name: str, offset: int, nbytes: int) -> np.ndarray:
+        """The piece's bytes from the bucket: one ranged GET, no more."""
+        _check_name(self.directory, name)
+        try:
+            data = self._ranges(name, offset, nbytes)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(self.directory, f"{name} is missing") from None
+        except OSError as e:
+            raise CorruptCheckpointError(
+                self.directory, f"{name} could not be read ({e})"
+            ) from None
+        if len(data) != nbytes:
+            raise CorruptCheckpointError(self.directory, f"{name} is too short")
+        # Writable, as a read from disk is (a framework may keep the array).
+        return np.frombuffer(data, np.uint8).copy()
 
     def close(self) -> None:
         with self._lock:
@@ -512,9 +667,17 @@ def _reader_of(reader: ShardedReader, i: int) -> Callable[[host.Bounds], np.ndar
     return lambda bounds: reader.read(i, bounds)
 
 
-def _open(directory: str, name: str) -> int:
-    if os.path.basename(name) != name or not name.endswith(".bin"):
+def _check_name(directory: str, name: Any) -> None:
+    if (
+        not isinstance(name, str)
+        or os.path.basename(name) != name
+        or not name.endswith(".bin")
+    ):
         raise CorruptCheckpointError(directory, f"{SHARDS_TABLE} names {name!r}")
+
+
+def _open(directory: str, name: str) -> int:
+    _check_name(directory, name)
     path = os.path.join(directory, name)
     try:
         return file_io.open_regular(path, depth=file_io.CHECKPOINT_FILE)
