@@ -50,6 +50,7 @@ from keras_ft.training.warm_start import WarmStart, warm_start_from
 from keras_ft.worker_training_state import (
     WorkerTrainingState,
     validate_backup_dir,
+    validate_local_dir,
     validate_on_config_change,
 )
 
@@ -196,6 +197,18 @@ class BackupAndRestore(keras.callbacks.Callback):
             signed with another key is refused as damaged, falling back to an
             older one. Defaults to `None`: the environment's
             `KERAS_FT_MANIFEST_KEY` if set, else no signatures.
+        local_dir: With a bucket as `backup_dir`, a directory on this
+            machine's own disk (a local SSD) for a fast tier (Orbax's
+            "emergency" checkpoints): every backup is committed there first,
+            then uploaded, and `local_save_freq` adds saves to the local
+            tier alone. A restart on the same machine restores from it, with
+            no download, when it holds a backup at least as new as the
+            bucket's; a new machine (an empty `local_dir`) restores from the
+            bucket. One process only. Defaults to `None`.
+        local_save_freq: With `local_dir`, how often to back up to the local
+            tier alone, between the bucket's saves: a positive integer number
+            of batches, or `"epoch"`. Defaults to `None`: the local tier gets
+            the bucket's saves only.
 
     Attributes:
         backup_seconds: Seconds the saves of the current `fit()` have held
@@ -225,6 +238,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         storage_options: dict | None = None,
         on_config_change: str = "warn",
         manifest_key: str | bytes | None = None,
+        local_dir: str | os.PathLike | None = None,
+        local_save_freq: str | int | None = None,
         stall_timeout: float | str | bool | None = None,
         first_batch_timeout: float = 1800.0,
     ):
@@ -241,6 +256,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.on_config_change = validate_on_config_change(on_config_change)
         signing_key(manifest_key)  # Validated now rather than at train begin.
         self.manifest_key = manifest_key
+        self.local_dir = validate_local_dir(local_dir, self.backup_dir)
+        self._local_schedule = _local_schedule(local_save_freq, self.local_dir)
+        self.local_save_freq = local_save_freq
         watchdog.check_stall_timeout(stall_timeout, first_batch_timeout)
         self.stall_timeout = stall_timeout
         self.first_batch_timeout = float(first_batch_timeout)
@@ -298,7 +316,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._resumption: resume.Resumption | None = None
         self._inputs = inputs.InputPosition(None)
         self._reported_interval: int | None = None
-        self._pending_epoch_end: tuple[int, dict | None] | None = None
+        self._pending_epoch_end: tuple[int, dict | None, bool] | None = None
         self._epoch_begin_rng: dict = {}
         self._epoch = 0
         self._batches_in_epoch = 0
@@ -337,6 +355,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             verbose=self.verbose,
             on_config_change=self.on_config_change,
             manifest_key=self.manifest_key,
+            local_dir=self.local_dir,
         )
         try:
             self._check_cluster(self._state.task)
@@ -381,6 +400,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if point is not None:
             self._resume(point)
         self._schedule.start(time.monotonic())
+        self._local_schedule.start(time.monotonic())
         self._reported_interval = None
         self._start_deadline(callback_list, task)
         if task.num_workers > 1:
@@ -564,9 +584,12 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._batches_in_epoch <= self._skip_until:
             return  # A batch trained before the restart, skipped now.
         writing = self._state.writing
-        if self._schedule.on_batch_end(steps, time.monotonic(), writing):
+        now = time.monotonic()
+        if self._schedule.on_batch_end(steps, now, writing):
             self._save(logs, self._epoch, self._batches_in_epoch)
             self._report_interval()
+        elif self._local_schedule.on_batch_end(steps, now, writing):
+            self._save(logs, self._epoch, self._batches_in_epoch, to_bucket=False)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self._hold_deadline(True)  # Where the epoch's length was not known.
@@ -591,19 +614,23 @@ class BackupAndRestore(keras.callbacks.Callback):
         # Run, whether or not its state can be backed up: a fit() that ran
         # every epoch is over, diverged or not.
         self._epochs_completed = epoch + 1
-        if not self._schedule.on_epoch_end(time.monotonic()) and not stop_saved:
+        now = time.monotonic()
+        to_bucket = self._schedule.on_epoch_end(now) or stop_saved
+        if not to_bucket and not self._local_schedule.on_epoch_end(now):
             return
         # The epoch is backed up now, whatever a later callback does. Those
         # that keep state update it in their own on_epoch_end: a second
         # backup, once they have run, replaces this one.
         later = self._callbacks.later_stateful()
-        if self._save(logs, epoch, None, pending=later) and later:
-            self._pending_epoch_end = (epoch, logs)
+        if self._save(logs, epoch, None, pending=later, to_bucket=to_bucket) and later:
+            self._pending_epoch_end = (epoch, logs, to_bucket)
 
     def _on_epoch_end_after_all(self, epoch: int, logs: dict | None) -> None:
         pending, self._pending_epoch_end = self._pending_epoch_end, None
         if pending is not None and pending[0] == epoch:
-            self._save(pending[1], epoch, None, replaces_last=True)
+            self._save(
+                pending[1], epoch, None, replaces_last=True, to_bucket=pending[2]
+            )
 
     def _optimizer_step(self) -> int:
         return optimizer_step(self.model)
@@ -701,11 +728,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         *,
         pending: Sequence[keras.callbacks.Callback] = (),
         replaces_last: bool = False,
+        to_bucket: bool = True,
     ) -> bool:
         """Backs up the state now; returns whether a save was started.
 
         `pending`: later callbacks whose epoch end has not run yet (noted
-        in the backup, so that a resume from it can say so).
+        in the backup, so that a resume from it can say so). `to_bucket`:
+        `False` for a save to the local tier alone.
         """
         # As a refusal found later by the writer says it (`progress_text()`).
         where = progress_text(epoch if batch else epoch + 1, batch or 0)
@@ -733,16 +762,18 @@ class BackupAndRestore(keras.callbacks.Callback):
             if position is not None:
                 extra["input"] = position
 
+        how = {"replaces_last": replaces_last, "to_bucket": to_bucket}
+
         def back_up() -> None:
             try:
-                self._state.back_up(epoch, batch, extra, replaces_last=replaces_last)
+                self._state.back_up(epoch, batch, extra, **how)
             except NonFiniteStateError as e:
                 if e.at is None:
                     raise  # This state's.
                 # An earlier save's, found by its writer's check, raised
                 # before this one started: reported, then this one goes on.
                 self._skip_non_finite(_non_finite_text(e))
-                self._state.back_up(epoch, batch, extra, replaces_last=replaces_last)
+                self._state.back_up(epoch, batch, extra, **how)
 
         try:
             self._raise_write_errors(back_up)
@@ -750,7 +781,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._skip_non_finite(_non_finite_text(e, where))
             return False
         now = time.monotonic()
-        self._schedule.saved(now, cost=now - started)
+        if to_bucket:
+            self._schedule.saved(now, cost=now - started)
+        self._local_schedule.saved(now, cost=now - started)
         self.backup_seconds += now - started
         self._last_save = (epoch, batch)
         self._skipped_non_finite = None
@@ -800,6 +833,33 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._preemption.stop()
             self._state.unlock()
             raise
+
+
+def _local_schedule(
+    local_save_freq: str | int | None, local_dir: str | None
+) -> policy.SaveSchedule:
+    """The local tier's own schedule, validated (`Never()` if it has none)."""
+    if local_save_freq is None:
+        return policy.Never()
+    if local_dir is None:
+        raise ValueError(
+            "Invalid value for argument `local_save_freq`: it is the schedule of "
+            "the local tier, and `local_dir` is None. Pass local_dir too, or "
+            f"local_save_freq=None. Received: local_save_freq={local_save_freq!r}"
+        )
+    if local_save_freq == "epoch":
+        return policy.EveryEpoch()
+    if (
+        isinstance(local_save_freq, int)
+        and not isinstance(local_save_freq, bool)
+        and local_save_freq > 0
+    ):
+        return policy.EveryNSteps(local_save_freq)
+    raise ValueError(
+        "Invalid value for argument `local_save_freq`. Expected 'epoch', a "
+        "positive integer number of batches, or None. Received: "
+        f"local_save_freq={local_save_freq!r}"
+    )
 
 
 def _non_finite_text(error: NonFiniteStateError, where: str | None = None) -> str:

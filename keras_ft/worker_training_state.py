@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
+import json
 import os
 import shutil
 import sys
@@ -19,12 +21,13 @@ from keras_ft import backend as host
 from keras_ft import threads
 from keras_ft.checkpoint.errors import (
     CheckpointWriteError,
+    CorruptCheckpointError,
     LeaseLapsedError,
     ProcessesDisagreeError,
     SaveCancelled,
 )
-from keras_ft.checkpoint.files import Staging
-from keras_ft.checkpoint.format import is_url, local_path
+from keras_ft.checkpoint.files import ReadProgress, Staging
+from keras_ft.checkpoint.format import METADATA_FILE, is_url, local_path
 from keras_ft.checkpoint.lock import check_platform
 from keras_ft.checkpoint.store import (
     Checkpoint,
@@ -121,6 +124,14 @@ class WorkerTrainingState:
             signed with another key is refused as damaged, falling back to an
             older one. Defaults to `None`: the environment's
             `KERAS_FT_MANIFEST_KEY` if set, else no signatures.
+        local_dir: With a bucket as `backup_dir`, a directory on this
+            machine's own disk for a fast tier: every save is committed
+            there first, and `back_up(to_bucket=False)` commits there only.
+            `restore()` loads the local tier's newest checkpoint, with no
+            download, when it is at least as new as the bucket's (a machine
+            that came back empty restores from the bucket). The tier keeps
+            `keep` checkpoints in a subdirectory named after `backup_dir`.
+            One process only, for now. Defaults to `None`.
 
     Example:
 
@@ -148,9 +159,11 @@ class WorkerTrainingState:
         verbose: int = 0,
         on_config_change: str = "warn",
         manifest_key: str | bytes | None = None,
+        local_dir: str | os.PathLike | None = None,
     ):
         check_platform()
         self.backup_dir = validate_backup_dir(backup_dir)
+        self.local_dir = validate_local_dir(local_dir, self.backup_dir)
         self.on_config_change = validate_on_config_change(on_config_change)
         self.listeners = check_listeners(listeners)
         self.task = task if task is not None else current_task()
@@ -167,6 +180,16 @@ class WorkerTrainingState:
         )
         self._root = open_storage(self.backup_dir, storage_options)
         self._lock = self._chief_store.writer_lock()
+        # The fast tier on this machine's disk, its own lock beside it.
+        self._local_store: CheckpointStore | None = None
+        self._local_lock: Any = None
+        if self.local_dir is not None:
+            self._local_store = open_store(
+                local_tier_dir(self.local_dir, self.backup_dir),
+                self._retention,
+                manifest_key=manifest_key,
+            )
+            self._local_lock = self._local_store.writer_lock()
         self.async_save = bool(async_save)
         self._writer = _writers.setdefault(
             self._chief_store.identity, BackgroundWriter()
@@ -176,6 +199,8 @@ class WorkerTrainingState:
         # The newest save, for a save that replaces it.
         self._last: tuple[threading.Event, PendingWrite] | None = None
         self._holds_pools = False  # From `lock()` to `unlock()`.
+        # A save's local checkpoint, by the bucket copy made of it.
+        self._copies: dict[str, Checkpoint] = {}
 
     @property
     def model(self) -> keras.Model:
@@ -234,6 +259,16 @@ class WorkerTrainingState:
         # its staging directory: let it finish before cleaning up.
         self._finish_earlier_write()
         try:
+            if self._local_store is not None:
+                if self.task.num_workers > 1:
+                    raise ValueError(
+                        "Invalid value for argument `local_dir`: a local tier "
+                        f"is for one process; this training has "
+                        f"{self.task.num_workers}. Pass local_dir=None. "
+                        f"Received: local_dir={self.local_dir!r}"
+                    )
+                self._local_lock.acquire()
+                self._local_store.remove_leftovers()
             self._lock.acquire()
             # Staging directories, partial uploads, pieces of sharded saves.
             self._chief_store.remove_leftovers()
@@ -268,6 +303,8 @@ class WorkerTrainingState:
     def unlock(self) -> None:
         """Releases the lock (see `lock()`); the backup stays as it is."""
         self._lock.release()
+        if self._local_lock is not None:
+            self._local_lock.release()
         self._let_go()
 
     def close(self) -> None:
@@ -302,6 +339,7 @@ class WorkerTrainingState:
         extra: dict | None = None,
         *,
         replaces_last: bool = False,
+        to_bucket: bool = True,
     ) -> Checkpoint | None:
         """Saves the current state.
 
@@ -316,6 +354,9 @@ class WorkerTrainingState:
                 (same training progress, more state): the previous one is
                 called off if it is still being written, or deleted once
                 this one is committed. Defaults to `False`.
+            to_bucket: With a local tier (`local_dir`), whether this save
+                also goes to the bucket once committed locally; `False`
+                commits it locally only. Defaults to `True`.
 
         Returns:
             The committed checkpoint on the chief; `None` on other workers,
@@ -372,7 +413,7 @@ class WorkerTrainingState:
             check_later=self.async_save,
         )
         try:
-            cancel = self._start_commit(snapshot, replaces_last)
+            cancel = self._start_commit(snapshot, replaces_last, to_bucket=to_bucket)
         except BaseException:
             snapshot.release()  # Never written: the next copy must not wait.
             raise
@@ -389,6 +430,7 @@ class WorkerTrainingState:
         snapshot: Snapshot,
         replaces_last: bool,
         write: Callable[[Staging], None] | None = None,
+        to_bucket: bool = True,
     ) -> threading.Event:
         """Hands `snapshot`'s write and commit to the writer thread.
 
@@ -401,7 +443,9 @@ class WorkerTrainingState:
             cancel_last, replaced = self._last
             cancel_last.set()  # Before this copy waits for its write to pass.
         pending = self._writer.submit(
-            lambda previous: self._commit(snapshot, cancel, previous, replaced, write)
+            lambda previous: self._commit(
+                snapshot, cancel, previous, replaced, write, to_bucket
+            )
         )
         self._last = (cancel, pending)
         self._cancels.append(cancel)
@@ -571,6 +615,7 @@ class WorkerTrainingState:
         previous: PendingWrite | None,
         replaced: PendingWrite | None = None,
         write: Callable[[Staging], None] | None = None,
+        to_bucket: bool = True,
     ) -> Checkpoint:
         def after() -> None:
             # Commits keep the order of the saves: the one before goes first.
@@ -578,21 +623,51 @@ class WorkerTrainingState:
                 previous.join()
             self._lock.check()  # A lapsed lease: another writer may commit.
 
-        supersedes = None
-        if replaced is not None:
+        def supersedes(tier: str) -> Callable[[], Checkpoint | None] | None:
+            if replaced is None:
+                return None
 
-            def supersedes() -> Checkpoint | None:
+            def superseded() -> Checkpoint | None:
                 replaced.join()
-                return replaced.value
+                return self._copy_in(replaced.value, tier)
+
+            return superseded
 
         try:
-            committed = self._chief_store.save(
-                write or functools.partial(write_snapshot, snapshot),
-                snapshot.metadata,
-                cancel,
-                after,
-                supersedes,
-            )
+            if self._local_store is None:
+                committed = self._chief_store.save(
+                    write or functools.partial(write_snapshot, snapshot),
+                    snapshot.metadata,
+                    cancel,
+                    after,
+                    supersedes("bucket"),
+                )
+            else:
+                committed = self._local_store.save(
+                    write or functools.partial(write_snapshot, snapshot),
+                    snapshot.metadata,
+                    cancel,
+                    after,
+                    supersedes("local"),
+                )
+                if to_bucket:
+                    local = committed
+                    committed = self._chief_store.save(
+                        functools.partial(_copy_of, self._local_store, local),
+                        snapshot.metadata,
+                        cancel,
+                        self._lock.check,
+                        supersedes("bucket"),
+                    )
+                    self._copies[committed.path] = local
+                    # What the bucket's newest is, as far as this machine
+                    # knows: a restore that finds it so reads nothing there.
+                    self._local_store.replace_notice(
+                        _UPLOADED_NOTICE,
+                        json.dumps({"sequence": committed.sequence}).encode(),
+                    )
+                    while len(self._copies) > 8:  # Only the newest are asked for.
+                        del self._copies[next(iter(self._copies))]
         except LeaseLapsedError:
             raise  # Says itself why nothing was committed.
         except (OSError, ProcessesDisagreeError) as e:
@@ -632,6 +707,16 @@ class WorkerTrainingState:
         )
         return committed
 
+    def _copy_in(self, checkpoint: Checkpoint | None, tier: str) -> Checkpoint | None:
+        """`checkpoint` (a save's result) as committed in `tier` ("local" or
+        "bucket"), or `None` if that save did not go there."""
+        if checkpoint is None or self._local_store is None:
+            return checkpoint
+        local = self._copies.get(checkpoint.path)
+        if tier == "local":
+            return local if local is not None else checkpoint
+        return checkpoint if local is not None else None
+
     def restore(self) -> ResumePoint | None:
         """Loads the newest good checkpoint into the model.
 
@@ -659,12 +744,17 @@ class WorkerTrainingState:
 
     def _load_newest(self, variables_only: bool) -> ResumePoint | None:
         """Loads the newest good checkpoint; tells the listeners."""
+
         # The weights are read while the checkpoint is checksummed.
-        found = self._chief_store.latest_good_read(
-            lambda checkpoint, progress: self._state.read_ahead(
-                checkpoint.path, progress
-            )
-        )
+        def read(checkpoint: Checkpoint, progress: ReadProgress) -> Any:
+            return self._state.read_ahead(checkpoint.path, progress)
+
+        store = self._chief_store
+        found = self._local_newest(read)
+        if found is not None:
+            store = self._local_store
+        else:
+            found = self._chief_store.latest_good_read(read)
         if found is None:
             return None
         checkpoint, metadata, values = found
@@ -677,13 +767,52 @@ class WorkerTrainingState:
                 refuse_config_changes=self.on_config_change == "raise",
             )
         finally:
-            self._chief_store.release(checkpoint)  # A bucket's download.
+            store.release(checkpoint)  # A bucket's download.
         # A bucket's checkpoint is loaded from a local copy: name the original.
-        point = dataclasses.replace(point, checkpoint=self._chief_store.url(checkpoint))
+        point = dataclasses.replace(point, checkpoint=store.url(checkpoint))
         notify(
             self.listeners, "after_restore", point.checkpoint, point.epoch, point.step
         )
         return point
+
+    def _local_newest(
+        self, read: Callable[[Checkpoint, ReadProgress], Any]
+    ) -> tuple[Checkpoint, dict, Any] | None:
+        """The local tier's newest checkpoint, read, if it is at least as new
+        as the bucket's and verifies; else `None` (the bucket is read)."""
+        if self._local_store is None:
+            return None
+        local = self._local_store.checkpoints()
+        if not local:
+            return None  # A new machine, or nothing saved yet.
+        bucket = self._chief_store.checkpoints()
+        if (
+            bucket
+            and bucket[-1].sequence != self._uploaded_last()
+            and _position(self._local_store.unverified_metadata(local[-1]))
+            < _position(self._chief_store.unverified_metadata(bucket[-1]))
+        ):
+            return None  # The bucket holds a later save (another machine's).
+        try:
+            return self._local_store.fetch(local[-1], read)
+        except CorruptCheckpointError as e:
+            warnings.warn(
+                f"keras-ft: the local tier's newest checkpoint is damaged ({e}); "
+                f"restoring from {self._chief_store.directory} instead.",
+                stacklevel=4,
+            )
+            return None
+
+    def _uploaded_last(self) -> int | None:
+        """The number of the last checkpoint this machine's local tier
+        copied to the bucket, if it says."""
+        assert self._local_store is not None
+        data = self._local_store.read_notice(_UPLOADED_NOTICE)
+        try:
+            sequence = json.loads(data or b"")["sequence"]
+        except (ValueError, TypeError, KeyError, RecursionError):
+            return None
+        return sequence if isinstance(sequence, int) else None
 
     def roll_back(self) -> ResumePoint | None:
         """Loads the newest good checkpoint's variables, in the middle of training.
@@ -733,6 +862,10 @@ class WorkerTrainingState:
                 )
             self._lock.release(remove=True)
             self._chief_store.storage.remove_root()  # Emptied of its lock file.
+            if self._local_store is not None:
+                self._local_store.clear()
+                self._local_lock.release(remove=True)
+                self._local_store.storage.remove_root()
         else:
             shutil.rmtree(self._worker_dir(), ignore_errors=True)
         self._root.remove_root()  # `backup_dir` itself, if nothing else is in it.
@@ -787,6 +920,68 @@ def validate_on_config_change(value: object) -> str:
             f"'raise'. Received: on_config_change={value!r}"
         )
     return value
+
+
+# In a local tier: the bucket checkpoint it last copied there.
+_UPLOADED_NOTICE = "uploaded.json"
+
+
+def _position(metadata: dict) -> tuple[int, int, int]:
+    """How far training was at a save, from its (unverified) metadata;
+    `(-1, -1, -1)` if it does not say."""
+    values = [metadata.get(k) for k in ("epochs_completed", "batches_completed")]
+    values.append(metadata.get("step"))
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return tuple(values)  # type: ignore[return-value]
+    return (-1, -1, -1)
+
+
+def _copy_of(store: CheckpointStore, checkpoint: Checkpoint, staging: Staging) -> None:
+    """Writes nothing: names `checkpoint`'s files (on this machine's disk)
+    as the files of the checkpoint `staging` becomes, entries included."""
+    for name, entry in store.manifest(checkpoint).items():
+        if name != METADATA_FILE:  # Written by the save itself.
+            staging.from_paths[name] = checkpoint.file(name)
+            staging.digests[name] = entry
+
+
+def local_tier_dir(local_dir: str, backup_dir: str) -> str:
+    """The local tier's directory for the backup `backup_dir`: named after
+    it, so that one `local_dir` serves several backups, never mixing them."""
+    digest = hashlib.sha1(backup_dir.encode()).hexdigest()[:12]
+    return os.path.join(local_dir, f"tier-{digest}")
+
+
+def validate_local_dir(local_dir: object, backup_dir: str) -> str | None:
+    """Returns `local_dir` as a path (or `None`), or raises a `ValueError`."""
+    if local_dir is None:
+        return None
+    if not isinstance(local_dir, (str, os.PathLike)) or not os.fspath(local_dir):
+        raise ValueError(
+            "Invalid value for argument `local_dir`. Expected a path to a "
+            f"directory on this machine, or None. Received: local_dir={local_dir!r}"
+        )
+    path = os.fsdecode(os.fspath(local_dir))
+    if is_url(path):
+        raise ValueError(
+            "Invalid value for argument `local_dir`: it is a URL; the local tier "
+            "is a directory on this machine's own disk. Received: "
+            f"local_dir={path!r}"
+        )
+    if not is_url(backup_dir):
+        raise ValueError(
+            "Invalid value for argument `local_dir`: `backup_dir` is a directory "
+            "already, and a local tier is for a bucket `backup_dir` (s3://, "
+            "gs://...). Pass local_dir=None, or a bucket as backup_dir. Received: "
+            f"local_dir={path!r}, backup_dir={backup_dir!r}"
+        )
+    path = local_path(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(
+            "Invalid value for argument `local_dir`: it is an existing file, not "
+            f"a directory. Received: local_dir={path!r}"
+        )
+    return path
 
 
 def validate_backup_dir(backup_dir: object) -> str:

@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 
+import keras
 import numpy as np
 import pytest
 from conftest import (
@@ -20,7 +21,10 @@ from conftest import (
     weights_of,
 )
 
+import keras_ft
+import keras_ft.checkpoint.store
 from keras_ft import (
+    BackupAndRestore,
     DirectoryInUseError,
     NonFiniteStateError,
     TaskSpec,
@@ -405,3 +409,138 @@ def test_a_save_that_replaces_the_last_one_leaves_one_per_epoch(backup_dir, data
     older = WorkerTrainingState(make_model(), backup_dir)
     older._chief_store.delete(checkpoints[-1])
     assert older.restore().epoch == 1
+
+
+# A local tier (`local_dir`) in front of a bucket.
+
+
+class CrashAt(keras.callbacks.Callback):
+    """Raises at a batch end: a process that died there."""
+
+    def __init__(self, epoch: int, batch: int):
+        super().__init__()
+        self.at = (epoch, batch)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch + 1) == self.at:
+            raise RuntimeError("crash")
+
+
+class BucketReads:
+    """The objects of checkpoints read from a memory:// bucket."""
+
+    def __init__(self, monkeypatch):
+        import fsspec
+
+        fs = fsspec.filesystem("memory")
+        self.reads: list[str] = []
+        opened, cat_file = fs._open, fs.cat_file
+
+        def reading(path, mode="rb", *args, **kwargs):
+            if "r" in mode and "/ckpt-" in path:
+                self.reads.append(path)
+            return opened(path, mode, *args, **kwargs)
+
+        def cat(path, *args, **kwargs):
+            if "/ckpt-" in path:
+                self.reads.append(path)
+            return cat_file(path, *args, **kwargs)
+
+        monkeypatch.setattr(fs, "_open", reading)
+        monkeypatch.setattr(fs, "cat_file", cat)
+
+
+def fit_tiered(bucket, local_dir, data, *callbacks, epochs=3):
+    """3 epochs of 8 batches: the bucket every epoch, the local tier every
+    3 batches. Returns the model and where it resumed."""
+    keras.utils.set_random_seed(3)
+    model = make_model()
+    backup = BackupAndRestore(
+        bucket, local_dir=local_dir, local_save_freq=local_dir and 3,
+        delete_checkpoint=False,
+        verbose=0,
+    )  # fmt: skip
+    begun = []
+
+    class Begun(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            begun.append(iterations(self.model))
+
+    try:
+        model.fit(*data, epochs=epochs, batch_size=8, shuffle=False, verbose=0,
+                  callbacks=[backup, Begun(), *callbacks])  # fmt: skip
+    finally:
+        keras_ft.wait_for_backups()
+    return model, begun[0]
+
+
+def bucket_url() -> str:
+    return f"memory://tier-{os.getpid()}-{time.monotonic_ns()}"
+
+
+def test_a_local_tier_restores_with_no_read_from_the_bucket(
+    tmp_path, data, monkeypatch
+):
+    reference, _ = fit_tiered(bucket_url(), None, data)
+    bucket, local = bucket_url(), str(tmp_path / "ssd")
+    with pytest.raises(RuntimeError, match="crash"):
+        fit_tiered(bucket, local, data, CrashAt(1, 7))
+    reads = BucketReads(monkeypatch)
+    model, begun = fit_tiered(bucket, local, data)
+    # Epoch 2, batch 6: the local tier's save, two past the bucket's newest.
+    assert begun == 8 + 6
+    assert reads.reads == []
+    for mine, theirs in zip(weights_of(model), weights_of(reference), strict=True):
+        np.testing.assert_array_equal(mine, theirs)
+    # Every epoch went to the bucket, each committed locally first.
+    store = keras_ft.checkpoint.store.open_store(f"{bucket}/chief")
+    assert [store.unverified_metadata(c)["step"] for c in store.checkpoints()] == [
+        16, 24
+    ]  # fmt: skip
+
+
+def test_an_empty_or_older_local_tier_restores_from_the_bucket(tmp_path, data):
+    bucket, local = bucket_url(), str(tmp_path / "ssd")
+    with pytest.raises(RuntimeError, match="crash"):
+        fit_tiered(bucket, local, data, CrashAt(1, 7))
+    # A new machine: its local tier is empty.
+    with pytest.raises(RuntimeError, match="crash"):
+        fit_tiered(bucket, str(tmp_path / "new"), data, CrashAt(2, 2))
+    # Back on the first machine: its tier (epoch 2, batch 6) is older than
+    # the bucket's (epoch 2 ended, from the other machine).
+    _, begun = fit_tiered(bucket, local, data)
+    assert begun == 16
+
+
+def test_a_damaged_local_checkpoint_falls_back_to_the_bucket(tmp_path, data):
+    bucket, local = bucket_url(), str(tmp_path / "ssd")
+    with pytest.raises(RuntimeError, match="crash"):
+        fit_tiered(bucket, local, data, CrashAt(1, 7))
+    tier = worker_training_state.local_tier_dir(local, bucket)
+    newest = sorted(n for n in os.listdir(tier) if n.startswith("ckpt-"))[-1]
+    with open(os.path.join(tier, newest, "model.weights.h5"), "r+b") as f:
+        f.write(b"\xff" * 16)
+    with pytest.warns(UserWarning, match="local tier's newest checkpoint is damaged"):
+        _, begun = fit_tiered(bucket, local, data)
+    assert begun == 8  # The bucket's, epoch 1.
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"local_dir": "LOCAL"}, "`backup_dir` is a directory already"),
+        ({"backup_dir": "memory://x", "local_dir": "s3://y"}, "it is a URL"),
+        ({"local_save_freq": 3}, "`local_dir` is None"),
+        ({"backup_dir": "memory://x", "local_dir": "LOCAL", "local_save_freq": 0},
+         "Expected 'epoch', a positive integer"),
+    ],
+)  # fmt: skip
+def test_local_tier_arguments_are_checked(tmp_path, kwargs, match):
+    kwargs = {"backup_dir": str(tmp_path / "backup"), **kwargs}
+    if kwargs.get("local_dir") == "LOCAL":
+        kwargs["local_dir"] = str(tmp_path / "ssd")
+    with pytest.raises(ValueError, match=match):
+        BackupAndRestore(**kwargs)

@@ -137,6 +137,10 @@ class Staging(os.PathLike):
         # bucket already (a sharded save's pieces): their manifest entries.
         # Listed in the manifest, never staged or uploaded here.
         self.in_place: dict[str, dict[str, Any]] = {}
+        # Files of the checkpoint to take from elsewhere on this machine, by
+        # name (a local tier's checkpoint copied to a bucket): their entries
+        # are in `digests`; a store that stages by copying reads them there.
+        self.from_paths: dict[str, str] = {}
         # The number the commit takes, where other processes wrote into the
         # checkpoint before it (agreed beforehand); `None`: the next free one.
         self.sequence: int | None = None

@@ -145,6 +145,8 @@ class LocalStorage:
         self, staging: Staging, names: list[str], before_number: Callable[[], None]
     ) -> Checkpoint:
         """Syncs the staged files and renames the directory: the commit."""
+        if staging.from_paths or staging.in_place:
+            raise ValueError("A checkpoint on disk holds its files in its directory.")
         # Every file and the directory reach the disk before the commit;
         # synced together, the filesystem can flush them in one go.
         unsynced = [n for n in names if n not in staging.synced]

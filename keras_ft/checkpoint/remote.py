@@ -224,7 +224,8 @@ class ObjectStorage:
         try:
             uploads = [
                 threads.submit(
-                    threads.transfer, self._upload, local(n),
+                    threads.transfer, self._upload,
+                    staging.from_paths.get(n) or local(n),
                     self._key(committed, n), staging.cancel,
                 )
                 for n in names

@@ -362,6 +362,15 @@ class CheckpointStore:
                 where, f"its contents cannot be read ({e})"
             ) from None
 
+    def manifest(self, checkpoint: Checkpoint) -> dict[str, dict[str, Any]]:
+        """The files `checkpoint`'s manifest lists, with their entries (size
+        and checksum), read and its signature checked, the files not.
+
+        Raises:
+            CorruptCheckpointError: if the manifest is unreadable or forged.
+        """
+        return self._manifest(checkpoint)
+
     def _manifest(self, checkpoint: Checkpoint) -> dict[str, dict[str, Any]]:
         data = _read_small(self.storage, checkpoint, MANIFEST_FILE)
         return manifest_files(
@@ -607,6 +616,8 @@ class CheckpointStore:
                     )
                 files[name] = staging.digests.get(name) or file_io.entry(path)
             files.update(staging.in_place)
+            for name in staging.from_paths:  # Their entries come with them.
+                files[name] = staging.digests[name]
             with open(os.path.join(through, MANIFEST_FILE), "wb") as f:
                 # Indented: people read manifests too.
                 body = manifest_body(files, time.time(), self._key)
