@@ -119,8 +119,14 @@ def run_worker(args: argparse.Namespace) -> None:
             emit("batch_end", step=step(self.model))
             time.sleep(args.seconds_per_batch)
 
+    local = {}
+    if args.local_dir:  # Each worker's own disk, as if on machines of their own.
+        local = {
+            "local_dir": os.path.join(args.local_dir, f"worker-{args.index}"),
+            "local_save_freq": args.local_save_freq,
+        }
     backup = keras_ft.BackupAndRestore(
-        args.backup_dir, save_freq=args.save_freq, delete_checkpoint=False
+        args.backup_dir, save_freq=args.save_freq, delete_checkpoint=False, **local
     )
     model.fit(epochs=args.epochs, verbose=0, callbacks=[backup, Report()], **data)
     weights = b"".join(keras.ops.convert_to_numpy(v).tobytes() for v in model.weights)
@@ -144,6 +150,9 @@ class Worker:
             "--seconds-per-batch", str(args.seconds_per_batch),
             "--ports", *map(str, ports),
         ]  # fmt: skip
+        if args.local_dir:
+            command += ["--local-dir", args.local_dir,
+                        "--local-save-freq", str(args.local_save_freq)]  # fmt: skip
         env = dict(os.environ, KERAS_BACKEND=args.backend, TF_CPP_MIN_LOG_LEVEL="3")
         env["PYTHONPATH"] = os.pathsep.join(
             [os.path.dirname(EXAMPLES_DIR), env.get("PYTHONPATH", "")]
@@ -262,6 +271,8 @@ def run_launcher(args: argparse.Namespace) -> dict:
     committed_step = newest_committed_step(args.backup_dir)
     say(f"All workers stopped; the chief's newest committed backup is at step "
         f"{committed_step}. Relaunching.")  # fmt: skip
+    if args.wipe_local_of is not None:  # That machine came back empty.
+        shutil.rmtree(os.path.join(args.local_dir, f"worker-{args.wipe_local_of}"))
 
     workers = launch(args)
     codes = [w.finish(args.timeout) for w in workers]
@@ -312,6 +323,15 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--backup-dir")
+    parser.add_argument(
+        "--local-dir", help="a local tier: worker i's is <local-dir>/worker-i"
+    )
+    parser.add_argument("--local-save-freq", type=int, default=1)
+    parser.add_argument(
+        "--wipe-local-of",
+        type=int,
+        help="empty this worker's local tier before relaunching",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--worker", type=int, dest="index")

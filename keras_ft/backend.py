@@ -276,6 +276,14 @@ def same_in_all_processes(value: int) -> bool:
     return bool(np.all(values == values.flat[0]))
 
 
+def least_in_all_processes(value: int) -> int:
+    """The least `value` any process of a JAX cluster passes.
+
+    A collective, as `all_processes_agree()`.
+    """
+    return int(_gather(int(value)).min())
+
+
 def first_process_value(value: int) -> int:
     """The `value` process 0 of a JAX cluster passes, in every process.
 

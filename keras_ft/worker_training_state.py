@@ -130,8 +130,10 @@ class WorkerTrainingState:
             `restore()` loads the local tier's newest checkpoint, with no
             download, when it is at least as new as the bucket's (a machine
             that came back empty restores from the bucket). The tier keeps
-            `keep` checkpoints in a subdirectory named after `backup_dir`.
-            One process only, for now. Defaults to `None`.
+            `keep` checkpoints (at least 4 in a cluster) in a subdirectory
+            named after `backup_dir` (and the process). JAX clusters and
+            one process; not yet a model split across processes. Defaults
+            to `None`.
 
     Example:
 
@@ -184,9 +186,12 @@ class WorkerTrainingState:
         self._local_store: CheckpointStore | None = None
         self._local_lock: Any = None
         if self.local_dir is not None:
+            # In a cluster, a kill leaves the processes' newest saves a few
+            # apart: each keeps enough for a step they all hold.
+            spread = 4 if self.task.num_workers > 1 else 1
             self._local_store = open_store(
-                local_tier_dir(self.local_dir, self.backup_dir),
-                self._retention,
+                local_tier_dir(self.local_dir, self.backup_dir, self.task),
+                KeepLast(max(keep, spread)),
                 manifest_key=manifest_key,
             )
             self._local_lock = self._local_store.writer_lock()
@@ -251,6 +256,15 @@ class WorkerTrainingState:
             keras_ft.DirectoryInUseError: if another live process holds it.
         """
         self._hold()
+        if self._local_store is not None:
+            self._check_local_tier()
+            self._finish_earlier_write()
+            try:
+                self._local_lock.acquire()
+                self._local_store.remove_leftovers()
+            except BaseException:
+                self.unlock()
+                raise
         if not self.task.is_chief:
             # A worker's directory only ever holds the save being written.
             shutil.rmtree(self._worker_dir(), ignore_errors=True)
@@ -259,22 +273,33 @@ class WorkerTrainingState:
         # its staging directory: let it finish before cleaning up.
         self._finish_earlier_write()
         try:
-            if self._local_store is not None:
-                if self.task.num_workers > 1:
-                    raise ValueError(
-                        "Invalid value for argument `local_dir`: a local tier "
-                        f"is for one process; this training has "
-                        f"{self.task.num_workers}. Pass local_dir=None. "
-                        f"Received: local_dir={self.local_dir!r}"
-                    )
-                self._local_lock.acquire()
-                self._local_store.remove_leftovers()
             self._lock.acquire()
             # Staging directories, partial uploads, pieces of sharded saves.
             self._chief_store.remove_leftovers()
         except BaseException:
             self.unlock()
             raise
+
+    def _check_local_tier(self) -> None:
+        """Refuses a local tier where it cannot work yet, before any save."""
+        why = None
+        if self.task.num_workers > 1 and keras.backend.backend() != "jax":
+            why = (
+                f"a local tier in a run of {self.task.num_workers} processes "
+                "needs JAX's collectives (the processes agree on which tier "
+                "to restore from before any of them loads)"
+            )
+        elif self.model.built and self._state.sharded():
+            why = (
+                "the model's variables are split across processes "
+                "(keras.distribution.ModelParallel), and a local tier holds "
+                "whole copies of the state, not yet each process's pieces"
+            )
+        if why is not None:
+            raise ValueError(
+                f"Invalid value for argument `local_dir`: {why}. Pass "
+                f"local_dir=None. Received: local_dir={self.local_dir!r}"
+            )
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[WorkerTrainingState]:
@@ -378,7 +403,8 @@ class WorkerTrainingState:
             return self._back_up_sharded(
                 epochs_completed, batches_completed, extra, replaces_last
             )
-        if not self.task.is_chief:
+        chief = self.task.is_chief
+        if not chief and self._local_store is None:
             # Written right away, a snapshot can view the variables: no copy.
             snapshot = self._state.snapshot(
                 epochs_completed, batches_completed, extra, copy=False
@@ -391,12 +417,15 @@ class WorkerTrainingState:
             finally:
                 shutil.rmtree(temp_dir, ignore_errors=True)
             return None
-        notify(
-            self.listeners,
-            "before_save",
-            epochs_completed,
-            optimizer_step(self.model),
-        )
+        if chief:
+            notify(
+                self.listeners,
+                "before_save",
+                epochs_completed,
+                optimizer_step(self.model),
+            )
+        # Another worker's local tier keeps its saves; only the chief uploads.
+        to_bucket = to_bucket and chief
         # The copy goes into the buffer the saves in flight share: each value
         # waits until the save before has written it out, and this save's
         # write follows the copy, so the disk never waits for all of it. In
@@ -591,7 +620,7 @@ class WorkerTrainingState:
         """Does the one-time work of the first save now (walking the model,
         laying out the weights file, and with `async_save`, allocating the
         buffer snapshots are copied into), so that no save pays for it."""
-        self._state.prepare(copy=self.task.is_chief)
+        self._state.prepare(copy=self.task.is_chief or self._local_store is not None)
 
     def discard_pending(self) -> None:
         """Calls off the background writes that have not committed yet.
@@ -621,7 +650,8 @@ class WorkerTrainingState:
             # Commits keep the order of the saves: the one before goes first.
             if previous is not None:
                 previous.join()
-            self._lock.check()  # A lapsed lease: another writer may commit.
+            if self.task.is_chief:
+                self._lock.check()  # A lapsed lease: another writer may commit.
 
         def supersedes(tier: str) -> Callable[[], Checkpoint | None] | None:
             if replaced is None:
@@ -782,26 +812,46 @@ class WorkerTrainingState:
         as the bucket's and verifies; else `None` (the bucket is read)."""
         if self._local_store is None:
             return None
-        local = self._local_store.checkpoints()
-        if not local:
-            return None  # A new machine, or nothing saved yet.
-        bucket = self._chief_store.checkpoints()
-        if (
-            bucket
-            and bucket[-1].sequence != self._uploaded_last()
-            and _position(self._local_store.unverified_metadata(local[-1]))
-            < _position(self._chief_store.unverified_metadata(bucket[-1]))
-        ):
-            return None  # The bucket holds a later save (another machine's).
+        # Each process's saves, by step: after a kill, some processes hold
+        # a save or two more than others (a write in flight, steps run on).
+        saves: dict[int, tuple[Checkpoint, tuple[int, int, int]]] = {}
+        for checkpoint in self._local_store.checkpoints():
+            position = _position(self._local_store.unverified_metadata(checkpoint))
+            if position[2] >= 0:
+                saves[position[2]] = (checkpoint, position)
+        # The newest step every process's tier holds (an empty tier, a new
+        # machine, holds none: then all restore from the bucket).
+        step = host.least_in_all_processes(max(saves, default=-1))
+        mine = saves.get(step)
+        usable = mine is not None
+        if mine is not None and self.task.is_chief:
+            bucket = self._chief_store.checkpoints()
+            if (
+                bucket
+                and bucket[-1].sequence != self._uploaded_last()
+                and mine[1]
+                < _position(self._chief_store.unverified_metadata(bucket[-1]))
+            ):
+                usable = False  # The bucket holds a later save (another machine's).
+        # Every process restores from its tier at that step, or all from the
+        # bucket: they agree before any of them loads. (The chief's verdict
+        # on the bucket holds for all: their points are the same.)
+        if not host.all_processes_agree(usable) or mine is None:
+            return None
+        found = None
         try:
-            return self._local_store.fetch(local[-1], read)
+            found = self._local_store.fetch(mine[0], read)
         except CorruptCheckpointError as e:
             warnings.warn(
-                f"keras-ft: the local tier's newest checkpoint is damaged ({e}); "
-                f"restoring from {self._chief_store.directory} instead.",
+                f"keras-ft: the local tier's checkpoint {mine[0].name} is damaged "
+                f"({e}); restoring from {self._chief_store.directory} instead.",
                 stacklevel=4,
             )
+        if not host.all_processes_agree(found is not None):
+            if found is not None:
+                self._local_store.release(found[0])
             return None
+        return found
 
     def _uploaded_last(self) -> int | None:
         """The number of the last checkpoint this machine's local tier
@@ -862,12 +912,12 @@ class WorkerTrainingState:
                 )
             self._lock.release(remove=True)
             self._chief_store.storage.remove_root()  # Emptied of its lock file.
-            if self._local_store is not None:
-                self._local_store.clear()
-                self._local_lock.release(remove=True)
-                self._local_store.storage.remove_root()
         else:
             shutil.rmtree(self._worker_dir(), ignore_errors=True)
+        if self._local_store is not None:  # Every process's own.
+            self._local_store.clear()
+            self._local_lock.release(remove=True)
+            self._local_store.storage.remove_root()
         self._root.remove_root()  # `backup_dir` itself, if nothing else is in it.
         self._let_go()
 
@@ -945,11 +995,15 @@ def _copy_of(store: CheckpointStore, checkpoint: Checkpoint, staging: Staging) -
             staging.digests[name] = entry
 
 
-def local_tier_dir(local_dir: str, backup_dir: str) -> str:
+def local_tier_dir(local_dir: str, backup_dir: str, task: TaskSpec) -> str:
     """The local tier's directory for the backup `backup_dir`: named after
-    it, so that one `local_dir` serves several backups, never mixing them."""
+    it, so that one `local_dir` serves several backups, never mixing them;
+    and in a cluster after the process (several may share one machine)."""
     digest = hashlib.sha1(backup_dir.encode()).hexdigest()[:12]
-    return os.path.join(local_dir, f"tier-{digest}")
+    name = f"tier-{digest}"
+    if task.num_workers > 1:
+        name += f"-process-{task.task_index}"
+    return os.path.join(local_dir, name)
 
 
 def validate_local_dir(local_dir: object, backup_dir: str) -> str | None:

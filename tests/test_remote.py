@@ -701,3 +701,30 @@ def test_a_manifest_is_never_committed_over_another(s3_server, data):
     fs.invalidate_cache()
     assert fs.cat_file(store.storage._key(first, "manifest.json")) == manifest
     assert [c.sequence for c in store.checkpoints()] == [1]
+
+
+@ONCE
+@pytest.mark.parametrize("wiped", [False, True])
+def test_a_cluster_resumes_from_its_local_tiers_unless_one_came_back_empty(
+    s3_server, tmp_path, wiped
+):
+    """Two JAX processes, each with a local tier on its "own" disk, saving
+    there every batch and to the bucket every 16. Killed after the first
+    bucket commit, both resume from their local tiers, past the bucket's
+    newest; if one process's tier was wiped (a new machine), both resume
+    from the bucket."""
+    args = ["--save-freq", "16", "--local-dir", str(tmp_path / "local"),
+            "--kill-window", "0.6", "--seed", "0"]  # fmt: skip
+    if wiped:
+        args += ["--wipe-local-of", "1"]
+    run = run_cluster_on_bucket(s3_server, url("tiers"), *args)
+    committed = run["committed_step"]
+    assert committed == 16 and run["exit_codes"] == [0, 0], run
+    resumed = run["resumed_steps"]
+    assert resumed[0] == resumed[1], run
+    if wiped:
+        assert resumed[0] == committed
+    else:
+        assert committed < resumed[0] <= run["killed_after_step"] + 1, run
+    assert run["final_steps"] == [3 * 8, 3 * 8]
+    assert run["weights"][0] == run["weights"][1]

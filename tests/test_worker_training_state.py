@@ -519,11 +519,14 @@ def test_a_damaged_local_checkpoint_falls_back_to_the_bucket(tmp_path, data):
     bucket, local = bucket_url(), str(tmp_path / "ssd")
     with pytest.raises(RuntimeError, match="crash"):
         fit_tiered(bucket, local, data, CrashAt(1, 7))
-    tier = worker_training_state.local_tier_dir(local, bucket)
+    (name,) = os.listdir(local)  # One backup's tier.
+    tier = os.path.join(local, name)
     newest = sorted(n for n in os.listdir(tier) if n.startswith("ckpt-"))[-1]
     with open(os.path.join(tier, newest, "model.weights.h5"), "r+b") as f:
         f.write(b"\xff" * 16)
-    with pytest.warns(UserWarning, match="local tier's newest checkpoint is damaged"):
+    with pytest.warns(
+        UserWarning, match="local tier.s checkpoint ckpt-[0-9]+ is damaged"
+    ):
         _, begun = fit_tiered(bucket, local, data)
     assert begun == 8  # The bucket's, epoch 1.
 
@@ -544,3 +547,16 @@ def test_local_tier_arguments_are_checked(tmp_path, kwargs, match):
         kwargs["local_dir"] = str(tmp_path / "ssd")
     with pytest.raises(ValueError, match=match):
         BackupAndRestore(**kwargs)
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() == "jax", reason="JAX clusters agree through JAX"
+)
+def test_a_local_tier_in_a_cluster_without_jax_is_refused_before_any_save(tmp_path):
+    state = WorkerTrainingState(
+        make_model(), bucket_url(), task=TaskSpec("worker", 0, 2, True),
+        local_dir=str(tmp_path / "ssd"),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="needs JAX's collectives"):
+        state.lock()
+    assert not os.path.exists(tmp_path / "ssd")
