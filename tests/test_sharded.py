@@ -248,7 +248,21 @@ def test_a_process_missing_from_a_save_into_a_bucket_commits_nothing(monkeypatch
             ),
             {},
         )
-    assert store.checkpoints() == [first]
+    # An index without its entry or pieces: refused, and nothing is left.
+    sequence = store.storage.next_sequence()
+    index = {"tag": "mine", "process": 0, "file": "shards-00000.bin"}
+    store.storage.fs.pipe_file(
+        f"{store.storage.root}/ckpt-{sequence:08d}/shards-00000.json",
+        json.dumps(index).encode(),
+    )
+    with pytest.raises(ProcessesDisagreeError, match="malformed"):
+        store.save(
+            lambda staging: sharded.commit_uploaded_parts(
+                staging, store.storage, sequence, 1, "mine", SPECS, [""]
+            ),
+            {},
+        )
+    assert store.checkpoints() == [first] and store.leftovers() == []
 
 
 def test_a_share_is_one_aligned_image_reused_by_the_next_copy():

@@ -426,6 +426,12 @@ def commit_uploaded_parts(
                 file_io.DIGEST: digest.hexdigest(),
             }
         _write_table(staging, indexes, specs, layouts)
+    except (KeyError, TypeError, ValueError) as e:  # An index of another shape.
+        storage.remove_uncommitted(sequence)
+        raise ProcessesDisagreeError(
+            f"{where}: an index of pieces is malformed ({type(e).__name__}: {e}); "
+            "this save is not committed."
+        ) from None
     except BaseException:
         # What did arrive is removed: a failure before the commit (whose
         # own failure removes it too) leaves no partial checkpoint behind.
@@ -509,7 +515,9 @@ class ShardedReader:
             table = json.loads(data)
         except (OSError, ValueError, RecursionError) as e:
             raise CorruptCheckpointError(directory, f"{SHARDS_TABLE}: {e}") from None
-        variables = table.get("variables") if isinstance(table, dict) else None
+        if not isinstance(table, dict):
+            raise CorruptCheckpointError(directory, f"{SHARDS_TABLE} is malformed")
+        variables = table.get("variables")
         if table.get("format") != TABLE_FORMAT or not isinstance(variables, list):
             raise CorruptCheckpointError(directory, f"{SHARDS_TABLE} is malformed")
         if len(variables) < len(specs) or any(
