@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -126,8 +127,15 @@ def run_worker(args: argparse.Namespace) -> None:
                 extra = memory("VmHWM") - SaveMemory.base
                 SaveMemory.peak = max(SaveMemory.peak, extra)
 
+    local = {}
+    if args.local_dir:  # Each process's own disk, as if on hosts of their own.
+        local = {
+            "local_dir": os.path.join(args.local_dir, f"process-{args.index}"),
+            "local_save_freq": args.local_save_freq,
+        }
     backup = keras_ft.BackupAndRestore(
         args.backup_dir,
+        **local,
         save_freq=args.save_freq or "epoch",
         delete_checkpoint=False,
         verbose=0,
@@ -163,6 +171,9 @@ class Worker:
         ]  # fmt: skip
         if args.measure_memory:
             command.append("--measure-memory")
+        if args.local_dir:
+            command += ["--local-dir", args.local_dir,
+                        "--local-save-freq", str(args.local_save_freq)]  # fmt: skip
         env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3")
         env["PYTHONPATH"] = os.pathsep.join(
             [os.path.dirname(EXAMPLES_DIR), env.get("PYTHONPATH", "")]
@@ -231,6 +242,21 @@ def committed(backup_dir: str) -> list[str]:
         return []
 
 
+def newest_step(backup_dir: str) -> int | None:
+    """The optimizer step of the newest committed checkpoint."""
+    names = committed(backup_dir)
+    if not names:
+        return None
+    if "://" in backup_dir:
+        import fsspec
+
+        url = f"{backup_dir.rstrip('/')}/chief/{names[-1]}/metadata.json"
+        fs, path = fsspec.core.url_to_fs(url)
+        return json.loads(fs.cat_file(path))["step"]
+    with open(os.path.join(backup_dir, "chief", names[-1], "metadata.json")) as f:
+        return json.load(f)["step"]
+
+
 def shares(backup_dir: str) -> list[int] | None:
     """Bytes each process wrote into the newest checkpoint (sharded saves)."""
     names = committed(backup_dir)
@@ -283,6 +309,9 @@ def run_launcher(args: argparse.Namespace) -> dict:
         seen = max((e["step"] for e in workers[victim].events), default=0)
         codes = {i: w.finish(args.survivor_timeout) for i, w in enumerate(workers)}
         say(f"SIGKILLed process {victim} after step {seen}; relaunching.")
+        if args.wipe_local_of is not None:  # That host came back empty.
+            shutil.rmtree(os.path.join(args.local_dir, f"process-{args.wipe_local_of}"))
+        result.update(bucket_step=newest_step(args.backup_dir))
         result.update(
             victim=victim, killed_after_step=seen, exit_codes_after_kill=codes
         )
@@ -328,6 +357,15 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=180.0)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--backup-dir")
+    parser.add_argument(
+        "--local-dir", help="a local tier: process i's is <local-dir>/process-i"
+    )
+    parser.add_argument("--local-save-freq", type=int, default=1)
+    parser.add_argument(
+        "--wipe-local-of",
+        type=int,
+        help="empty this process's local tier before relaunching",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--worker", type=int, dest="index")

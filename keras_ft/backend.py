@@ -209,6 +209,14 @@ def own_pieces(value: Any) -> list[tuple[Bounds, np.ndarray]]:
     exactly one writes each piece. The views are valid until the variable
     changes. Other backends' values are one piece, the whole value.
     """
+    return [(bounds, data) for bounds, data, first in held_pieces(value) if first]
+
+
+def held_pieces(value: Any) -> list[tuple[Bounds, np.ndarray, bool]]:
+    """Every distinct piece of `value` on this process's devices, as
+    `((start, stop), view, first)`: `first` if this process holds its first
+    replica (the pieces of `own_pieces()`). What this process needs to
+    rebuild its slices by itself (a local tier)."""
     if isinstance(value, keras.Variable):
         value = value.value
     shape = tuple(value.shape)
@@ -216,12 +224,18 @@ def own_pieces(value: Any) -> list[tuple[Bounds, np.ndarray]]:
         import jax
 
         if isinstance(value, jax.Array):
-            return [
-                (_bounds(shard.index, shape), np.asarray(shard.data))
-                for shard in value.addressable_shards
-                if shard.replica_id == 0
-            ]
-    return [(((0,) * len(shape), shape), view(value))]
+            pieces: dict[Bounds, tuple[np.ndarray, bool]] = {}
+            for shard in value.addressable_shards:
+                bounds = _bounds(shard.index, shape)
+                held = pieces.get(bounds)
+                if held is None or (shard.replica_id == 0 and not held[1]):
+                    first = shard.replica_id == 0
+                    pieces[bounds] = (
+                        held[0] if held is not None else np.asarray(shard.data),
+                        first,
+                    )
+            return [(bounds, data, first) for bounds, (data, first) in pieces.items()]
+    return [(((0,) * len(shape), shape), view(value), True)]
 
 
 def build_like(

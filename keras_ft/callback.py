@@ -206,8 +206,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             bucket's; a new machine (an empty `local_dir`) restores from the
             bucket. In a multi-process JAX run each process keeps its own,
             and all restore from the newest step every tier holds, or all
-            from the bucket. Not yet under `MultiWorkerMirroredStrategy` or
-            `ModelParallel`. Defaults to `None`.
+            from the bucket; under `ModelParallel` each tier holds its
+            process's pieces. Not yet under `MultiWorkerMirroredStrategy`.
+            Defaults to `None`.
         local_save_freq: With `local_dir`, how often to back up to the local
             tier alone, between the bucket's saves: a positive integer number
             of batches, or `"epoch"`. Defaults to `None`: the local tier gets

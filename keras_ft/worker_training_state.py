@@ -131,9 +131,9 @@ class WorkerTrainingState:
             download, when it is at least as new as the bucket's (a machine
             that came back empty restores from the bucket). The tier keeps
             `keep` checkpoints (at least 4 in a cluster) in a subdirectory
-            named after `backup_dir` (and the process). JAX clusters and
-            one process; not yet a model split across processes. Defaults
-            to `None`.
+            named after `backup_dir` (and the process): one process, or a
+            JAX cluster (under `ModelParallel`, each process's pieces).
+            Defaults to `None`.
 
     Example:
 
@@ -195,6 +195,9 @@ class WorkerTrainingState:
                 manifest_key=manifest_key,
             )
             self._local_lock = self._local_store.writer_lock()
+            # A model split across processes: each tier holds every piece
+            # its process holds, to rebuild that process's slices alone.
+            self._state.every_replica = True
         self.async_save = bool(async_save)
         self._writer = _writers.setdefault(
             self._chief_store.identity, BackgroundWriter()
@@ -288,12 +291,6 @@ class WorkerTrainingState:
                 f"a local tier in a run of {self.task.num_workers} processes "
                 "needs JAX's collectives (the processes agree on which tier "
                 "to restore from before any of them loads)"
-            )
-        elif self.model.built and self._state.sharded():
-            why = (
-                "the model's variables are split across processes "
-                "(keras.distribution.ModelParallel), and a local tier holds "
-                "whole copies of the state, not yet each process's pieces"
             )
         if why is not None:
             raise ValueError(
@@ -401,7 +398,7 @@ class WorkerTrainingState:
         batches_completed = 0 if batch is None else batch
         if self._state.sharded():
             return self._back_up_sharded(
-                epochs_completed, batches_completed, extra, replaces_last
+                epochs_completed, batches_completed, extra, replaces_last, to_bucket
             )
         chief = self.task.is_chief
         if not chief and self._local_store is None:
@@ -460,6 +457,7 @@ class WorkerTrainingState:
         replaces_last: bool,
         write: Callable[[Staging], None] | None = None,
         to_bucket: bool = True,
+        direct: bool = False,
     ) -> threading.Event:
         """Hands `snapshot`'s write and commit to the writer thread.
 
@@ -473,7 +471,7 @@ class WorkerTrainingState:
             cancel_last.set()  # Before this copy waits for its write to pass.
         pending = self._writer.submit(
             lambda previous: self._commit(
-                snapshot, cancel, previous, replaced, write, to_bucket
+                snapshot, cancel, previous, replaced, write, to_bucket, direct
             )
         )
         self._last = (cancel, pending)
@@ -495,18 +493,22 @@ class WorkerTrainingState:
         batches_completed: int,
         extra: dict | None,
         replaces_last: bool,
+        to_bucket: bool = True,
     ) -> Checkpoint | None:
         """A save of a model split across processes: each writes its share.
 
         Every process copies the pieces it holds and writes them in the
         background into the save's parts directory; the chief's write then
         waits for every process's part and commits (`distribute/sharded.py`).
+        With a local tier, each process first commits every piece it holds
+        there, as a checkpoint of its own.
         """
         storage = self._chief_store.storage
         parts_root = storage.filesystem_path
         # One share in host memory at a time; and a failed write raises here.
         self._writer.wait()
         chief = self.task.is_chief
+        tiered = self._local_store is not None
         if chief:
             notify(
                 self.listeners,
@@ -514,6 +516,8 @@ class WorkerTrainingState:
                 epochs_completed,
                 optimizer_step(self.model),
             )
+        snapshot = None
+        if chief or tiered:
             snapshot = self._state.snapshot(epochs_completed, batches_completed, extra)
             share = snapshot.share
         else:
@@ -526,6 +530,20 @@ class WorkerTrainingState:
         self._saves += 1
         tag = f"{self._saves:08d}-{optimizer_step(self.model):012d}"
         process = self.task.task_index
+        if tiered:
+            assert snapshot is not None
+            layouts = self._state.layouts()
+            arrays_bytes = arrays.to_bytes(snapshot.arrays)
+
+            def write_own(staging: Staging) -> None:
+                sharded.write_own_part(staging, process, tag, share, specs, layouts)
+                staging.write_file(arrays.ARRAYS_FILE, [arrays_bytes])
+
+            self._start_commit(snapshot, replaces_last, write_own, to_bucket=False)
+            if not to_bucket:
+                return self._committed_unless_async()
+            # The bucket's save of the same share follows, in its own commit.
+            replaces_last = False
         if parts_root is None:  # A bucket: every process uploads into place.
             return self._back_up_sharded_to_bucket(
                 storage, snapshot if chief else None, share, tag, replaces_last
@@ -589,7 +607,7 @@ class WorkerTrainingState:
             )
             staging.write_file(arrays.ARRAYS_FILE, [arrays.to_bytes(snapshot.arrays)])
 
-        self._start_commit(snapshot, replaces_last, write)
+        self._start_commit(snapshot, replaces_last, write, direct=True)
         return self._committed_unless_async()
 
     def wait(self) -> Checkpoint | None:
@@ -645,7 +663,12 @@ class WorkerTrainingState:
         replaced: PendingWrite | None = None,
         write: Callable[[Staging], None] | None = None,
         to_bucket: bool = True,
+        direct: bool = False,
     ) -> Checkpoint:
+        """Writes and commits one save: into the local tier first if there
+        is one (then, `to_bucket`, a copy into the bucket), or with `direct`
+        (a sharded save's own commit into the bucket) into the bucket."""
+
         def after() -> None:
             # Commits keep the order of the saves: the one before goes first.
             if previous is not None:
@@ -664,7 +687,7 @@ class WorkerTrainingState:
             return superseded
 
         try:
-            if self._local_store is None:
+            if self._local_store is None or direct:
                 committed = self._chief_store.save(
                     write or functools.partial(write_snapshot, snapshot),
                     snapshot.metadata,
@@ -838,6 +861,22 @@ class WorkerTrainingState:
         # on the bucket holds for all: their points are the same.)
         if not host.all_processes_agree(usable) or mine is None:
             return None
+        if self._state.sharded():
+            # The read runs collectives: every process must reach it. Its
+            # files but the pieces (checked as read) are checked first.
+            try:
+                self._local_store.verify(mine[0], whole=False)
+                intact = True
+            except CorruptCheckpointError as e:
+                warnings.warn(
+                    f"keras-ft: the local tier's checkpoint {mine[0].name} is "
+                    f"damaged ({e}); every process restores from "
+                    f"{self._chief_store.directory} instead.",
+                    stacklevel=4,
+                )
+                intact = False
+            if not host.all_processes_agree(intact):
+                return None
         found = None
         try:
             found = self._local_store.fetch(mine[0], read)

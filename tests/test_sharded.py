@@ -499,3 +499,39 @@ def test_four_processes_back_up_to_a_bucket_and_restore_into_two_and_one(s3_serv
     assert one(single["resumed_steps"]) == 16
     assert one(single["restored_digests"]) == one(two["final_digests"])
     assert single["shares"] is None  # One process writes whole arrays.
+
+
+_REFERENCE: dict[tuple, dict] = {}
+
+
+def reference_run(*args: str) -> dict:
+    """An uninterrupted run into a bucket, once per set of arguments."""
+    if args not in _REFERENCE:
+        _REFERENCE[args] = run(bucket_url("reference"), *args)
+    return _REFERENCE[args]
+
+
+@JAX_CLUSTER
+@pytest.mark.parametrize("wiped", [False, True])
+def test_model_parallel_processes_resume_from_their_local_tiers(
+    s3_server, tmp_path, wiped
+):
+    """Each process keeps its own pieces (every piece it holds) on its
+    "own" disk every batch, the bucket gets a save per epoch. Killed after a
+    bucket commit, they resume from their tiers past it, bitwise as an
+    uninterrupted run; if one tier was wiped (a new host), from the bucket."""
+    common = ("--processes", "2", "--devices", "2", "--epochs", "3",
+              "--save-freq", "8", "--seconds-per-batch", "0.05")  # fmt: skip
+    reference = reference_run(*common)
+    args = ["--kill-after-commit", "--seed", "0", "--local-dir",
+            str(tmp_path / "local")]  # fmt: skip
+    if wiped:
+        args += ["--wipe-local-of", "0"]
+    killed = run(bucket_url("tiers"), *common, *args)
+    assert killed["exit_codes_after_kill"][str(killed["victim"])] == -9
+    resumed, bucket = one(killed["resumed_steps"]), killed["bucket_step"]
+    if wiped:
+        assert resumed == bucket
+    else:
+        assert bucket < resumed <= killed["killed_after_step"] + 1, killed
+    assert one(killed["final_digests"]) == one(reference["final_digests"])

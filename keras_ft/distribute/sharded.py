@@ -80,6 +80,8 @@ class Piece:
         stop: End of the slice (exclusive), per dimension.
         data: The values.
         offset: Where they lie in the process's file.
+        first: Whether this process holds the piece's first replica: of
+            all processes, only that one writes it into a shared save.
     """
 
     variable: int
@@ -87,6 +89,7 @@ class Piece:
     stop: tuple[int, ...]
     data: np.ndarray
     offset: int = 0
+    first: bool = True
 
 
 class Share:
@@ -95,13 +98,13 @@ class Share:
     filesystem allows it, and the same memory for every save.
 
     Args:
-        layout: `(variable, start, stop, dtype)` of each piece.
+        layout: `(variable, start, stop, dtype, first)` of each piece.
     """
 
-    def __init__(self, layout: list[tuple[int, tuple, tuple, np.dtype]]):
+    def __init__(self, layout: list[tuple[int, tuple, tuple, np.dtype, bool]]):
         self.layout = layout
         offsets, size = [], 0
-        for _, start, stop, dtype in layout:
+        for _, start, stop, dtype, _ in layout:
             size += -size % _ALIGN
             offsets.append(size)
             size += _volume(start, stop) * np.dtype(dtype).itemsize
@@ -119,8 +122,9 @@ class Share:
                 .view(dtype)
                 .reshape([b - a for a, b in zip(start, stop, strict=True)]),
                 offset,
+                first,
             )
-            for (variable, start, stop, dtype), offset in zip(
+            for (variable, start, stop, dtype, first), offset in zip(
                 layout, offsets, strict=True
             )
         ]
@@ -131,14 +135,21 @@ class Share:
         values: list[tuple[int, tuple, tuple, np.ndarray]],
         reuse: Share | None = None,
     ) -> Share:
-        """A share holding a copy of `values`, `(variable, start, stop, array)`;
-        in `reuse`'s memory if it has the same layout (it must be written
-        out by now)."""
-        layout = [(i, start, stop, a.dtype) for i, start, stop, a in values]
+        """A share holding a copy of `values`, `(variable, start, stop, array)`
+        or `(variable, start, stop, array, first)`; in `reuse`'s memory if it
+        has the same layout (it must be written out by now)."""
+        layout = [
+            (v[0], v[1], v[2], v[3].dtype, v[4] if len(v) > 4 else True) for v in values
+        ]
         share = reuse if reuse is not None and reuse.layout == layout else cls(layout)
-        for piece, (*_, array) in zip(share.pieces, values, strict=True):
-            np.copyto(piece.data, array)
+        for piece, value in zip(share.pieces, values, strict=True):
+            np.copyto(piece.data, value[3])
         return share
+
+    @property
+    def all_first(self) -> bool:
+        """Whether every piece is one this process writes into a shared save."""
+        return all(p.first for p in self.pieces)
 
     def image(self) -> memoryview:
         """The file's bytes."""
@@ -150,14 +161,24 @@ def is_sharded(variables: list) -> bool:
     return any(host.spans_processes(v) for v in variables)
 
 
-def take_share(variables: list, reuse: Share | None = None) -> Share:
+def take_share(
+    variables: list, reuse: Share | None = None, every_replica: bool = False
+) -> Share:
     """Copies this process's pieces of `variables` to host memory (see
-    `Share.copy_of()` for `reuse`)."""
-    values = [
-        (i, start, stop, view)
-        for i, variable in enumerate(variables)
-        for (start, stop), view in host.own_pieces(variable)
-    ]
+    `Share.copy_of()` for `reuse`): those it writes into a shared save, or
+    with `every_replica` all it holds (for a save of its own)."""
+    if not every_replica:
+        values = [
+            (i, start, stop, view, True)
+            for i, variable in enumerate(variables)
+            for (start, stop), view in host.own_pieces(variable)
+        ]
+    else:
+        values = [
+            (i, start, stop, view, first)
+            for i, variable in enumerate(variables)
+            for (start, stop), view, first in host.held_pieces(variable)
+        ]
     return Share.copy_of(values, reuse)
 
 
@@ -176,10 +197,30 @@ def part_name(process: int) -> str:
     return f"shards-{process:05d}"
 
 
-def _piece_index(share: Share) -> list[dict]:
-    """Where each piece of `share` lies in its file, with its checksum."""
-    index = []
+def _part_image(share: Share) -> tuple[list[Any], list[dict]]:
+    """The file of this process's part of a shared save, as buffers to
+    write back to back, and its index: the pieces it writes (`first`). The
+    share's own image when those are all of its pieces (no other copy)."""
+    if share.all_first:
+        return [share.image()], _piece_index(share.pieces)
+    chunks: list[Any] = []
+    pieces, size = [], 0
     for piece in share.pieces:
+        if not piece.first:
+            continue  # Another process writes it.
+        if size % _ALIGN:
+            chunks.append(bytes(-size % _ALIGN))
+            size += -size % _ALIGN
+        chunks.append(piece.data.reshape(-1).view(np.uint8))
+        pieces.append(dataclasses.replace(piece, offset=size))
+        size += piece.data.nbytes
+    return chunks, _piece_index(pieces)
+
+
+def _piece_index(pieces: list[Piece]) -> list[dict]:
+    """Where each of `pieces` lies in its file, with its checksum."""
+    index = []
+    for piece in pieces:
         digest = file_io.DIGESTS[file_io.DIGEST]()
         digest.update(piece.data.reshape(-1).view(np.uint8))
         index.append(
@@ -212,12 +253,9 @@ def write_part(
     """Writes this process's pieces and, last, their index: its part is done."""
     os.makedirs(directory, exist_ok=True)
     name = part_name(process)
-    pieces = _piece_index(share)
+    chunks, pieces = _part_image(share)
     entry = file_io.write_file(
-        os.path.join(directory, f"{name}.bin"),
-        [share.image()],
-        sync=True,
-        cancel=cancel,
+        os.path.join(directory, f"{name}.bin"), chunks, sync=True, cancel=cancel
     )
     temporary = os.path.join(directory, f".{name}.json")
     with open(temporary, "wb") as f:
@@ -240,13 +278,13 @@ def upload_part(
     is done. Until the chief's manifest, the checkpoint is a partial upload:
     never read, removed by the next writer."""
     name = part_name(process)
-    pieces = _piece_index(share)
+    chunks, pieces = _part_image(share)
     scratch = tempfile.mkdtemp(prefix="keras-ft-part-")
     try:
         path = os.path.join(scratch, f"{name}.bin")
         # Staged on local disk, as every upload is: written with direct I/O
         # from the share's buffer, the upload streams it with retries.
-        entry = file_io.write_file(path, [share.image()], sync=False, cancel=cancel)
+        entry = file_io.write_file(path, chunks, sync=False, cancel=cancel)
         storage.upload_into(sequence, f"{name}.bin", path, cancel)
         index = os.path.join(scratch, f"{name}.json")
         with open(index, "wb") as f:
@@ -254,6 +292,25 @@ def upload_part(
         storage.upload_into(sequence, f"{name}.json", index, cancel)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def write_own_part(
+    staging: Staging,
+    process: int,
+    tag: str,
+    share: Share,
+    specs: list[list],
+    layouts: list[str],
+) -> None:
+    """Writes a save of this process's own: every piece it holds (taken with
+    `every_replica`), and a table of them alone. Enough to rebuild this
+    process's slices in the same layout, no other's (a local tier)."""
+    name = f"{part_name(process)}.bin"
+    staging.write_file(name, [share.image()])
+    staging.digests[name] = {**staging.digests[name], PIECEWISE: True}
+    index = {"tag": tag, "process": process, "file": name}
+    index["pieces"] = _piece_index(share.pieces)
+    _write_table(staging, [index], specs, layouts, whole=False)
 
 
 def _read_index_file(directory: str) -> Callable[[int], bytes | None]:
@@ -440,9 +497,14 @@ def commit_uploaded_parts(
 
 
 def _write_table(
-    staging: Staging, indexes: list[dict], specs: list[list], layouts: list[str]
+    staging: Staging,
+    indexes: list[dict],
+    specs: list[list],
+    layouts: list[str],
+    whole: bool = True,
 ) -> None:
-    """Writes `shards.json`, the table of every piece of every variable."""
+    """Writes `shards.json`, the table of every piece of every variable
+    (`whole`), or of one process's pieces only."""
     variables = [
         {
             "path": path,
@@ -459,7 +521,7 @@ def _write_table(
         for piece in index["pieces"]:
             entry = {k: v for k, v in piece.items() if k != "variable"}
             variables[piece["variable"]]["pieces"].append({"file": name, **entry})
-    for variable in variables:
+    for variable in variables if whole else ():
         covered = sum(_volume(p["start"], p["stop"]) for p in variable["pieces"])
         if covered != math.prod(variable["shape"]):
             raise ProcessesDisagreeError(
@@ -467,7 +529,13 @@ def _write_table(
                 f"of its {math.prod(variable['shape'])} values; this save is "
                 "not committed."
             )
-    table = {"format": TABLE_FORMAT, "processes": len(indexes), "variables": variables}
+    table = {
+        "format": TABLE_FORMAT,
+        "processes": len(indexes),
+        "variables": variables,
+        # Which save it is: every process must restore the same one.
+        "save": indexes[0]["tag"] if indexes else None,
+    }
     staging.write_file(SHARDS_TABLE, [json.dumps(table).encode("utf-8")])
 
 
@@ -528,6 +596,8 @@ class ShardedReader:
                 directory, f"{SHARDS_TABLE} does not list the variables of metadata"
             )
         self._variables = variables
+        save = table.get("save")
+        self.save = save if isinstance(save, str) else None
         self._files: dict[str, int] = {}  # Open descriptors, by name.
         self._lock = threading.Lock()
         # A bucket's checkpoint: its files' pieces are fetched by range.
@@ -651,9 +721,12 @@ def read_variables(directory: str, variables: list, specs: list[list]) -> list[A
         if reader is not None:
             reader.close()
     agreed = host.all_processes_agree(error is None)
-    # Each process found its newest checkpoint itself: they must be the same.
-    name = os.path.basename(os.path.normpath(directory))
-    if not host.same_in_all_processes(zlib.crc32(name.encode())):
+    # Each process found its newest checkpoint itself: they must be the same
+    # save (its tag; in a local tier, each process reads a file of its own).
+    save = reader.save if reader is not None and reader.save else None
+    name = save or os.path.basename(os.path.normpath(directory))
+    same = host.same_in_all_processes(zlib.crc32(name.encode()))
+    if agreed and not same:
         raise CheckpointError(
             f"The processes of this training found different newest checkpoints "
             f"(this one: {directory}); was one started before the previous run's "

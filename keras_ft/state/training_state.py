@@ -158,6 +158,9 @@ class TrainingState:
         self.model = model
         self._weights = WeightsLayout(model)
         self._share: sharded.Share | None = None  # The last sharded copy.
+        # Whether a sharded copy takes every piece this process holds, not
+        # only those it writes into a shared save (for a save of its own).
+        self.every_replica = False
         self._configuration: dict | None = None
 
     def snapshot(
@@ -213,7 +216,9 @@ class TrainingState:
         The copy reuses the previous one's memory: call it only once that
         was written out.
         """
-        self._share = sharded.take_share(self.saved_variables(), self._share)
+        self._share = sharded.take_share(
+            self.saved_variables(), self._share, self.every_replica
+        )
         return self._share
 
     def sharded(self) -> bool:
