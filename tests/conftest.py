@@ -243,6 +243,10 @@ def s3_server():
     os.environ.update(env)
     import fsspec
 
+    # fsspec keeps filesystems by their options, not the environment: one
+    # made for another module's server would still point at that one.
+    fs_class = fsspec.get_filesystem_class("s3")
+    fs_class.clear_instance_cache()
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
     fs.mkdir(BUCKET)
     yield env
@@ -251,5 +255,6 @@ def s3_server():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+    fs_class.clear_instance_cache()
     server.terminate()
     server.wait(timeout=30)
