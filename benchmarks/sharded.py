@@ -19,8 +19,16 @@ processes, checksums verified (keras-ft, `WorkerTrainingState.restore()`)
 against `CheckpointManager.restore()` into the same shardings, from disk (the
 page cache is emptied first where the benchmark runs as root).
 
+With `--bucket`, the same runs back up to a local S3 server (moto, on
+127.0.0.1) instead: keras-ft into the bucket alone (each process uploads its
+pieces, the chief commits the manifest), and with a local tier (`local_dir`: every
+save committed on local disk first, then uploaded). It reports the fit time each
+adds per save and the restore: from the bucket (ranged GETs of each process's
+pieces), from the local tier, and the time to read a process's share of the tier
+from disk (the floor of a local restore). Orbax is not run against the bucket.
+
 Needs `orbax-checkpoint` (installed by `make bench` for this script only).
-Run: `python benchmarks/sharded.py [--processes 1 2 4] [--units 2048]`.
+Run: `python benchmarks/sharded.py [--processes 1 2 4] [--units 2048] [--bucket]`.
 """
 
 from __future__ import annotations
@@ -101,7 +109,17 @@ def worker(args: argparse.Namespace) -> None:
     def state_of(m: keras.Model) -> list:
         return [v.value for v in m.weights + m.optimizer.variables]
 
-    if args.callback == "keras-ft":
+    bucket = os.environ.get("BENCH_BUCKET_URL")
+    tier = os.path.join(args.dir, "tier", f"process-{args.index}")
+    if args.callback in ("bucket", "tier"):
+        local = {"local_dir": tier} if args.callback == "tier" else {}
+        callbacks = [
+            keras_ft.BackupAndRestore(
+                bucket, save_freq=args.every, delete_checkpoint=False, verbose=0,
+                **local,
+            )
+        ]  # fmt: skip
+    elif args.callback == "keras-ft":
         # The chief's commit: from "every part is on disk" (one process: its
         # weights file written) to the rename.
         from keras_ft import worker_training_state
@@ -167,7 +185,7 @@ def worker(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     model.fit(x, x, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
               callbacks=callbacks)  # fmt: skip
-    if args.callback == "keras-ft":
+    if args.callback in ("keras-ft", "bucket", "tier"):
         keras_ft.wait_for_backups()
     fit = time.perf_counter() - start
     # Restores read from disk (if the page cache can be emptied: root), after
@@ -181,12 +199,20 @@ def worker(args: argparse.Namespace) -> None:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("before a restore")
-        if args.callback == "keras-ft":
-            state = keras_ft.WorkerTrainingState(model, directory)
+        if args.callback in ("keras-ft", "bucket", "tier"):
+            if args.callback == "keras-ft":
+                state = keras_ft.WorkerTrainingState(model, directory)
+            else:
+                local = {"local_dir": tier} if args.callback == "tier" else {}
+                state = keras_ft.WorkerTrainingState(model, bucket, **local)
             start = time.perf_counter()
-            state.restore()
+            point = state.restore()
             jax.block_until_ready(state_of(model))
             restores.append(time.perf_counter() - start)
+            if args.callback == "tier":  # Read from the tier, not the bucket.
+                assert point is not None and not point.checkpoint.startswith("s3://"), (
+                    point
+                )
         elif manager is not None:
             import orbax.checkpoint as ocp
 
@@ -207,7 +233,32 @@ def worker(args: argparse.Namespace) -> None:
     params = sum(int(np.prod(v.shape)) for v in model.weights)
     result = {"fit": fit, "restore": restore, "params": params, "commits": commits,
               "blocked": blocked}  # fmt: skip
+    if args.callback == "tier":
+        result["read_share"] = read_from_disk(tier, args.index == 0, count)
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def read_from_disk(tier: str, drops_cache: bool, count: int) -> float:
+    """Seconds to read the files of the newest checkpoint in `tier` from
+    disk (the page cache emptied first, where it can be): the floor of a
+    restore from the local tier. The median of RESTORES."""
+    newest = max(n for n in os.listdir(tier) if n.startswith("ckpt-"))
+    path = os.path.join(tier, newest)
+    times = []
+    for _ in range(RESTORES):
+        if drops_cache:
+            drop_page_cache()
+        if count > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("before a read")
+        start = time.perf_counter()
+        for name in os.listdir(path):
+            with open(os.path.join(path, name), "rb", buffering=0) as f:
+                while f.read(8 << 20):
+                    pass
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def launch(args: argparse.Namespace, processes: int, callback: str, root: str):
@@ -298,6 +349,11 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=30)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--commit-mb", type=int, default=227)
+    parser.add_argument(
+        "--bucket",
+        action="store_true",
+        help="back up to a local S3 server instead (see above)",
+    )
     parser.add_argument("--worker", type=int, dest="index")
     parser.add_argument("--callback", default="none")
     parser.add_argument("--dir")
@@ -307,6 +363,9 @@ def main() -> None:
         worker(args)
         return
     saves = args.batches // args.every
+    if args.bucket:
+        bucket_rows(args, saves)
+        return
     rows = []
     for processes in args.processes:
         root = tempfile.mkdtemp(prefix="keras-ft-sharded-bench-")
@@ -348,6 +407,58 @@ def main() -> None:
     print("|---|---|")
     for count, seconds in commit_times(args.commit_mb, [1, 2, 4, 8, 16]):
         print(f"| {count} | {seconds * 1000:.1f} |")
+
+
+def bucket_rows(args: argparse.Namespace, saves: int) -> None:
+    """The `--bucket` table: keras-ft into a local S3 server, with and
+    without a local tier."""
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    from conftest import start_moto
+
+    server, port = start_moto()
+    os.environ.update(
+        AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true",
+    )  # fmt: skip
+    import fsspec
+
+    fsspec.filesystem("s3", skip_instance_cache=True).mkdir("bench")
+    rows = []
+    try:
+        for processes in args.processes:
+            root = tempfile.mkdtemp(prefix="keras-ft-sharded-bench-")
+            try:
+                base = max(r["fit"] for r in launch(args, processes, "none", root))
+                found = {}
+                for callback in ("bucket", "tier"):
+                    url = f"s3://bench/{callback}-{processes}-{time.time_ns()}"
+                    os.environ["BENCH_BUCKET_URL"] = url
+                    found[callback] = launch(args, processes, callback, root)
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+            added = {
+                c: (max(r["fit"] for r in found[c]) - base) / saves * 1000
+                for c in found
+            }
+            rows.append((
+                processes, found["bucket"][0]["params"], added["bucket"],
+                added["tier"], max(r["restore"] for r in found["bucket"]),
+                max(r["restore"] for r in found["tier"]),
+                max(r["read_share"] for r in found["tier"]),
+            ))  # fmt: skip
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    print(f"\n{rows[0][1] / 1e6:.1f}M-parameter MLP + Adam, ModelParallel over N JAX "
+          f"processes (1 CPU device each), {args.batches} batches, a save every "
+          f"{args.every}, to a local S3 server (moto, same 2 cores).\n")  # fmt: skip
+    print("| processes | added ms/save bucket | with local tier | restore s bucket "
+          "| local tier | read of the tier's files s | tier / read |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for n, _, a_b, a_t, r_b, r_t, read in rows:
+        print(f"| {n} | {a_b:.0f} | {a_t:.0f} | {r_b:.3f} | {r_t:.3f} "
+              f"| {read:.3f} | {r_t / read:.2f}x |")  # fmt: skip
 
 
 if __name__ == "__main__":

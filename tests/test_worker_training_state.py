@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -560,3 +561,35 @@ def test_a_local_tier_in_a_cluster_without_jax_is_refused_before_any_save(tmp_pa
     with pytest.raises(ValueError, match="needs JAX's collectives"):
         state.lock()
     assert not os.path.exists(tmp_path / "ssd")
+
+
+def test_a_preemption_backs_up_to_the_local_tier_first(tmp_path, data):
+    import signal
+
+    committed = []
+
+    class Commits(keras_ft.CheckpointListener):
+        def after_commit(self, path, epoch, step):
+            committed.append((path.startswith("memory://"), step))
+
+    class Preempt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    bucket = bucket_url()
+    backup = BackupAndRestore(
+        bucket, local_dir=str(tmp_path / "ssd"), save_freq=False,
+        exit_on_preemption=False, listeners=[Commits()], verbose=0,
+    )  # fmt: skip
+    make_model().fit(*data, epochs=2, batch_size=8, verbose=0,
+                     callbacks=[backup, Preempt()])  # fmt: skip
+    assert backup.preempted_by == "SIGTERM"
+    # Committed to the local tier (its newest), then copied to the bucket.
+    ((in_bucket, step),) = committed
+    assert in_bucket and step >= 3
+    (name,) = os.listdir(tmp_path / "ssd")
+    tier = keras_ft.checkpoint.store.open_store(str(tmp_path / "ssd" / name))
+    assert tier.unverified_metadata(tier.checkpoints()[-1])["step"] == step
+    with open(os.path.join(tier.directory, "uploaded.json")) as f:
+        assert json.load(f) == {"sequence": 1}
