@@ -48,6 +48,30 @@ def free_ports(count: int) -> list[int]:
 # The worker: one process of the cluster.
 
 
+def s3_server_recording(action: str) -> bytes:
+    """Drives the request recorder of a local moto S3 server (the tests'),
+    the one `AWS_ENDPOINT_URL` names: "reset-recording", "start-recording",
+    "stop-recording" or "download-recording"."""
+    import urllib.request
+
+    url = f"{os.environ['AWS_ENDPOINT_URL']}/moto-api/recorder/{action}"
+    method = "GET" if action == "download-recording" else "POST"
+    with urllib.request.urlopen(urllib.request.Request(url, method=method)) as r:
+        return r.read()
+
+
+def checkpoint_reads(recording: bytes) -> int:
+    """How many objects of checkpoints a moto recording shows were read
+    (GETs of `.../ckpt-<n>/<file>`; listings and writes are not reads)."""
+    count = 0
+    for line in recording.decode().splitlines():
+        request = json.loads(line)
+        path = request["url"].split("://", 1)[-1].split("?", 1)
+        if request["method"] == "GET" and len(path) == 1 and "/ckpt-" in path[0]:
+            count += 1
+    return count
+
+
 def emit(kind: str, **fields) -> None:
     print("EVENT " + json.dumps({"kind": kind, **fields}), flush=True)
 
@@ -273,9 +297,16 @@ def run_launcher(args: argparse.Namespace) -> dict:
         f"{committed_step}. Relaunching.")  # fmt: skip
     if args.wipe_local_of is not None:  # That machine came back empty.
         shutil.rmtree(os.path.join(args.local_dir, f"worker-{args.wipe_local_of}"))
+    if args.count_bucket_reads:
+        s3_server_recording("reset-recording")
+        s3_server_recording("start-recording")
 
     workers = launch(args)
     codes = [w.finish(args.timeout) for w in workers]
+    reads = None
+    if args.count_bucket_reads:
+        s3_server_recording("stop-recording")
+        reads = checkpoint_reads(s3_server_recording("download-recording"))
     resumed = [w.event("resumed") for w in workers]
     done = [w.event("done") for w in workers]
     for w, code in zip(workers, codes, strict=True):
@@ -287,6 +318,7 @@ def run_launcher(args: argparse.Namespace) -> dict:
         "killed_after_step": steps_seen,
         "exit_codes_after_kill": others,
         "committed_step": committed_step,
+        "bucket_reads_after_relaunch": reads,
         "exit_codes": codes,
         "resumed_steps": [r and r["step"] for r in resumed],
         "resumed_epochs": [r and r["epoch"] for r in resumed],
@@ -331,6 +363,12 @@ def main() -> None:
         "--wipe-local-of",
         type=int,
         help="empty this worker's local tier before relaunching",
+    )
+    parser.add_argument(
+        "--count-bucket-reads",
+        action="store_true",
+        help="with a local moto S3 server: count the checkpoint objects the "
+        "relaunch reads",
     )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quiet", action="store_true")

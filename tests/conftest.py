@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import keras
@@ -214,9 +215,13 @@ def start_moto() -> tuple[subprocess.Popen, int]:
     """A moto S3 server on a free loopback port, once it accepts connections."""
     port = _free_port()
     moto = shutil.which("moto_server", path=os.path.dirname(sys.executable))
+    # Its request recorder (when a test starts it) writes here, not in the
+    # working directory.
+    recording = os.path.join(tempfile.mkdtemp(prefix="keras-ft-moto-"), "requests")
     server = subprocess.Popen(
         [moto, "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=dict(os.environ, MOTO_RECORDER_FILEPATH=recording),
     )  # fmt: skip
     deadline = time.monotonic() + 60
     while True:

@@ -711,10 +711,12 @@ def test_a_cluster_resumes_from_its_local_tiers_unless_one_came_back_empty(
     """Two JAX processes, each with a local tier on its "own" disk, saving
     there every batch and to the bucket every 16. Killed after the first
     bucket commit, both resume from their local tiers, past the bucket's
-    newest; if one process's tier was wiped (a new machine), both resume
-    from the bucket."""
+    newest, reading no checkpoint object from the bucket (the server's
+    request log says); if one process's tier was wiped (a new machine),
+    both resume from the bucket."""
     args = ["--save-freq", "16", "--local-dir", str(tmp_path / "local"),
-            "--kill-window", "0.6", "--seed", "0"]  # fmt: skip
+            "--kill-window", "0.6", "--seed", "0",
+            "--count-bucket-reads"]  # fmt: skip
     if wiped:
         args += ["--wipe-local-of", "1"]
     run = run_cluster_on_bucket(s3_server, url("tiers"), *args)
@@ -722,9 +724,12 @@ def test_a_cluster_resumes_from_its_local_tiers_unless_one_came_back_empty(
     assert committed == 16 and run["exit_codes"] == [0, 0], run
     resumed = run["resumed_steps"]
     assert resumed[0] == resumed[1], run
+    # The server's own record of the relaunch: checkpoint objects read.
+    reads = run["bucket_reads_after_relaunch"]
     if wiped:
-        assert resumed[0] == committed
+        assert resumed[0] == committed and reads > 0, run
     else:
         assert committed < resumed[0] <= run["killed_after_step"] + 1, run
+        assert reads == 0, run
     assert run["final_steps"] == [3 * 8, 3 * 8]
     assert run["weights"][0] == run["weights"][1]
