@@ -60,15 +60,16 @@ def s3_server_recording(action: str) -> bytes:
         return r.read()
 
 
-def checkpoint_reads(recording: bytes) -> int:
-    """How many objects of checkpoints a moto recording shows were read
-    (GETs of `.../ckpt-<n>/<file>`; listings and writes are not reads)."""
+def checkpoint_reads(recording: bytes, names: list[str]) -> int:
+    """How many objects of the checkpoints `names` a moto recording shows
+    were read (GETs of `.../<name>/<file>`; listings and writes are not
+    reads, nor are the reads of checkpoints being written)."""
     count = 0
     for line in recording.decode().splitlines():
         request = json.loads(line)
         path = request["url"].split("://", 1)[-1].split("?", 1)
-        if request["method"] == "GET" and len(path) == 1 and "/ckpt-" in path[0]:
-            count += 1
+        if request["method"] == "GET" and len(path) == 1:
+            count += any(f"/{name}/" in path[0] for name in names)
     return count
 
 
@@ -297,6 +298,7 @@ def run_launcher(args: argparse.Namespace) -> dict:
         f"{committed_step}. Relaunching.")  # fmt: skip
     if args.wipe_local_of is not None:  # That machine came back empty.
         shutil.rmtree(os.path.join(args.local_dir, f"worker-{args.wipe_local_of}"))
+    before = committed(args.backup_dir)  # What a restore could read.
     if args.count_bucket_reads:
         s3_server_recording("reset-recording")
         s3_server_recording("start-recording")
@@ -306,7 +308,7 @@ def run_launcher(args: argparse.Namespace) -> dict:
     reads = None
     if args.count_bucket_reads:
         s3_server_recording("stop-recording")
-        reads = checkpoint_reads(s3_server_recording("download-recording"))
+        reads = checkpoint_reads(s3_server_recording("download-recording"), before)
     resumed = [w.event("resumed") for w in workers]
     done = [w.event("done") for w in workers]
     for w, code in zip(workers, codes, strict=True):

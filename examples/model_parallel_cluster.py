@@ -33,7 +33,13 @@ import tempfile
 import threading
 import time
 
-from local_cluster import EXAMPLES_DIR, emit, free_ports
+from local_cluster import (
+    EXAMPLES_DIR,
+    checkpoint_reads,
+    emit,
+    free_ports,
+    s3_server_recording,
+)
 
 SAMPLES, BATCH, FEATURES = 128, 16, 16
 
@@ -315,8 +321,16 @@ def run_launcher(args: argparse.Namespace) -> dict:
         result.update(
             victim=victim, killed_after_step=seen, exit_codes_after_kill=codes
         )
+        before = committed(args.backup_dir)  # What a restore could read.
+        if args.count_bucket_reads:
+            s3_server_recording("reset-recording")
+            s3_server_recording("start-recording")
         workers = launch(args)
     codes = [w.finish(args.timeout) for w in workers]
+    if args.count_bucket_reads and args.kill_after_commit:
+        s3_server_recording("stop-recording")
+        reads = checkpoint_reads(s3_server_recording("download-recording"), before)
+        result.update(bucket_reads_after_relaunch=reads)
     for i, (w, code) in enumerate(zip(workers, codes, strict=True)):
         if code != 0:
             say(f"process {i} exited with {code}:\n" + "".join(w.stderr[-40:]))
@@ -365,6 +379,12 @@ def main() -> None:
         "--wipe-local-of",
         type=int,
         help="empty this process's local tier before relaunching",
+    )
+    parser.add_argument(
+        "--count-bucket-reads",
+        action="store_true",
+        help="with a local moto S3 server: count the checkpoint objects the "
+        "relaunch after --kill-after-commit reads",
     )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quiet", action="store_true")

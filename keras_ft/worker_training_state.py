@@ -695,6 +695,8 @@ class WorkerTrainingState:
                     after,
                     supersedes("bucket"),
                 )
+                if self._local_store is not None:  # A sharded save's bucket copy.
+                    self._uploaded(committed)
             else:
                 committed = self._local_store.save(
                     write or functools.partial(write_snapshot, snapshot),
@@ -713,12 +715,7 @@ class WorkerTrainingState:
                         supersedes("bucket"),
                     )
                     self._copies[committed.path] = local
-                    # What the bucket's newest is, as far as this machine
-                    # knows: a restore that finds it so reads nothing there.
-                    self._local_store.replace_notice(
-                        _UPLOADED_NOTICE,
-                        json.dumps({"sequence": committed.sequence}).encode(),
-                    )
+                    self._uploaded(committed)
                     while len(self._copies) > 8:  # Only the newest are asked for.
                         del self._copies[next(iter(self._copies))]
         except LeaseLapsedError:
@@ -891,6 +888,15 @@ class WorkerTrainingState:
                 self._local_store.release(found[0])
             return None
         return found
+
+    def _uploaded(self, checkpoint: Checkpoint) -> None:
+        """Notes in the local tier that `checkpoint` is the bucket's newest,
+        as far as this machine knows: a restore that finds it so reads
+        nothing in the bucket but its listing."""
+        assert self._local_store is not None
+        self._local_store.replace_notice(
+            _UPLOADED_NOTICE, json.dumps({"sequence": checkpoint.sequence}).encode()
+        )
 
     def _uploaded_last(self) -> int | None:
         """The number of the last checkpoint this machine's local tier

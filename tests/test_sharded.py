@@ -524,14 +524,17 @@ def test_model_parallel_processes_resume_from_their_local_tiers(
               "--save-freq", "8", "--seconds-per-batch", "0.05")  # fmt: skip
     reference = reference_run(*common)
     args = ["--kill-after-commit", "--seed", "0", "--local-dir",
-            str(tmp_path / "local")]  # fmt: skip
+            str(tmp_path / "local"), "--count-bucket-reads"]  # fmt: skip
     if wiped:
         args += ["--wipe-local-of", "0"]
     killed = run(bucket_url("tiers"), *common, *args)
     assert killed["exit_codes_after_kill"][str(killed["victim"])] == -9
     resumed, bucket = one(killed["resumed_steps"]), killed["bucket_step"]
+    # The server's own record of the relaunch: checkpoint objects read.
+    reads = killed["bucket_reads_after_relaunch"]
     if wiped:
-        assert resumed == bucket
+        assert resumed == bucket and reads > 0, killed
     else:
         assert bucket < resumed <= killed["killed_after_step"] + 1, killed
+        assert reads == 0, killed
     assert one(killed["final_digests"]) == one(reference["final_digests"])
