@@ -696,7 +696,7 @@ class WorkerTrainingState:
                     supersedes("bucket"),
                 )
                 if self._local_store is not None:  # A sharded save's bucket copy.
-                    self._uploaded(committed)
+                    self._uploaded(committed, snapshot.metadata)
             else:
                 committed = self._local_store.save(
                     write or functools.partial(write_snapshot, snapshot),
@@ -715,7 +715,7 @@ class WorkerTrainingState:
                         supersedes("bucket"),
                     )
                     self._copies[committed.path] = local
-                    self._uploaded(committed)
+                    self._uploaded(committed, snapshot.metadata)
                     while len(self._copies) > 8:  # Only the newest are asked for.
                         del self._copies[next(iter(self._copies))]
         except LeaseLapsedError:
@@ -846,13 +846,8 @@ class WorkerTrainingState:
         usable = mine is not None
         if mine is not None and self.task.is_chief:
             bucket = self._chief_store.checkpoints()
-            if (
-                bucket
-                and bucket[-1].sequence != self._uploaded_last()
-                and mine[1]
-                < _position(self._chief_store.unverified_metadata(bucket[-1]))
-            ):
-                usable = False  # The bucket holds a later save (another machine's).
+            if bucket and mine[1] < self._bucket_position(bucket[-1]):
+                usable = False  # The bucket holds a later save.
         # Every process restores from its tier at that step, or all from the
         # bucket: they agree before any of them loads. (The chief's verdict
         # on the bucket holds for all: their points are the same.)
@@ -889,25 +884,29 @@ class WorkerTrainingState:
             return None
         return found
 
-    def _uploaded(self, checkpoint: Checkpoint) -> None:
-        """Notes in the local tier that `checkpoint` is the bucket's newest,
-        as far as this machine knows: a restore that finds it so reads
-        nothing in the bucket but its listing."""
+    def _uploaded(self, checkpoint: Checkpoint, metadata: dict) -> None:
+        """Notes in the local tier that `checkpoint` (saved at `metadata`'s
+        point) is the bucket's newest, as far as this machine knows: a
+        restore that finds it so reads nothing in the bucket but its
+        listing."""
         assert self._local_store is not None
-        self._local_store.replace_notice(
-            _UPLOADED_NOTICE, json.dumps({"sequence": checkpoint.sequence}).encode()
-        )
+        note = {"sequence": checkpoint.sequence, "position": _position(metadata)}
+        self._local_store.replace_notice(_UPLOADED_NOTICE, json.dumps(note).encode())
 
-    def _uploaded_last(self) -> int | None:
-        """The number of the last checkpoint this machine's local tier
-        copied to the bucket, if it says."""
+    def _bucket_position(self, newest: Checkpoint) -> tuple[int, int, int]:
+        """How far training was at the bucket's newest checkpoint: from this
+        machine's note if it uploaded that one, else from its metadata."""
         assert self._local_store is not None
         data = self._local_store.read_notice(_UPLOADED_NOTICE)
         try:
-            sequence = json.loads(data or b"")["sequence"]
+            note = json.loads(data or b"")
+            if note["sequence"] == newest.sequence:
+                return _position(
+                    dict(zip(_POSITION_KEYS, note["position"], strict=True))
+                )
         except (ValueError, TypeError, KeyError, RecursionError):
-            return None
-        return sequence if isinstance(sequence, int) else None
+            pass  # No note, or a damaged one: the bucket says.
+        return _position(self._chief_store.unverified_metadata(newest))
 
     def roll_back(self) -> ResumePoint | None:
         """Loads the newest good checkpoint's variables, in the middle of training.
@@ -1021,11 +1020,13 @@ def validate_on_config_change(value: object) -> str:
 _UPLOADED_NOTICE = "uploaded.json"
 
 
+_POSITION_KEYS = ("epochs_completed", "batches_completed", "step")
+
+
 def _position(metadata: dict) -> tuple[int, int, int]:
     """How far training was at a save, from its (unverified) metadata;
     `(-1, -1, -1)` if it does not say."""
-    values = [metadata.get(k) for k in ("epochs_completed", "batches_completed")]
-    values.append(metadata.get("step"))
+    values = [metadata.get(k) for k in _POSITION_KEYS]
     if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         return tuple(values)  # type: ignore[return-value]
     return (-1, -1, -1)
