@@ -587,11 +587,15 @@ class WorkerTrainingState:
         sequence = host.first_process_value(storage.next_sequence() if chief else 0)
         process = self.task.task_index
         if not chief:
-            self._writer.submit(
-                lambda previous: sharded.upload_part(
-                    storage, sequence, process, tag, share
-                )
-            )
+
+            def upload(previous: PendingWrite | None) -> None:
+                if previous is not None and self._local_store is not None:
+                    # The local tier's commit of this save first: the
+                    # bucket never holds a save some tier lacks.
+                    previous.join()
+                sharded.upload_part(storage, sequence, process, tag, share)
+
+            self._writer.submit(upload)
             if not self.async_save:
                 self._writer.wait()
             return None
