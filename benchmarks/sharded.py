@@ -242,6 +242,8 @@ def read_from_disk(tier: str, drops_cache: bool, count: int) -> float:
     """Seconds to read the files of the newest checkpoint in `tier` from
     disk (the page cache emptied first, where it can be): the floor of a
     restore from the local tier. The median of RESTORES."""
+    (backup,) = os.listdir(tier)  # keras-ft's directory for this backup.
+    tier = os.path.join(tier, backup)
     newest = max(n for n in os.listdir(tier) if n.startswith("ckpt-"))
     path = os.path.join(tier, newest)
     times = []
