@@ -836,6 +836,14 @@ class WorkerTrainingState:
         as the bucket's and verifies; else `None` (the bucket is read)."""
         if self._local_store is None:
             return None
+        # The chief asks the bucket how far its newest save went while the
+        # tier is listed and, where the read runs no collective, read: the
+        # round trips to the bucket then cost a restore from the tier nothing.
+        bucket = (
+            threads.submit(threads.transfer, self._bucket_newest)
+            if self.task.is_chief
+            else None
+        )
         # Each process's saves, by step: after a kill, some processes hold
         # a save or two more than others (a write in flight, steps run on).
         saves: dict[int, tuple[Checkpoint, tuple[int, int, int]]] = {}
@@ -847,46 +855,64 @@ class WorkerTrainingState:
         # machine, holds none: then all restore from the bucket).
         step = host.least_in_all_processes(max(saves, default=-1))
         mine = saves.get(step)
-        usable = mine is not None
-        if mine is not None and self.task.is_chief:
-            bucket = self._chief_store.checkpoints()
-            if bucket and mine[1] < self._bucket_position(bucket[-1]):
+        found = None
+        if mine is not None and not self._state.sharded():
+            found = self._fetch_local(mine[0], read)
+        usable = mine is not None and (found is not None or self._state.sharded())
+        if usable and bucket is not None:
+            newest = bucket.result()
+            if newest is not None and mine[1] < newest:
                 usable = False  # The bucket holds a later save.
         # Every process restores from its tier at that step, or all from the
         # bucket: they agree before any of them loads. (The chief's verdict
         # on the bucket holds for all: their points are the same.)
         if not host.all_processes_agree(usable) or mine is None:
+            if found is not None:
+                self._local_store.release(found[0])
             return None
-        if self._state.sharded():
-            # The read runs collectives: every process must reach it. Its
-            # files but the pieces (checked as read) are checked first.
-            try:
-                self._local_store.verify(mine[0], whole=False)
-                intact = True
-            except CorruptCheckpointError as e:
-                warnings.warn(
-                    f"keras-ft: the local tier's checkpoint {mine[0].name} is "
-                    f"damaged ({e}); every process restores from "
-                    f"{self._chief_store.directory} instead.",
-                    stacklevel=4,
-                )
-                intact = False
-            if not host.all_processes_agree(intact):
-                return None
-        found = None
+        if found is not None:
+            return found
+        # Sharded: the read runs collectives, so every process must reach
+        # it. Its files but the pieces (checked as read) are checked first.
         try:
-            found = self._local_store.fetch(mine[0], read)
+            self._local_store.verify(mine[0], whole=False)
+            intact = True
         except CorruptCheckpointError as e:
-            warnings.warn(
-                f"keras-ft: the local tier's checkpoint {mine[0].name} is damaged "
-                f"({e}); restoring from {self._chief_store.directory} instead.",
-                stacklevel=4,
-            )
+            self._warn_damaged_tier(mine[0], e)
+            intact = False
+        if not host.all_processes_agree(intact):
+            return None
+        found = self._fetch_local(mine[0], read)
         if not host.all_processes_agree(found is not None):
             if found is not None:
                 self._local_store.release(found[0])
             return None
         return found
+
+    def _fetch_local(
+        self, checkpoint: Checkpoint, read: Callable[[Checkpoint, ReadProgress], Any]
+    ) -> tuple[Checkpoint, dict, Any] | None:
+        """A tier checkpoint, read and verified; `None` (said) if damaged."""
+        assert self._local_store is not None
+        try:
+            return self._local_store.fetch(checkpoint, read)
+        except CorruptCheckpointError as e:
+            self._warn_damaged_tier(checkpoint, e)
+            return None
+
+    def _warn_damaged_tier(self, checkpoint: Checkpoint, error: Exception) -> None:
+        warnings.warn(
+            f"keras-ft: the local tier's checkpoint {checkpoint.name} is damaged "
+            f"({error}); every process restores from "
+            f"{self._chief_store.directory} instead.",
+            stacklevel=5,
+        )
+
+    def _bucket_newest(self) -> tuple[int, int, int] | None:
+        """How far training was at the bucket's newest checkpoint, or `None`
+        if the bucket holds none."""
+        bucket = self._chief_store.checkpoints()
+        return self._bucket_position(bucket[-1]) if bucket else None
 
     def _uploaded(self, checkpoint: Checkpoint, metadata: dict) -> None:
         """Notes in the local tier that `checkpoint` (saved at `metadata`'s

@@ -173,8 +173,14 @@ def test_verification_tells_how_far_it_has_read_each_file(tmp_path):
     progress = Recorder()
     store.verify(checkpoint, progress)
     chunk = files._CHUNK
-    # Piece by piece, in order. (Small files are read whole, unreported.)
-    assert [t for t in told if t[0] == "payload.bin"] == [
+    # Small files first, each whole: a reader following the verification
+    # parses them while the big file is still being checked.
+    small = [t for t in told if t[0] != "payload.bin"]
+    assert small and told[: len(small)] == small
+    for name, level in small:
+        assert level == os.path.getsize(checkpoint.file(name)), name
+    # Then the big one, piece by piece, in order.
+    assert told[len(small) :] == [
         ("payload.bin", chunk),
         ("payload.bin", 2 * chunk),
         ("payload.bin", size),

@@ -425,6 +425,8 @@ def file_digest(
             if arrived is not None:
                 arrived(size)
             digest.update(f.read())
+            if read is not None:
+                read(size)
             return digest.hexdigest()
         # Read rather than mapped: from disk, read() in big chunks ran 3-4x
         # faster here than faulting the pages of a mapping in (a restore

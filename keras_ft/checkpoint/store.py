@@ -778,7 +778,9 @@ def _check_digests(
 ) -> dict[str, Any]:
     """Checks the checksum of each of `files` (their sizes checked before);
     returns the metadata."""
-    for name, expected in files.items():
+    # Smallest first: a reader following `progress` parses the metadata
+    # and small arrays while the big files are still being checked.
+    for name, expected in sorted(files.items(), key=lambda item: _size(item[1])):
         if not whole and expected.get(PIECEWISE):
             continue
         algorithm = digest_algorithm(expected)
