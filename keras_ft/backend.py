@@ -314,6 +314,13 @@ def _gather(value: int) -> np.ndarray:
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
+            from keras_ft.compat import gather_ints
+
+            # The coordination service's store: a millisecond, where an
+            # all-gather is compiled and run.
+            values = gather_ints(value)
+            if values is not None:
+                return values
             return np.asarray(multihost_utils.process_allgather(np.int64(value)))
     return np.asarray([value])
 

@@ -172,3 +172,75 @@ def test_a_missing_capability_warns_once_per_process(tmp_path, data_module):
             )  # fmt: skip
     named = [w for w in warned if "'tensorboard_steps'" in str(w.message)]
     assert len(named) == 1
+
+
+_AGREEMENTS = """
+import json, os, sys, time
+import keras_ft
+from keras_ft import backend as host, compat
+index = int(sys.argv[1])
+keras_ft.initialize_cluster(coordinator_address="127.0.0.1:" + sys.argv[2],
+                            num_processes=2, process_id=index)
+found = []
+start = time.perf_counter()
+for i in range(20):
+    found.append([
+        host.least_in_all_processes(10 * i + index),
+        host.first_process_value(100 + index),
+        host.all_processes_agree(index == 0 or i % 2 == 0),
+        host.same_in_all_processes(i if i % 3 else i + index),
+    ])
+took = time.perf_counter() - start
+from jax._src import distributed
+client = distributed.global_state.client
+left = []
+for call in range(80):
+    try:
+        client.key_value_try_get(f"keras_ft/gather/{call}/{index}")
+        left.append(call)
+    except Exception:
+        pass
+print("RESULT", json.dumps({"found": found, "took": took, "left": left,
+      "store": compat.available("cluster_key_value")}), flush=True)
+"""
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="JAX clusters agree through JAX"
+)
+@pytest.mark.parametrize("store", [True, False])
+def test_cluster_agreements_are_the_same_through_the_store_or_xla(tmp_path, store):
+    """Two JAX processes agree on small integers through the coordination
+    service's store, or through XLA all-gathers with the capability off:
+    the same answers either way, and the store keeps only the last two
+    calls' keys."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import _free_port
+
+    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")  # fmt: skip
+    if not store:
+        env[registry.DISABLE_ENV] = "cluster_key_value"
+    port = str(_free_port())
+    processes = [
+        subprocess.Popen([sys.executable, "-c", _AGREEMENTS, str(i), port], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)
+    ]  # fmt: skip
+    results = []
+    for process in processes:
+        out, _ = process.communicate(timeout=120)
+        assert process.returncode == 0, out[-3000:]
+        line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+        results.append(json.loads(line[len("RESULT ") :]))
+    expected = [
+        [10 * i, 100, i % 2 == 0, i % 3 != 0] for i in range(20)
+    ]  # fmt: skip
+    for result in results:
+        assert result["store"] is store
+        assert result["found"] == expected
+        assert result["left"] == ([78, 79] if store else [])

@@ -18,6 +18,7 @@ from keras_ft.compat.data import (
     start_data_at_epoch,
 )
 from keras_ft.compat.grain_input import GrainView
+from keras_ft.compat.jax_cluster import gather_ints
 from keras_ft.compat.multi_worker import (
     CHECKED_KERAS_VERSIONS,
     install_multi_worker_fixes,
@@ -71,6 +72,7 @@ __all__ = [
     "disabled",
     "fail",
     "fit_epoch_iterator",
+    "gather_ints",
     "input_kind",
     "loads_in_processes",
     "install_multi_worker_fixes",
