@@ -259,6 +259,20 @@ def build_like(
     return for_assign(read(((0,) * len(shape), tuple(shape))))
 
 
+def bounds_needed(value: Any, shape: tuple[int, ...]) -> list[Bounds]:
+    """The slices of `value`'s variable that `build_like()` reads here, each
+    once, in the order it reads them."""
+    if isinstance(value, keras.Variable):
+        value = value.value
+    if keras.backend.backend() == "jax":
+        import jax
+
+        if isinstance(value, jax.Array):
+            indices = value.sharding.addressable_devices_indices_map(shape)
+            return list(dict.fromkeys(_bounds(i, shape) for i in indices.values()))
+    return [((0,) * len(shape), tuple(shape))]
+
+
 def sharding_text(value: Any) -> str:
     """How `value` is laid out, for people reading a checkpoint's index."""
     if isinstance(value, keras.Variable):

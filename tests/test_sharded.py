@@ -115,6 +115,7 @@ def test_a_damaged_piece_is_caught_by_whoever_reads_it(tmp_path):
     # A restore checks the small files whole and each piece it reads.
     store.verify(checkpoint, whole=False)
     reader = sharded.ShardedReader(checkpoint.path, SPECS)
+    reader.read_ahead([[((0, 0), (6, 8))], [((), ())]])  # A hint to the disk.
     np.testing.assert_array_equal(reader.read(0, ((0, 0), (6, 4))), KERNEL[:, :4])
     with pytest.raises(CorruptCheckpointError, match="shards-00001.bin.*checksum"):
         reader.read(0, ((0, 3), (6, 6)))
@@ -194,6 +195,8 @@ def test_pieces_uploaded_to_a_bucket_commit_and_a_restore_fetches_what_it_reads(
     def read(local, progress):
         reader = sharded.ShardedReader(local.path, SPECS)
         try:
+            # Fetched ahead, in parallel: the pieces these slices overlap.
+            reader.read_ahead([[((0, 0), (6, 4))], [((), ())]])
             return reader.read(0, ((0, 0), (6, 4))), reader.read(1, ((), ()))
         finally:
             reader.close()
@@ -221,6 +224,7 @@ def test_a_damaged_piece_in_a_bucket_is_caught_by_whoever_reads_it():
     def read(local, progress):
         reader = sharded.ShardedReader(local.path, SPECS)
         try:
+            reader.read_ahead([[((0, 0), (6, 8))], []])
             return reader.read(0, ((0, 0), (6, 8)))
         finally:
             reader.close()

@@ -30,6 +30,7 @@ verify` does not.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -41,12 +42,14 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 & co. as NumPy dtypes)
 import numpy as np
 
 from keras_ft import backend as host
+from keras_ft import threads
 from keras_ft.checkpoint import files as file_io
 from keras_ft.checkpoint import remote
 from keras_ft.checkpoint.errors import (
@@ -68,6 +71,9 @@ TABLE_FORMAT = "keras-ft-shards"
 WAIT_ENV = "KERAS_FT_SHARD_WAIT_SECONDS"
 _WAIT_SECONDS = 600.0
 _ALIGN = 64  # Each piece starts on a cache line: aligned views on restore.
+# How many bytes of pieces a restore from a bucket fetches ahead of the one
+# it places: ranged GETs in parallel, memory bounded.
+_AHEAD_BYTES = 256 << 20
 
 
 @dataclasses.dataclass
@@ -602,6 +608,10 @@ class ShardedReader:
         self._lock = threading.Lock()
         # A bucket's checkpoint: its files' pieces are fetched by range.
         self._ranges = remote.range_reader(directory)
+        # Pieces being fetched ahead from the bucket, and to fetch next.
+        self._fetching: dict[tuple[str, int, int], Future] = {}
+        self._queued: collections.deque[tuple[str, int, int]] = collections.deque()
+        self._ahead = 0  # Bytes being fetched.
 
     def read(self, variable: int, bounds: host.Bounds) -> np.ndarray:
         """The slice `bounds` (start, stop) of the variable at `variable`."""
@@ -640,6 +650,40 @@ class ShardedReader:
             )
         return out
 
+    def read_ahead(self, needs: list[list[host.Bounds]]) -> None:
+        """Starts reading every piece the slices `needs[i]` of the variable
+        at `i` overlap, so that `read()` finds each in memory as it checks
+        and places the one before: from disk, the kernel reads them all
+        into the page cache; from a bucket, up to `_AHEAD_BYTES` of ranged
+        GETs run at once."""
+        wanted: dict[tuple[str, int, int], None] = {}
+        for spec, slices in zip(self._variables, needs, strict=False):
+            for piece in spec["pieces"]:
+                key = _key(piece)
+                if key is not None and any(_overlaps(piece, b) for b in slices):
+                    wanted[key] = None
+        if self._ranges is None:
+            for name, offset, nbytes in wanted:
+                file_io.will_need(self._fd(name), offset, nbytes)
+            return
+        self._queued.extend(wanted)
+        self._fetch_more()
+
+    def _fetch_more(self) -> None:
+        while self._queued and (not self._fetching or self._ahead < _AHEAD_BYTES):
+            key = self._queued.popleft()
+            if key in self._fetching:
+                continue
+            self._fetching[key] = threads.submit(threads.transfer, self._fetch, *key)
+            self._ahead += key[2]
+
+    def _fd(self, name: str) -> int:
+        with self._lock:
+            fd = self._files.get(name)
+            if fd is None:
+                fd = self._files[name] = _open(self.directory, name)
+            return fd
+
     def _piece(self, piece: dict, dtype: np.dtype) -> np.ndarray:
         name, offset, nbytes = piece["file"], piece["offset"], piece["nbytes"]
         shape = [b - a for a, b in zip(piece["start"], piece["stop"], strict=True)]
@@ -652,12 +696,15 @@ class ShardedReader:
         if offset < 0:
             raise CorruptCheckpointError(self.directory, f"{name} is too short")
         if self._ranges is not None:
-            raw = self._fetch(name, offset, nbytes)
+            fetching = self._fetching.pop((name, offset, nbytes), None)
+            if fetching is None:
+                raw = self._fetch(name, offset, nbytes)
+            else:
+                self._ahead -= nbytes
+                self._fetch_more()
+                raw = fetching.result()
         else:
-            with self._lock:
-                fd = self._files.get(name)
-                if fd is None:
-                    fd = self._files[name] = _open(self.directory, name)
+            fd = self._fd(name)
             # Read, not mapped: from disk, faulting a mapping's pages in ran
             # 3-4x slower here (a save's direct I/O leaves nothing cached).
             raw = np.empty(nbytes, np.uint8)
@@ -690,6 +737,10 @@ class ShardedReader:
         return np.frombuffer(data, np.uint8).copy()
 
     def close(self) -> None:
+        self._queued.clear()
+        for fetching in self._fetching.values():
+            fetching.cancel()  # A GET under way ends; its bytes are dropped.
+        self._fetching.clear()
         with self._lock:
             for fd in self._files.values():
                 os.close(fd)
@@ -711,6 +762,12 @@ def read_variables(directory: str, variables: list, specs: list[list]) -> list[A
     reader = None
     try:
         reader = ShardedReader(directory, specs)
+        reader.read_ahead(
+            [
+                host.bounds_needed(variable, tuple(spec[2]))
+                for variable, spec in zip(variables, specs, strict=True)
+            ]
+        )
         for i, (variable, spec) in enumerate(zip(variables, specs, strict=True)):
             values.append(
                 host.build_like(variable, tuple(spec[2]), _reader_of(reader, i))
@@ -766,6 +823,30 @@ def _open(directory: str, name: str) -> int:
         raise CorruptCheckpointError(directory, f"{name} is missing") from None
     except ValueError as e:
         raise CorruptCheckpointError(directory, str(e)) from None
+
+
+def _key(piece: Any) -> tuple[str, int, int] | None:
+    """Where a piece lies: (file, offset, bytes); `None` if malformed (its
+    read then says what is wrong)."""
+    if not isinstance(piece, dict):
+        return None
+    key = (piece.get("file"), piece.get("offset"), piece.get("nbytes"))
+    kinds = (str, int, int)
+    if not all(isinstance(k, t) for k, t in zip(key, kinds, strict=True)):
+        return None
+    return key
+
+
+def _overlaps(piece: dict, bounds: host.Bounds) -> bool:
+    try:
+        return all(
+            max(a, b) < min(c, d)
+            for a, b, c, d in zip(
+                bounds[0], piece["start"], bounds[1], piece["stop"], strict=True
+            )
+        )
+    except (KeyError, TypeError, ValueError):
+        return False  # Malformed: refused when read.
 
 
 def _volume(start: list[int], stop: list[int]) -> int:
