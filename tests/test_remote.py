@@ -415,12 +415,20 @@ def test_a_cluster_backs_up_to_a_bucket_and_resumes_from_it(s3_server, tmp_path)
 @ONCE
 @pytest.mark.parametrize("on_save_error", ["raise", "warn"])
 def test_a_failing_upload_is_retried_then_reported_like_a_disk_error(
-    s3_server, data, on_save_error
+    s3_server, data, on_save_error, monkeypatch
 ):
     """The server goes away mid-training: each upload is retried with backoff,
     then fails as a disk would (`on_save_error`); nothing is half-committed."""
     import fsspec
+    import s3fs
 
+    from keras_ft.checkpoint import remote
+
+    # The same attempts, a shorter wait between them: every transfer of the
+    # epochs after the server went fails, each after its 4 attempts. (s3fs
+    # retries each request 5 times itself, 1.9 s of waits: once here.)
+    monkeypatch.setattr(remote, "_BACKOFF_SECONDS", 0.02)
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
     x, y = data
     server, port = start_moto()
     # The client's own retries are the user's to configure; keep them short.

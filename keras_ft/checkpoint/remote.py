@@ -72,6 +72,7 @@ _T = TypeVar("_T")
 LEASE_FILE = ".lease.json"
 LEASE_SECONDS_ENV = "KERAS_FT_LEASE_SECONDS"
 _RETRIES = 4  # Attempts of each upload or download, with backoff between.
+_BACKOFF_SECONDS = 0.25  # Before the second attempt; doubled for each next.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 # Stores whose fsspec filesystem passes S3's conditional writes on.
 _CONDITIONAL = ("s3", "s3a")
@@ -969,5 +970,5 @@ def _retried(action: Callable[[], _T]) -> _T:
         except Exception:  # Network and service errors differ by backend.
             if attempt == _RETRIES - 1:
                 raise
-            time.sleep(0.25 * 2**attempt)
+            time.sleep(_BACKOFF_SECONDS * 2**attempt)
     raise AssertionError("unreachable")
