@@ -207,6 +207,14 @@ def manifest_files(
             raise CorruptCheckpointError(
                 where, f"manifest entry for {name} is malformed"
             )
+    # Refused before anything is downloaded or checksummed: no metadata that
+    # large was ever written, and it would be refused once read anyway.
+    if files[METADATA_FILE]["size"] > MAX_JSON_BYTES:
+        raise CorruptCheckpointError(
+            where,
+            f"manifest lists {METADATA_FILE} at {files[METADATA_FILE]['size']} "
+            f"bytes, more than the {MAX_JSON_BYTES} keras-ft reads",
+        )
     return files
 
 
