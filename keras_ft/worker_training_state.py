@@ -874,12 +874,26 @@ class WorkerTrainingState:
             return found
         # Sharded: the read runs collectives, so every process must reach
         # it. Its files but the pieces (checked as read) are checked first.
+        intact = False
         try:
             self._local_store.verify(mine[0], whole=False)
-            intact = True
+            gap = sharded.missing_in(
+                mine[0].path,
+                self._state.saved_variables(),
+                self._state.variable_specs(),
+            )
         except CorruptCheckpointError as e:
             self._warn_damaged_tier(mine[0], e)
-            intact = False
+        else:
+            intact = gap is None
+            if gap is not None:
+                warnings.warn(
+                    f"keras-ft: the local tier's checkpoint {mine[0].name} holds "
+                    "this process's pieces of the layout it was saved in, and "
+                    f"this layout needs others (of {gap}); every process "
+                    f"restores from {self._chief_store.directory} instead.",
+                    stacklevel=4,
+                )
         if not host.all_processes_agree(intact):
             return None
         found = self._fetch_local(mine[0], read)

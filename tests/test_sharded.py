@@ -103,6 +103,35 @@ def test_pieces_of_two_processes_commit_and_any_slice_reads_back(tmp_path):
     assert not [n for n in os.listdir(store.directory) if n.startswith(".parts-")]
 
 
+def test_a_table_says_which_slice_its_pieces_do_not_cover(tmp_path):
+    """A local tier holds one process's pieces, of the layout it saved in:
+    a restore into another layout finds out from the table, before any
+    collective read."""
+    both = commit(CheckpointStore(str(tmp_path / "both")), "00000001-000000000001")
+    one = commit(CheckpointStore(str(tmp_path / "one")), "00000001-000000000001")
+    # As a tier of process 0 holds it: its own pieces only.
+    path = os.path.join(one.path, "shards.json")
+    with open(path) as f:
+        table = json.load(f)
+    for variable in table["variables"]:
+        variable["pieces"] = [
+            p for p in variable["pieces"] if p["file"] == "shards-00000.bin"
+        ]
+    with open(path, "w") as f:
+        json.dump(table, f)
+    whole = [[((0, 0), (6, 8))], [((), ())]]
+    left = [[((0, 0), (6, 4))], [((), ())]]
+    assert sharded.ShardedReader(both.path, SPECS).missing(whole) is None
+    assert sharded.ShardedReader(one.path, SPECS).missing(left) is None
+    assert sharded.ShardedReader(one.path, SPECS).missing(whole) == (
+        "'dense/kernel' [[0, 0]:[6, 8]]"
+    )
+    # Another split of the same columns: covered by the pieces together.
+    assert sharded.ShardedReader(both.path, SPECS).missing(
+        [[((0, 2), (6, 6)), ((0, 6), (6, 8))], []]
+    ) is None  # fmt: skip
+
+
 def test_a_damaged_piece_is_caught_by_whoever_reads_it(tmp_path):
     store = CheckpointStore(str(tmp_path / "chief"))
     checkpoint = commit(store, "00000001-000000000001")

@@ -41,7 +41,7 @@ import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -626,11 +626,7 @@ class ShardedReader:
                 return self._piece(piece, dtype)
         out = np.empty([b - a for a, b in zip(start, stop, strict=True)], dtype)
         filled = 0
-        for piece in spec["pieces"]:
-            low = [max(a, b) for a, b in zip(start, piece["start"], strict=True)]
-            high = [min(a, b) for a, b in zip(stop, piece["stop"], strict=True)]
-            if any(lo >= hi for lo, hi in zip(low, high, strict=True)):
-                continue
+        for piece, low, high in _overlapping(spec["pieces"], start, stop):
             values = self._piece(piece, dtype)
             source = tuple(
                 slice(lo - p, hi - p)
@@ -649,6 +645,21 @@ class ShardedReader:
                 f"{list(stop)}",
             )
         return out
+
+    def missing(self, needs: list[list[host.Bounds]]) -> str | None:
+        """The first of the slices `needs[i]` of the variable at `i` that the
+        checkpoint's pieces do not cover, as text; `None` if they cover all.
+        Reads the table only (a local tier holds one process's pieces: those
+        of the layout it was saved in)."""
+        for spec, slices in zip(self._variables, needs, strict=False):
+            for start, stop in slices:
+                covered = sum(
+                    _volume(low, high)
+                    for _, low, high in _overlapping(spec["pieces"], start, stop)
+                )
+                if covered != _volume(list(start), list(stop)):
+                    return f"{spec['path']!r} [{list(start)}:{list(stop)}]"
+        return None
 
     def read_ahead(self, needs: list[list[host.Bounds]]) -> None:
         """Starts reading every piece the slices `needs[i]` of the variable
@@ -801,6 +812,30 @@ def read_variables(directory: str, variables: list, specs: list[list]) -> list[A
     return values
 
 
+def missing_in(directory: str, variables: list, specs: list[list]) -> str | None:
+    """What this process's devices need of `variables` that the sharded
+    checkpoint `directory` does not hold (see `ShardedReader.missing()`), or
+    `None`. Reads its table only; no collective.
+
+    Raises:
+        CorruptCheckpointError: if its table is unreadable or malformed.
+    """
+    reader = ShardedReader(directory, specs)
+    try:
+        return reader.missing(
+            [
+                host.bounds_needed(variable, tuple(spec[2]))
+                for variable, spec in zip(variables, specs, strict=True)
+            ]
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(
+            directory, f"{SHARDS_TABLE} is malformed ({type(e).__name__}: {e})"
+        ) from None
+    finally:
+        reader.close()
+
+
 def _reader_of(reader: ShardedReader, i: int) -> Callable[[host.Bounds], np.ndarray]:
     return lambda bounds: reader.read(i, bounds)
 
@@ -835,6 +870,18 @@ def _key(piece: Any) -> tuple[str, int, int] | None:
     if not all(isinstance(k, t) for k, t in zip(key, kinds, strict=True)):
         return None
     return key
+
+
+def _overlapping(
+    pieces: list[dict], start: tuple, stop: tuple
+) -> Iterator[tuple[dict, list[int], list[int]]]:
+    """Each of `pieces` that overlaps the slice `start`:`stop`, with the
+    bounds of the overlap."""
+    for piece in pieces:
+        low = [max(a, b) for a, b in zip(start, piece["start"], strict=True)]
+        high = [min(a, b) for a, b in zip(stop, piece["stop"], strict=True)]
+        if all(lo < hi for lo, hi in zip(low, high, strict=True)):
+            yield piece, low, high
 
 
 def _overlaps(piece: dict, bounds: host.Bounds) -> bool:
