@@ -144,7 +144,6 @@ def test_a_damaged_piece_is_caught_by_whoever_reads_it(tmp_path):
     # A restore checks the small files whole and each piece it reads.
     store.verify(checkpoint, whole=False)
     reader = sharded.ShardedReader(checkpoint.path, SPECS)
-    reader.read_ahead([[((0, 0), (6, 8))], [((), ())]])  # A hint to the disk.
     np.testing.assert_array_equal(reader.read(0, ((0, 0), (6, 4))), KERNEL[:, :4])
     with pytest.raises(CorruptCheckpointError, match="shards-00001.bin.*checksum"):
         reader.read(0, ((0, 3), (6, 6)))

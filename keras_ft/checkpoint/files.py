@@ -601,15 +601,6 @@ def read_regular(path: str, limit: int, depth: int = 1) -> bytes:
         return f.read(limit + 1)[:limit]
 
 
-def will_need(fd: int, offset: int, length: int) -> None:
-    """Has the kernel start reading `length` bytes at `offset` into the page
-    cache, without waiting: the disk works while the reader checks and
-    places what it read before. A hint: where it is missing, nothing."""
-    if hasattr(os, "posix_fadvise") and length > 0:
-        with contextlib.suppress(OSError):  # A range past the end, say.
-            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-
-
 def fsync_path(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

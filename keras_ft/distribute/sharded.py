@@ -662,21 +662,19 @@ class ShardedReader:
         return None
 
     def read_ahead(self, needs: list[list[host.Bounds]]) -> None:
-        """Starts reading every piece the slices `needs[i]` of the variable
-        at `i` overlap, so that `read()` finds each in memory as it checks
-        and places the one before: from disk, the kernel reads them all
-        into the page cache; from a bucket, up to `_AHEAD_BYTES` of ranged
-        GETs run at once."""
+        """From a bucket, starts fetching every piece the slices `needs[i]`
+        of the variable at `i` overlap, up to `_AHEAD_BYTES` of ranged GETs
+        at once, so that `read()` finds each in memory as it checks and
+        places the one before. From disk, nothing: the kernel reads ahead
+        (telling it every piece up front measured slower here)."""
+        if self._ranges is None:
+            return
         wanted: dict[tuple[str, int, int], None] = {}
         for spec, slices in zip(self._variables, needs, strict=False):
             for piece in spec["pieces"]:
                 key = _key(piece)
                 if key is not None and any(_overlaps(piece, b) for b in slices):
                     wanted[key] = None
-        if self._ranges is None:
-            for name, offset, nbytes in wanted:
-                file_io.will_need(self._fd(name), offset, nbytes)
-            return
         self._queued.extend(wanted)
         self._fetch_more()
 
@@ -687,13 +685,6 @@ class ShardedReader:
                 continue
             self._fetching[key] = threads.submit(threads.transfer, self._fetch, *key)
             self._ahead += key[2]
-
-    def _fd(self, name: str) -> int:
-        with self._lock:
-            fd = self._files.get(name)
-            if fd is None:
-                fd = self._files[name] = _open(self.directory, name)
-            return fd
 
     def _piece(self, piece: dict, dtype: np.dtype) -> np.ndarray:
         name, offset, nbytes = piece["file"], piece["offset"], piece["nbytes"]
@@ -715,7 +706,10 @@ class ShardedReader:
                 self._fetch_more()
                 raw = fetching.result()
         else:
-            fd = self._fd(name)
+            with self._lock:
+                fd = self._files.get(name)
+                if fd is None:
+                    fd = self._files[name] = _open(self.directory, name)
             # Read, not mapped: from disk, faulting a mapping's pages in ran
             # 3-4x slower here (a save's direct I/O leaves nothing cached).
             raw = np.empty(nbytes, np.uint8)
