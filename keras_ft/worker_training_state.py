@@ -13,6 +13,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from typing import Any
 
 import keras
@@ -839,11 +840,25 @@ class WorkerTrainingState:
         # The chief asks the bucket how far its newest save went while the
         # tier is listed and, where the read runs no collective, read: the
         # round trips to the bucket then cost a restore from the tier nothing.
-        bucket = (
-            threads.submit(threads.transfer, self._bucket_newest)
-            if self.task.is_chief
-            else None
-        )
+        if not self.task.is_chief:
+            return self._tier_or_none(read, None)
+        bucket = threads.submit(threads.transfer, self._bucket_newest)
+        try:
+            return self._tier_or_none(read, bucket)
+        finally:
+            # Done before the restore reads the bucket itself: two reads of
+            # one object at once are not safe on every filesystem (memory://
+            # hands both threads the same file object).
+            futures.wait([bucket])
+
+    def _tier_or_none(
+        self,
+        read: Callable[[Checkpoint, ReadProgress], Any],
+        bucket: futures.Future | None,
+    ) -> tuple[Checkpoint, dict, Any] | None:
+        """`_local_newest()`, the chief's look at the bucket under way in
+        `bucket`."""
+        assert self._local_store is not None
         # Each process's saves, by step: after a kill, some processes hold
         # a save or two more than others (a write in flight, steps run on).
         saves: dict[int, tuple[Checkpoint, tuple[int, int, int]]] = {}
