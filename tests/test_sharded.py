@@ -223,8 +223,13 @@ def test_pieces_uploaded_to_a_bucket_commit_and_a_restore_fetches_what_it_reads(
     def read(local, progress):
         reader = sharded.ShardedReader(local.path, SPECS)
         try:
-            # Fetched ahead, in parallel: the pieces these slices overlap.
+            # Fetched ahead, in parallel: the pieces these slices overlap,
+            # before anything is read.
             reader.read_ahead([[((0, 0), (6, 4))], [((), ())]])
+            deadline = time.monotonic() + 10
+            while len(log.ranges) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(log.ranges) == 2, log.ranges
             return reader.read(0, ((0, 0), (6, 4))), reader.read(1, ((), ()))
         finally:
             reader.close()
@@ -261,6 +266,34 @@ def test_a_damaged_piece_in_a_bucket_is_caught_by_whoever_reads_it():
         store.fetch(checkpoint, read)
     with pytest.raises(CorruptCheckpointError, match="shards-00001.bin"):
         store.verify(checkpoint)  # `keras-ft verify` checks whole objects.
+
+
+def test_a_piece_at_a_negative_offset_is_refused_without_a_get(monkeypatch):
+    store = open_store(f"memory://sharded-{os.getpid()}-{time.monotonic_ns()}/chief")
+    checkpoint = upload(store, "00000001-000000000001")
+    log = RangeLog(store.storage.fs, monkeypatch)
+
+    def read(local, progress):
+        # A forged table (as if resealed): the second process's piece at -8.
+        path = os.path.join(local.path, sharded.SHARDS_TABLE)
+        with open(path) as f:
+            table = json.load(f)
+        for piece in table["variables"][0]["pieces"]:
+            if piece["file"] == "shards-00001.bin":
+                piece["offset"] = -8
+        with open(path, "w") as f:
+            json.dump(table, f)
+        reader = sharded.ShardedReader(local.path, SPECS)
+        try:
+            reader.read_ahead([[((0, 0), (6, 8))], []])
+            return reader.read(0, ((0, 0), (6, 8)))
+        finally:
+            reader.close()
+
+    # Refused (the forged table also fails its checksum in the manifest).
+    with pytest.raises(CorruptCheckpointError):
+        store.fetch(checkpoint, read)
+    assert [r for r in log.ranges if r[0] == "shards-00001.bin"] == []
 
 
 def test_a_process_missing_from_a_save_into_a_bucket_commits_nothing(monkeypatch):

@@ -863,7 +863,8 @@ def _key(piece: Any) -> tuple[str, int, int] | None:
     kinds = (str, int, int)
     if not all(isinstance(k, t) for k, t in zip(key, kinds, strict=True)):
         return None
-    return key
+    # A negative range is refused when read: not worth a GET first.
+    return key if key[1] >= 0 and key[2] >= 0 else None
 
 
 def _overlapping(
@@ -880,12 +881,7 @@ def _overlapping(
 
 def _overlaps(piece: dict, bounds: host.Bounds) -> bool:
     try:
-        return all(
-            max(a, b) < min(c, d)
-            for a, b, c, d in zip(
-                bounds[0], piece["start"], bounds[1], piece["stop"], strict=True
-            )
-        )
+        return any(_overlapping([piece], *bounds))
     except (KeyError, TypeError, ValueError):
         return False  # Malformed: refused when read.
 
