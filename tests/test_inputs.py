@@ -1,12 +1,14 @@
 """A resumed epoch skips its trained PyDataset items at the source:
-`__getitem__` runs only for what is left to train, and the run still ends
-where an uninterrupted one does."""
+`__getitem__` runs only for what is left to train (and Keras slices no
+trained rows of NumPy arrays), and the run still ends where an uninterrupted
+one does."""
 
 from __future__ import annotations
 
 import itertools
 import subprocess
 import sys
+import time
 
 import keras
 import numpy as np
@@ -196,6 +198,88 @@ def test_backup_without_input_position_replays(tmp_path):
     assert_same_weights(reference, model)
 
 
+class Rows(np.ndarray):
+    """Arrays that note the rows Keras slices out of them, once armed."""
+
+    read: list[int] = []
+    armed = False
+
+    def __getitem__(self, index):
+        if Rows.armed and isinstance(index, (np.ndarray, slice, list)):
+            rows = np.arange(len(self))[index]
+            Rows.read.extend(int(r) for r in rows)
+        return np.asarray(super().__getitem__(index))
+
+
+class ArmRows(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        Rows.read, Rows.armed = [], True
+
+    def on_train_end(self, logs=None):
+        Rows.armed = False
+
+
+def arrays_fit(tmp_path, backup_dir=None, crash=False, shuffle=True):
+    keras.utils.set_random_seed(1)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ITEMS * BATCH, FEATURES)).astype("float32")
+    y = x[:, :1] * 2 - x[:, 1:2]
+    model = keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(8),
+            keras.layers.Dropout(0.2),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(1e-2), "mse", metrics=["mae"])
+    callbacks = [ArmRows(), *backup_callback(backup_dir)]
+    if crash:
+        callbacks.append(Crash())
+    try:
+        model.fit(
+            x.view(Rows), y, batch_size=BATCH, epochs=2, shuffle=shuffle,
+            verbose=0, callbacks=callbacks,
+        )  # fmt: skip
+    except RuntimeError:
+        assert crash
+    finally:
+        Rows.armed = False
+    return model, list(Rows.read)
+
+
+# Keras slices arrays as each batch is pulled on JAX and PyTorch, inside
+# tf.data on TensorFlow (replayed there).
+SLICES_IN_PYTHON = keras.backend.backend() != "tensorflow"
+
+
+@pytest.mark.compat_core
+@pytest.mark.parametrize("shuffle", [True, "batch"])
+def test_resumed_epoch_slices_only_untrained_rows_of_arrays(tmp_path, shuffle):
+    reference, _ = arrays_fit(tmp_path, shuffle=shuffle)
+    backup = tmp_path / "backup"
+    _, before = arrays_fit(tmp_path, backup, crash=True, shuffle=shuffle)
+    model, rows = arrays_fit(tmp_path, backup, shuffle=shuffle)
+    assert_same_weights(reference, model)  # Bit for bit.
+    if SLICES_IN_PYTHON:
+        # The crashed run sliced epoch 2's first batches; the resumed run
+        # slices the rest of its order, each row once, and nothing trained.
+        trained = before[ITEMS * BATCH :][: SAVE_FREQ * BATCH]
+        assert len(rows) == len(set(rows)) == (ITEMS - SAVE_FREQ) * BATCH
+        assert sorted(rows + trained) == list(range(ITEMS * BATCH))
+
+
+@pytest.mark.skipif(not SLICES_IN_PYTHON, reason="sliced inside tf.data")
+def test_arrays_replayed_without_the_internals_stay_exact(tmp_path):
+    reference, _ = arrays_fit(tmp_path)
+    backup = tmp_path / "backup"
+    with compat.disabled("array_skip"):
+        arrays_fit(tmp_path, backup, crash=True)
+        model, rows = arrays_fit(tmp_path, backup)
+    assert len(rows) == ITEMS * BATCH  # The trained rows are sliced again.
+    assert_same_weights(reference, model)
+
+
 def tf_data_fit(tmp_path, backup_dir=None, crash=False, reshuffle=False):
     """A tf.data pipeline with a `py_function` (state outside the graph,
     which TensorFlow cannot checkpoint), counting its calls."""
@@ -353,11 +437,13 @@ def grain_fit(tmp_path, backup_dir=None, crash=False, kind="map"):
     class Source:
         def __init__(self, x, y):
             self.x, self.y, self.armed = x, y, False
+            self.count = 0
 
         def __len__(self):
             return len(self.x)
 
         def __getitem__(self, index):
+            self.count += 1
             if self.armed:
                 with open(log, "a") as f:
                     f.write(f"{index}\n")
@@ -385,6 +471,14 @@ def grain_fit(tmp_path, backup_dir=None, crash=False, kind="map"):
 
     class Arm(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
+            # The iterator fit() built the model from reads ahead in Grain's
+            # threads: arm once it has stopped (its buffer is full).
+            seen, still = -1, 0
+            deadline = time.monotonic() + 5
+            while still < 5 and time.monotonic() < deadline:
+                still = still + 1 if source.count == seen else 0
+                seen = source.count
+                time.sleep(0.02)
             source.armed = True
 
     callbacks = [Arm(), *backup_callback(backup_dir)]

@@ -9,10 +9,12 @@ touches a private Keras name or walks stack frames.
 
 from keras_ft.compat.building import planned_variables
 from keras_ft.compat.data import (
+    ArrayView,
     PyDatasetView,
     TfDataState,
     fit_epoch_iterator,
     input_kind,
+    is_placeholder,
     loads_in_processes,
     restore_tf_iterator,
     start_data_at_epoch,
@@ -57,6 +59,7 @@ from keras_ft.compat.training import (
 )
 
 __all__ = [
+    "ArrayView",
     "CHECKED_KERAS_VERSIONS",
     "DISABLE_ENV",
     "CompatibilityWarning",
@@ -74,6 +77,7 @@ __all__ = [
     "fit_epoch_iterator",
     "gather_ints",
     "input_kind",
+    "is_placeholder",
     "loads_in_processes",
     "install_multi_worker_fixes",
     "install_multi_worker_fixes_if_needed",

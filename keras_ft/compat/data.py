@@ -297,6 +297,147 @@ class _Recorder(_Seen):
         return _SKIPPED
 
 
+def _array_adapter_type() -> type:
+    from keras.src.trainers.data_adapters import array_data_adapter
+
+    return array_data_adapter.ArrayDataAdapter
+
+
+def _slices_arrays_in_python() -> bool:
+    # TensorFlow slices arrays inside tf.data: replayed there.
+    import keras
+
+    return keras.backend.backend() in ("jax", "torch")
+
+
+@register(
+    "array_skip",
+    "a resumed epoch slices the NumPy arrays' batches trained before the "
+    "restart again (they are replayed, not skipped)",
+    applies=_slices_arrays_in_python,
+)
+def _check_array_skip() -> bool:
+    import keras
+
+    adapter = _array_adapter_type()
+    if keras.backend.backend() == "jax":
+        # The slicing is the function it is handed, called with the indices.
+        return "_get_iterator" in _code_names(adapter.get_jax_iterator)
+    return "DataLoader" in _code_names(adapter.get_torch_dataloader)
+
+
+class _Placeholder(tuple):
+    """What a skipped batch of arrays is: an empty tuple, so that Keras'
+    loops and keras-ft's skipped steps take it as they take any batch."""
+
+
+_PLACEHOLDER = _Placeholder()
+
+
+def is_placeholder(batch: Any) -> bool:
+    """Whether `batch` is one a resumed epoch skipped at the source."""
+    return type(batch) is _Placeholder or type(batch) is Skipped
+
+
+class ArrayView:
+    """The NumPy arrays (or tensors) a `fit()` reads, on JAX and PyTorch.
+
+    Keras slices each batch out of the arrays when it is pulled. Given
+    `skip(count)`, the epoch's next `count` batches are pulled as before
+    (Keras draws the epoch's order, and a batch-wise shuffle's, when it did)
+    but each is an empty placeholder, sliced from nothing: a resumed epoch
+    does not copy the rows it trained before the restart.
+
+    Args:
+        adapter: The `ArrayDataAdapter` of `fit()`'s epoch iterator.
+    """
+
+    def __init__(self, adapter: Any):
+        import keras
+
+        self._adapter = adapter
+        self._count = 0
+        kind = type(adapter)
+        if keras.backend.backend() == "jax":
+            adapter._get_iterator = lambda convert, inputs: self._dropping(
+                kind._get_iterator, convert, inputs
+            )
+        else:
+            adapter.get_torch_dataloader = lambda: self._loader(
+                kind.get_torch_dataloader(adapter)
+            )
+
+    @classmethod
+    def of(cls, epoch_iterator: Any) -> Any:
+        """A view of `epoch_iterator`'s arrays, or `None` (another input,
+        TensorFlow, epochs that are not one pass, or an internal that
+        moved)."""
+        adapter = getattr(epoch_iterator, "data_adapter", None)
+        if adapter is None or not _slices_arrays_in_python():
+            return None
+        # A subclass may slice otherwise.
+        if type(adapter) is not _array_adapter_type() or not usable("array_skip"):
+            return None
+        steps = getattr(epoch_iterator, "steps_per_epoch", None)
+        if steps not in (None, getattr(adapter, "num_batches", None)):
+            return None  # The iterator runs across epochs.
+        import keras
+
+        if keras.distribution.distribution() is not None:
+            # JAX lays each batch out after the first one it sees.
+            return None
+        try:
+            return cls(adapter)
+        except Exception as e:
+            fail("array_skip", e)
+            return None
+
+    def skip(self, count: int) -> None:
+        """Has the next `count` batches pulled be placeholders."""
+        self._count = count
+
+    def remove(self) -> None:
+        """Gives the adapter its own methods back."""
+        for name in ("_get_iterator", "get_torch_dataloader"):
+            vars(self._adapter).pop(name, None)
+
+    def _dropping(self, generate: Callable, convert: Callable, inputs: Any) -> Any:
+        skipping = False
+
+        def sliced(sliceable: Any, indices: Any = None) -> Any:
+            return None if skipping else convert(sliceable, indices=indices)
+
+        batches = generate(self._adapter, sliced, inputs)
+        while True:
+            skipping = self._count > 0
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            if skipping:
+                self._count -= 1
+                batch = _PLACEHOLDER
+            yield batch
+
+    def _loader(self, loader: Any) -> Any:
+        dataset = loader.dataset
+        getitems = getattr(dataset, "__getitems__", None)
+        if getitems is None:
+            # Batches put together item by item: replayed.
+            fail("array_skip", LookupError("the arrays' dataset has no __getitems__"))
+            return loader
+
+        def sliced(indices: Any) -> Any:
+            if self._count > 0:
+                self._count -= 1
+                return _PLACEHOLDER  # The collate function keeps it as is.
+            return getitems(indices)
+
+        # The loader's fetcher looks the method up on the instance.
+        dataset.__getitems__ = sliced
+        return loader
+
+
 def _is_tensorflow() -> bool:
     import keras
 

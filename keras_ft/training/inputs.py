@@ -1,6 +1,12 @@
 """Where an epoch's input stands: what a backup notes of it, and how a
 resumed epoch goes on without loading again what was trained.
 
+NumPy arrays and tensors (on JAX and PyTorch) are sliced by Keras as each
+batch is pulled: a resumed epoch pulls its trained batches as placeholders
+sliced from nothing (`compat.ArrayView`), so the epoch's order is drawn as
+before and no trained row is copied. On TensorFlow, Keras slices arrays
+inside a `tf.data` pipeline: replayed.
+
 A `keras.utils.PyDataset` is followed item by item (`compat.PyDatasetView`).
 A resumed epoch skips its trained items at the source: Keras' own generator
 draws the epoch's order as before and asks for every item, and the trained
@@ -65,6 +71,7 @@ class InputPosition:
         self.view = compat.PyDatasetView.of(epoch_iterator, self._before_load)
         self._tf_data = compat.TfDataState(epoch_iterator)
         self.grain = compat.GrainView.of(epoch_iterator, self._after_batch)
+        self.arrays = compat.ArrayView.of(epoch_iterator)
 
     def begin_epoch(self) -> None:
         """Call before the epoch's pipeline starts (at `on_epoch_begin`)."""
@@ -73,6 +80,8 @@ class InputPosition:
         self._resume_rng = None
         if self.view is not None:
             self.view.skip([], placeholders=False)
+        if self.arrays is not None:
+            self.arrays.skip(0)
 
     def state_at(self, batch: int) -> dict[str, Any] | None:
         """What a backup after the epoch's first `batch` items notes of the
@@ -104,8 +113,14 @@ class InputPosition:
         """Sets up the resumed epoch to skip its trained items at the source.
 
         Call once the random state of the epoch's beginning is back in place.
-        Returns whether it does; if not, the trained items are replayed.
+        Returns whether it does (the skipped steps then pull nothing); if
+        not, they pull the trained batches again. Arrays are pulled again,
+        but as placeholders sliced from nothing: Keras draws the epoch's
+        order (and a batch-wise shuffle's) as it did, and copies no row.
         """
+        if self.arrays is not None and point.batch:
+            self.arrays.skip(point.batch)
+            return False
         saved = point.extra.get("input")
         if not isinstance(saved, dict) or not point.batch:
             return False
@@ -162,6 +177,9 @@ class InputPosition:
         if self.view is not None:
             self.view.remove()
             self.view = None
+        if self.arrays is not None:
+            self.arrays.remove()
+            self.arrays = None
         self.leave_grain()
         self.epoch_iterator = None
         self._tf_data = compat.TfDataState(None)

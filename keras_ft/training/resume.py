@@ -193,7 +193,7 @@ class Resumption:
             # TensorFlow builds compiled metrics inside the first step; build
             # them now, from the batch (or its spec) in hand, to give them
             # their values.
-            if batch is not None:
+            if batch is not None and not compat.is_placeholder(batch):
                 compat.build_metrics(model, batch)
             if not self.apply_metrics(metrics):
                 warnings.warn(
