@@ -435,7 +435,7 @@ def test_a_failing_upload_is_retried_then_reported_like_a_disk_error(
     options = {
         "endpoint_url": f"http://127.0.0.1:{port}",
         "skip_instance_cache": True,
-        "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1},
+        "config_kwargs": {"retries": {"total_max_attempts": 1}, "connect_timeout": 1},
     }
     fsspec.filesystem("s3", **options).mkdir("flaky")
 

@@ -19,14 +19,26 @@ pytest.importorskip("keras_hub", exc_type=ImportError)  # Needs a newer Keras.
 SCRIPT = os.path.join(TESTS_DIR, "workload_script.py")
 
 
-def run(out, *args):
-    return subprocess.run(
+def start(out, *args):
+    return subprocess.Popen(
         [sys.executable, SCRIPT, out, *args],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         env=subprocess_env(),
-        timeout=600,
     )
+
+
+def finish(process):
+    try:
+        stdout, stderr = process.communicate(timeout=600)
+    finally:
+        process.kill()
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def run(out, *args):
+    return finish(start(out, *args))
 
 
 def load(out):
@@ -43,10 +55,12 @@ def test_keras_hub_fine_tunes_resume_bitwise_exact(tmp_path):
     optimizer variables' paths equal an uninterrupted run's, without
     keras-ft."""
     reference = str(tmp_path / "reference")
-    result = run(reference)
-    assert result.returncode == 0, result.stderr
     out, backup = str(tmp_path / "resumed"), str(tmp_path / "backup")
+    # Side by side (each mostly compiles, on one core).
+    uninterrupted = start(reference)
     crashed = run(out, "--backup-dir", backup, "--crash-after", "1:5")
+    result = finish(uninterrupted)
+    assert result.returncode == 0, result.stderr
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     resumed = run(out, "--backup-dir", backup)
     assert resumed.returncode == 0, resumed.stderr
