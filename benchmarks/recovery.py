@@ -69,7 +69,7 @@ def child(args: argparse.Namespace) -> None:
 
     import keras_ft
 
-    batch_size, width = 32, 64
+    batch_size, width = 32, args.width
     batches = args.batches
     rng = np.random.default_rng(0)
     x = rng.normal(size=(batches * batch_size, width)).astype("float32")
@@ -230,12 +230,12 @@ def launch(backend: str, *extra: str) -> tuple[float, dict[str, float]]:
     return wall, said
 
 
-def restore_seconds(backend: str, directory: str) -> float:
+def restore_seconds(backend: str, directory: str, width: int) -> float:
     """`WorkerTrainingState.restore()` of the backup the kill left, timed in a
     process of its own (the model built as the child builds it)."""
     code = f"""
 import os, time, keras, keras_ft
-model = keras.Sequential([keras.Input(({64},)), keras.layers.Dense(256),
+model = keras.Sequential([keras.Input(({width},)), keras.layers.Dense(256),
                           keras.layers.Dense(256), keras.layers.Dense(1)])
 model.compile(keras.optimizers.Adam(1e-3), loss="mse")
 model.optimizer.build(model.trainable_variables)
@@ -270,6 +270,7 @@ def main() -> None:
     parser.add_argument("--inputs", nargs="*", choices=INPUTS, default=None)
     parser.add_argument("--batches", type=int, default=600, help="per epoch")
     parser.add_argument("--item-ms", type=float, default=5.0)
+    parser.add_argument("--width", type=int, default=64, help="features per row")
     parser.add_argument("--save-every", type=int, default=50)
     parser.add_argument("--since", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2, help="median of")
@@ -288,6 +289,7 @@ def main() -> None:
             args.inputs.remove("grain")
             print("(grain is not installed: no Grain input)")
     common = ["--batches", str(args.batches), "--item-ms", str(args.item_ms)]
+    common += ["--width", str(args.width)]
     print(
         f"Recovery, {args.backend}: {args.batches} batches per epoch, a backup every "
         f"{args.save_every}, killed {args.since} batches after one; seconds from "
@@ -326,7 +328,7 @@ def main() -> None:
                             args.backend, *run, *at, "--stop-at", str(kill), "--kill"
                         )
                         if tool == "keras_ft":
-                            read = restore_seconds(args.backend, directory)
+                            read = restore_seconds(args.backend, directory, args.width)
                             times["floor"].append(
                                 cold["AT"] + read + args.since * killed["BATCH"]
                             )

@@ -871,9 +871,11 @@ class WorkerTrainingState:
         step = host.least_in_all_processes(max(saves, default=-1))
         mine = saves.get(step)
         found = None
-        if mine is not None and not self._state.sharded():
+        sharded_state = self._state.sharded()
+        if mine is not None and not sharded_state:
             found = self._fetch_local(mine[0], read)
-        usable = mine is not None and (found is not None or self._state.sharded())
+        # Sharded, the read itself comes after the agreement (collectives).
+        usable = found is not None or (mine is not None and sharded_state)
         if usable and bucket is not None:
             newest = bucket.result()
             if newest is not None and mine[1] < newest:
