@@ -326,17 +326,15 @@ def _check_array_skip() -> bool:
     return "DataLoader" in _code_names(adapter.get_torch_dataloader)
 
 
-class _Placeholder(tuple):
-    """What a skipped batch of arrays is: an empty tuple, so that Keras'
-    loops and keras-ft's skipped steps take it as they take any batch."""
-
-
-_PLACEHOLDER = _Placeholder()
+# What a skipped batch of arrays is: an empty tuple, a structure with no
+# leaves (a tuple subclass would be one leaf to JAX), which Keras' loops and
+# keras-ft's skipped steps take as they take any batch; no real batch is one.
+_PLACEHOLDER: tuple = ()
 
 
 def is_placeholder(batch: Any) -> bool:
     """Whether `batch` is one a resumed epoch skipped at the source."""
-    return type(batch) is _Placeholder or type(batch) is Skipped
+    return (type(batch) is tuple and not batch) or type(batch) is Skipped
 
 
 class ArrayView:
