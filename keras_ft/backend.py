@@ -287,7 +287,8 @@ def sharding_text(value: Any) -> str:
 
 
 def all_processes_agree(flag: bool) -> bool:
-    """Whether `flag` is true in every process of a JAX cluster.
+    """Whether `flag` is true in every process of a cluster (JAX's, a
+    `MultiWorkerMirroredStrategy` in scope, a `torch.distributed` group).
 
     A collective: every process must call it, in the same order. One
     process returns `flag`.
@@ -296,7 +297,7 @@ def all_processes_agree(flag: bool) -> bool:
 
 
 def same_in_all_processes(value: int) -> bool:
-    """Whether every process of a JAX cluster passes the same `value`.
+    """Whether every process of a cluster passes the same `value`.
 
     A collective, as `all_processes_agree()`.
     """
@@ -305,7 +306,7 @@ def same_in_all_processes(value: int) -> bool:
 
 
 def least_in_all_processes(value: int) -> int:
-    """The least `value` any process of a JAX cluster passes.
+    """The least `value` any process of a cluster passes.
 
     A collective, as `all_processes_agree()`.
     """
@@ -313,16 +314,77 @@ def least_in_all_processes(value: int) -> int:
 
 
 def first_process_value(value: int) -> int:
-    """The `value` process 0 of a JAX cluster passes, in every process.
+    """The `value` process 0 of a cluster passes, in every process.
 
     A collective, as `all_processes_agree()`.
     """
     return int(_gather(int(value)).flat[0])
 
 
+def gathers_across_processes() -> bool:
+    """Whether this process can reach the others' values: a JAX cluster, a
+    `MultiWorkerMirroredStrategy` in scope (TensorFlow), or an initialised
+    `torch.distributed` group (PyTorch); one process reaches its own."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        return True  # jax.process_count() is 1 outside a cluster.
+    if backend == "tensorflow":
+        return _tf_cluster_strategy() is not None
+    return _torch_group_size() > 0
+
+
+def _tf_cluster_strategy() -> Any:
+    """The `MultiWorkerMirroredStrategy` in scope, or `None`."""
+    if "tensorflow" not in sys.modules:
+        return None
+    import tensorflow as tf
+
+    if not tf.distribute.has_strategy():
+        return None
+    strategy = tf.distribute.get_strategy()
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return strategy
+    return None
+
+
+def _torch_group_size() -> int:
+    """The size of the initialised `torch.distributed` group, or 0."""
+    if "torch" not in sys.modules:
+        return 0
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_world_size()
+
+
 def _gather(value: int) -> np.ndarray:
     """`value` from every process (just this one's, in one process)."""
-    if keras.backend.backend() == "jax":
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        strategy = _tf_cluster_strategy()
+        if strategy is not None:
+            import tensorflow as tf
+
+            # One value per replica, in replica order: a worker's replicas
+            # repeat its value, which changes no least value or agreement.
+            mine = strategy.experimental_distribute_values_from_function(
+                lambda _: tf.constant([value], tf.int64)
+            )
+            return strategy.gather(mine, axis=0).numpy()
+    elif backend == "torch":
+        size = _torch_group_size()
+        if size > 1:
+            import torch
+            import torch.distributed as dist
+
+            cuda = dist.get_backend() == "nccl"  # NCCL gathers device tensors.
+            tensor = torch.tensor([value], dtype=torch.int64)
+            tensor = tensor.cuda() if cuda else tensor
+            values = [torch.empty_like(tensor) for _ in range(size)]
+            dist.all_gather(values, tensor)
+            return np.asarray([int(v.item()) for v in values], np.int64)
+    elif backend == "jax":
         import jax
 
         if jax.process_count() > 1:

@@ -204,10 +204,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             tier alone. A restart on the same machine restores from it, with
             no download, when it holds a backup at least as new as the
             bucket's; a new machine (an empty `local_dir`) restores from the
-            bucket. In a multi-process JAX run each process keeps its own,
-            and all restore from the newest step every tier holds, or all
-            from the bucket; under `ModelParallel` each tier holds its
-            process's pieces. Not yet under `MultiWorkerMirroredStrategy`.
+            bucket. In a multi-process run (JAX, `MultiWorkerMirroredStrategy`,
+            `torch.distributed`) each process keeps its own, and all restore
+            from the newest step every tier holds, or all from the bucket;
+            under `ModelParallel` each tier holds its process's pieces.
             Defaults to `None`.
         local_save_freq: With `local_dir`, how often to back up to the local
             tier alone, between the bucket's saves: a positive integer number

@@ -133,8 +133,9 @@ class WorkerTrainingState:
             that came back empty restores from the bucket). The tier keeps
             `keep` checkpoints (at least 4 in a cluster) in a subdirectory
             named after `backup_dir` (and the process): one process, or a
-            JAX cluster (under `ModelParallel`, each process's pieces).
-            Defaults to `None`.
+            cluster whose processes can agree (JAX's, under `ModelParallel`
+            each process's pieces; the model's `MultiWorkerMirroredStrategy`;
+            a `torch.distributed` group). Defaults to `None`.
 
     Example:
 
@@ -286,18 +287,33 @@ class WorkerTrainingState:
 
     def _check_local_tier(self) -> None:
         """Refuses a local tier where it cannot work yet, before any save."""
-        why = None
-        if self.task.num_workers > 1 and keras.backend.backend() != "jax":
-            why = (
-                f"a local tier in a run of {self.task.num_workers} processes "
-                "needs JAX's collectives (the processes agree on which tier "
-                "to restore from before any of them loads)"
-            )
-        if why is not None:
-            raise ValueError(
-                f"Invalid value for argument `local_dir`: {why}. Pass "
-                f"local_dir=None. Received: local_dir={self.local_dir!r}"
-            )
+        if self.task.num_workers == 1:
+            return
+        with self._collectives():
+            if host.gathers_across_processes():
+                return
+        raise ValueError(
+            "Invalid value for argument `local_dir`: in a run of "
+            f"{self.task.num_workers} processes, the processes agree on which "
+            "tier to restore from before any of them loads, through a JAX "
+            "cluster, a `tf.distribute.MultiWorkerMirroredStrategy` (the "
+            "model's) or an initialised `torch.distributed` group, and this "
+            "run has none of them. Build the model under such a strategy, or "
+            f"pass local_dir=None. Received: local_dir={self.local_dir!r}"
+        )
+
+    def _collectives(self) -> contextlib.AbstractContextManager:
+        """Where the processes' agreements run: the scope of the model's
+        `tf.distribute` strategy on TensorFlow (`fit()` may be called
+        outside it), nothing to enter elsewhere."""
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            # The strategy the model was built under (or the one in scope).
+            strategy = getattr(self.model, "distribute_strategy", None)
+            if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+                return strategy.scope()
+        return contextlib.nullcontext()
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[WorkerTrainingState]:
@@ -841,10 +857,12 @@ class WorkerTrainingState:
         # tier is listed and, where the read runs no collective, read: the
         # round trips to the bucket then cost a restore from the tier nothing.
         if not self.task.is_chief:
-            return self._tier_or_none(read, None)
+            with self._collectives():
+                return self._tier_or_none(read, None)
         bucket = threads.submit(threads.transfer, self._bucket_newest)
         try:
-            return self._tier_or_none(read, bucket)
+            with self._collectives():
+                return self._tier_or_none(read, bucket)
         finally:
             # Done before the restore reads the bucket itself: two reads of
             # one object at once are not safe on every filesystem (memory://

@@ -174,13 +174,7 @@ def test_a_missing_capability_warns_once_per_process(tmp_path, data_module):
     assert len(named) == 1
 
 
-_AGREEMENTS = """
-import json, os, sys, time
-import keras_ft
-from keras_ft import backend as host, compat
-index = int(sys.argv[1])
-keras_ft.initialize_cluster(coordinator_address="127.0.0.1:" + sys.argv[2],
-                            num_processes=2, process_id=index)
+_AGREE = """
 found = []
 start = time.perf_counter()
 for i in range(20):
@@ -191,6 +185,18 @@ for i in range(20):
         host.same_in_all_processes(i if i % 3 else i + index),
     ])
 took = time.perf_counter() - start
+"""
+_AGREEMENTS = (
+    """
+import json, os, sys, time
+import keras_ft
+from keras_ft import backend as host, compat
+index = int(sys.argv[1])
+keras_ft.initialize_cluster(coordinator_address="127.0.0.1:" + sys.argv[2],
+                            num_processes=2, process_id=index)
+"""
+    + _AGREE
+    + """
 from jax._src import distributed
 client = distributed.global_state.client
 left = []
@@ -203,6 +209,7 @@ for call in range(80):
 print("RESULT", json.dumps({"found": found, "took": took, "left": left,
       "store": compat.available("cluster_key_value")}), flush=True)
 """
+)
 
 
 @pytest.mark.skipif(
@@ -244,3 +251,54 @@ def test_cluster_agreements_are_the_same_through_the_store_or_xla(tmp_path, stor
         assert result["store"] is store
         assert result["found"] == expected
         assert result["left"] == ([78, 79] if store else [])
+
+
+_TORCH_AGREEMENTS = (
+    """
+import json, sys, time
+import torch.distributed as dist
+from keras_ft import backend as host
+index = int(sys.argv[1])
+alone = host.gathers_across_processes()
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2],
+                        rank=index, world_size=2)
+"""
+    + _AGREE
+    + """
+print("RESULT", json.dumps({"found": found, "alone": alone,
+      "group": host.gathers_across_processes()}), flush=True)
+"""
+)
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "torch", reason="torch.distributed's collectives"
+)
+def test_a_torch_distributed_group_agrees_through_its_collectives():
+    """Two processes of a gloo group on 127.0.0.1 (as torchrun starts them)
+    agree on small integers through `torch.distributed`: each would
+    otherwise answer with its own value alone."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import _free_port
+
+    env = dict(os.environ, KERAS_BACKEND="torch")
+    port = str(_free_port())
+    processes = [
+        subprocess.Popen([sys.executable, "-c", _TORCH_AGREEMENTS, str(i), port],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+        for i in range(2)
+    ]  # fmt: skip
+    for process in processes:
+        out, _ = process.communicate(timeout=120)
+        assert process.returncode == 0, out[-3000:]
+        line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+        result = json.loads(line[len("RESULT ") :])
+        assert result["alone"] is False and result["group"] is True
+        assert result["found"] == [
+            [10 * i, 100, i % 2 == 0, i % 3 != 0] for i in range(20)
+        ]  # fmt: skip

@@ -363,9 +363,10 @@ def test_large_uploads_report_progress(s3_server):
     assert lines[-1].split(": ", 2)[2].startswith("100% of 3 MB"), lines
 
 
-def run_cluster_on_bucket(s3_server, backup, *args):
-    """`examples/local_cluster.py`: two JAX workers backing up to `backup`;
-    worker 1 gets the fault; the run's `RESULT` numbers."""
+def run_cluster_on_bucket(s3_server, backup, *args, backend="jax"):
+    """`examples/local_cluster.py`: two workers (JAX's, unless `backend`
+    says) backing up to `backup`; worker 1 gets the fault; the run's
+    `RESULT` numbers."""
     import json as json_module
 
     harness = os.path.join(
@@ -375,7 +376,7 @@ def run_cluster_on_bucket(s3_server, backup, *args):
     env = subprocess_env()
     env.update(s3_server)
     result = subprocess.run(
-        [sys.executable, harness, "--backend", "jax", "--workers", "2",
+        [sys.executable, harness, "--backend", backend, "--workers", "2",
          "--epochs", "3", "--seconds-per-batch", "0.1", "--backup-dir", backup,
          "--json", "--quiet", "--kill-worker", "1", *args],
         capture_output=True, text=True, env=env, timeout=300,
@@ -739,5 +740,29 @@ def test_a_cluster_resumes_from_its_local_tiers_unless_one_came_back_empty(
     else:
         assert committed < resumed[0] <= run["killed_after_step"] + 1, run
         assert reads == 0, run
+    assert run["final_steps"] == [3 * 8, 3 * 8]
+    assert run["weights"][0] == run["weights"][1]
+
+
+@run_once_on("tensorflow", "a MultiWorkerMirroredStrategy cluster")
+@pytest.mark.parametrize("wiped", [False, True])
+def test_a_tensorflow_cluster_resumes_from_its_local_tiers(s3_server, tmp_path, wiped):
+    """The same under `MultiWorkerMirroredStrategy`: the workers agree on
+    their tiers' step through the strategy's collectives (without them,
+    the worker whose tier survived would resume from it alone)."""
+    args = ["--save-freq", "16", "--local-dir", str(tmp_path / "local"),
+            "--kill-window", "0.6", "--seed", "0", "--count-bucket-reads"]  # fmt: skip
+    if wiped:
+        args += ["--wipe-local-of", "1"]
+    run = run_cluster_on_bucket(s3_server, url("tf-tiers"), *args, backend="tensorflow")
+    assert run["committed_step"] == 16 and run["exit_codes"] == [0, 0], run
+    resumed = run["resumed_steps"]
+    assert resumed[0] == resumed[1], run
+    if wiped:
+        assert resumed[0] == 16 and run["bucket_reads_after_relaunch"] > 0, run
+    else:
+        # TensorFlow's workers may be killed before a step past the commit.
+        assert 16 <= resumed[0] <= run["killed_after_step"] + 1, run
+        assert run["bucket_reads_after_relaunch"] == 0, run
     assert run["final_steps"] == [3 * 8, 3 * 8]
     assert run["weights"][0] == run["weights"][1]
