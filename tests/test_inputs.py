@@ -92,7 +92,8 @@ def backup_callback(backup_dir) -> list:
     ]
 
 
-def fit(tmp_path, backup_dir=None, crash=False, noise=True, **workers):
+def seeded_model_and_data() -> tuple[keras.Model, np.ndarray, np.ndarray]:
+    """The tests' model (Dropout draws: order matters) and rows, seeded."""
     keras.utils.set_random_seed(1)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(ITEMS * BATCH, FEATURES)).astype("float32")
@@ -106,6 +107,11 @@ def fit(tmp_path, backup_dir=None, crash=False, noise=True, **workers):
         ]
     )
     model.compile(keras.optimizers.Adam(1e-2), "mse", metrics=["mae"])
+    return model, x, y
+
+
+def fit(tmp_path, backup_dir=None, crash=False, noise=True, **workers):
+    model, x, y = seeded_model_and_data()
     # A log of its own: the enqueuer of a fit() that raised goes on loading
     # (and noting) the rest of its epoch in the background.
     log = tmp_path / f"loads-{next(_FITS)}"
@@ -220,19 +226,7 @@ class ArmRows(keras.callbacks.Callback):
 
 
 def arrays_fit(tmp_path, backup_dir=None, crash=False, shuffle=True):
-    keras.utils.set_random_seed(1)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(ITEMS * BATCH, FEATURES)).astype("float32")
-    y = x[:, :1] * 2 - x[:, 1:2]
-    model = keras.Sequential(
-        [
-            keras.Input((FEATURES,)),
-            keras.layers.Dense(8),
-            keras.layers.Dropout(0.2),
-            keras.layers.Dense(1),
-        ]
-    )
-    model.compile(keras.optimizers.Adam(1e-2), "mse", metrics=["mae"])
+    model, x, y = seeded_model_and_data()
     callbacks = [ArmRows(), *backup_callback(backup_dir)]
     if crash:
         callbacks.append(Crash())

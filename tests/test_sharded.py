@@ -246,6 +246,17 @@ def test_pieces_uploaded_to_a_bucket_commit_and_a_restore_fetches_what_it_reads(
     assert "shards.json" in log.whole
 
 
+def read_kernel(local) -> np.ndarray:
+    """The first variable whole (both processes' pieces), read from the
+    fetched checkpoint `local` as a restore reads it."""
+    reader = sharded.ShardedReader(local.path, SPECS)
+    try:
+        reader.read_ahead([[((0, 0), (6, 8))], []])
+        return reader.read(0, ((0, 0), (6, 8)))
+    finally:
+        reader.close()
+
+
 def test_a_damaged_piece_in_a_bucket_is_caught_by_whoever_reads_it():
     store = open_store(f"memory://sharded-{os.getpid()}-{time.monotonic_ns()}/chief")
     checkpoint = upload(store, "00000001-000000000001")
@@ -254,16 +265,8 @@ def test_a_damaged_piece_in_a_bucket_is_caught_by_whoever_reads_it():
     data[8] ^= 0xFF
     store.storage.fs.pipe_file(key, bytes(data))
 
-    def read(local, progress):
-        reader = sharded.ShardedReader(local.path, SPECS)
-        try:
-            reader.read_ahead([[((0, 0), (6, 8))], []])
-            return reader.read(0, ((0, 0), (6, 8)))
-        finally:
-            reader.close()
-
     with pytest.raises(CorruptCheckpointError, match="shards-00001.bin.*checksum"):
-        store.fetch(checkpoint, read)
+        store.fetch(checkpoint, lambda local, progress: read_kernel(local))
     with pytest.raises(CorruptCheckpointError, match="shards-00001.bin"):
         store.verify(checkpoint)  # `keras-ft verify` checks whole objects.
 
@@ -283,12 +286,7 @@ def test_a_piece_at_a_negative_offset_is_refused_without_a_get(monkeypatch):
                 piece["offset"] = -8
         with open(path, "w") as f:
             json.dump(table, f)
-        reader = sharded.ShardedReader(local.path, SPECS)
-        try:
-            reader.read_ahead([[((0, 0), (6, 8))], []])
-            return reader.read(0, ((0, 0), (6, 8)))
-        finally:
-            reader.close()
+        return read_kernel(local)
 
     # Refused (the forged table also fails its checksum in the manifest).
     with pytest.raises(CorruptCheckpointError):
