@@ -854,8 +854,8 @@ class WorkerTrainingState:
         if self._local_store is None:
             return None
         # The chief asks the bucket how far its newest save went while the
-        # tier is listed and, where the read runs no collective, read: the
-        # round trips to the bucket then cost a restore from the tier nothing.
+        # tier is listed and read: the round trips to the bucket then cost a
+        # restore from the tier nothing.
         if not self.task.is_chief:
             with self._collectives():
                 return self._tier_or_none(read, None)
@@ -888,55 +888,66 @@ class WorkerTrainingState:
         # machine, holds none: then all restore from the bucket).
         step = host.least_in_all_processes(max(saves, default=-1))
         mine = saves.get(step)
-        found = None
-        sharded_state = self._state.sharded()
-        if mine is not None and not sharded_state:
-            found = self._fetch_local(mine[0], read)
-        # Sharded, the read itself comes after the agreement (collectives).
-        usable = found is not None or (mine is not None and sharded_state)
-        if usable and bucket is not None:
-            newest = bucket.result()
-            if newest is not None and mine[1] < newest:
-                usable = False  # The bucket holds a later save.
+        if self._state.sharded():
+            return self._sharded_tier_or_none(mine, read, bucket)
+        found = None if mine is None else self._fetch_local(mine[0], read)
         # Every process restores from its tier at that step, or all from the
         # bucket: they agree before any of them loads. (The chief's verdict
         # on the bucket holds for all: their points are the same.)
-        if not host.all_processes_agree(usable) or mine is None:
-            if found is not None:
-                self._local_store.release(found[0])
-            return None
-        if found is not None:
-            return found
-        # Sharded: the read runs collectives, so every process must reach
-        # it. Its files but the pieces (checked as read) are checked first.
-        intact = False
-        try:
-            self._local_store.verify(mine[0], whole=False)
-            gap = sharded.missing_in(
-                mine[0].path,
-                self._state.saved_variables(),
-                self._state.variable_specs(),
-            )
-        except CorruptCheckpointError as e:
-            self._warn_damaged_tier(mine[0], e)
-        else:
-            intact = gap is None
-            if gap is not None:
-                warnings.warn(
-                    f"keras-ft: the local tier's checkpoint {mine[0].name} holds "
-                    "this process's pieces of the layout it was saved in, and "
-                    f"this layout needs others (of {gap}); every process "
-                    f"restores from {self._chief_store.directory} instead.",
-                    stacklevel=4,
-                )
-        if not host.all_processes_agree(intact):
-            return None
-        found = self._fetch_local(mine[0], read)
-        if not host.all_processes_agree(found is not None):
+        usable = found is not None and not _bucket_newer(bucket, mine[1])
+        if not host.all_processes_agree(usable):
             if found is not None:
                 self._local_store.release(found[0])
             return None
         return found
+
+    def _sharded_tier_or_none(
+        self,
+        mine: tuple[Checkpoint, tuple[int, int, int]] | None,
+        read: Callable[[Checkpoint, ReadProgress], Any],
+        bucket: futures.Future | None,
+    ) -> tuple[Checkpoint, dict, Any] | None:
+        """`_tier_or_none()` of a model split across processes: the read
+        runs collectives, so every process must reach it, or none. Its
+        files but the pieces (checked as read) are checked first; the
+        chief's look at the bucket is awaited only after the read."""
+        assert self._local_store is not None
+        intact = mine is not None and self._covers_this_layout(mine[0])
+        if not host.all_processes_agree(intact):
+            return None
+        assert mine is not None
+        found = self._fetch_local(mine[0], read)
+        usable = found is not None and not _bucket_newer(bucket, mine[1])
+        if not host.all_processes_agree(usable):
+            if found is not None:
+                self._local_store.release(found[0])
+            return None
+        return found
+
+    def _covers_this_layout(self, checkpoint: Checkpoint) -> bool:
+        """Whether a tier checkpoint of a sharded save verifies (but its
+        pieces) and holds every slice this process's devices need (said
+        if not)."""
+        assert self._local_store is not None
+        try:
+            self._local_store.verify(checkpoint, whole=False)
+            gap = sharded.missing_in(
+                checkpoint.path,
+                self._state.saved_variables(),
+                self._state.variable_specs(),
+            )
+        except CorruptCheckpointError as e:
+            self._warn_damaged_tier(checkpoint, e)
+            return False
+        if gap is not None:
+            warnings.warn(
+                f"keras-ft: the local tier's checkpoint {checkpoint.name} holds "
+                "this process's pieces of the layout it was saved in, and "
+                f"this layout needs others (of {gap}); every process "
+                f"restores from {self._chief_store.directory} instead.",
+                stacklevel=6,
+            )
+        return gap is None
 
     def _fetch_local(
         self, checkpoint: Checkpoint, read: Callable[[Checkpoint, ReadProgress], Any]
@@ -1118,6 +1129,15 @@ def _copy_of(store: CheckpointStore, checkpoint: Checkpoint, staging: Staging) -
         if name != METADATA_FILE:  # Written by the save itself.
             staging.from_paths[name] = checkpoint.file(name)
             staging.digests[name] = entry
+
+
+def _bucket_newer(
+    bucket: futures.Future | None, position: tuple[int, int, int]
+) -> bool:
+    """Whether the chief's look at the bucket (`None` elsewhere) found a
+    save later than `position`."""
+    newest = bucket.result() if bucket is not None else None
+    return newest is not None and position < newest
 
 
 def local_tier_dir(local_dir: str, backup_dir: str, task: TaskSpec) -> str:
