@@ -856,10 +856,9 @@ class WorkerTrainingState:
         # The chief asks the bucket how far its newest save went while the
         # tier is listed and read: the round trips to the bucket then cost a
         # restore from the tier nothing.
-        if not self.task.is_chief:
-            with self._collectives():
-                return self._tier_or_none(read, None)
-        bucket = threads.submit(threads.transfer, self._bucket_newest)
+        bucket = None
+        if self.task.is_chief:
+            bucket = threads.submit(threads.transfer, self._bucket_newest)
         try:
             with self._collectives():
                 return self._tier_or_none(read, bucket)
@@ -867,7 +866,8 @@ class WorkerTrainingState:
             # Done before the restore reads the bucket itself: two reads of
             # one object at once are not safe on every filesystem (memory://
             # hands both threads the same file object).
-            futures.wait([bucket])
+            if bucket is not None:
+                futures.wait([bucket])
 
     def _tier_or_none(
         self,
@@ -889,34 +889,16 @@ class WorkerTrainingState:
         step = host.least_in_all_processes(max(saves, default=-1))
         mine = saves.get(step)
         if self._state.sharded():
-            return self._sharded_tier_or_none(mine, read, bucket)
+            # The read runs collectives: every process reaches it, or none.
+            # Its files but the pieces (checked as read) are checked first.
+            intact = mine is not None and self._covers_this_layout(mine[0])
+            if not host.all_processes_agree(intact):
+                return None
         found = None if mine is None else self._fetch_local(mine[0], read)
         # Every process restores from its tier at that step, or all from the
         # bucket: they agree before any of them loads. (The chief's verdict
-        # on the bucket holds for all: their points are the same.)
-        usable = found is not None and not _bucket_newer(bucket, mine[1])
-        if not host.all_processes_agree(usable):
-            if found is not None:
-                self._local_store.release(found[0])
-            return None
-        return found
-
-    def _sharded_tier_or_none(
-        self,
-        mine: tuple[Checkpoint, tuple[int, int, int]] | None,
-        read: Callable[[Checkpoint, ReadProgress], Any],
-        bucket: futures.Future | None,
-    ) -> tuple[Checkpoint, dict, Any] | None:
-        """`_tier_or_none()` of a model split across processes: the read
-        runs collectives, so every process must reach it, or none. Its
-        files but the pieces (checked as read) are checked first; the
-        chief's look at the bucket is awaited only after the read."""
-        assert self._local_store is not None
-        intact = mine is not None and self._covers_this_layout(mine[0])
-        if not host.all_processes_agree(intact):
-            return None
-        assert mine is not None
-        found = self._fetch_local(mine[0], read)
+        # on the bucket holds for all: their points are the same; it is
+        # awaited after the tier's read.)
         usable = found is not None and not _bucket_newer(bucket, mine[1])
         if not host.all_processes_agree(usable):
             if found is not None:
@@ -945,7 +927,7 @@ class WorkerTrainingState:
                 "this process's pieces of the layout it was saved in, and "
                 f"this layout needs others (of {gap}); every process "
                 f"restores from {self._chief_store.directory} instead.",
-                stacklevel=6,
+                stacklevel=5,
             )
         return gap is None
 

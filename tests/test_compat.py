@@ -212,29 +212,22 @@ print("RESULT", json.dumps({"found": found, "took": took, "left": left,
 )
 
 
-@pytest.mark.skipif(
-    keras.backend.backend() != "jax", reason="JAX clusters agree through JAX"
-)
-@pytest.mark.parametrize("store", [True, False])
-def test_cluster_agreements_are_the_same_through_the_store_or_xla(tmp_path, store):
-    """Two JAX processes agree on small integers through the coordination
-    service's store, or through XLA all-gathers with the capability off:
-    the same answers either way, and the store keeps only the last two
-    calls' keys."""
+# What `_AGREE` finds in both processes, when they agree.
+_AGREED = [[10 * i, 100, i % 2 == 0, i % 3 != 0] for i in range(20)]
+
+
+def run_two_processes(script: str, env: dict) -> list[dict]:
+    """Runs `script` as processes 0 and 1 (argv: index, a free port on
+    127.0.0.1); the `RESULT` line each prints."""
     import json
-    import os
     import subprocess
     import sys
 
     from conftest import _free_port
 
-    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")  # fmt: skip
-    if not store:
-        env[registry.DISABLE_ENV] = "cluster_key_value"
     port = str(_free_port())
     processes = [
-        subprocess.Popen([sys.executable, "-c", _AGREEMENTS, str(i), port], env=env,
+        subprocess.Popen([sys.executable, "-c", script, str(i), port], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for i in range(2)
     ]  # fmt: skip
@@ -244,12 +237,27 @@ def test_cluster_agreements_are_the_same_through_the_store_or_xla(tmp_path, stor
         assert process.returncode == 0, out[-3000:]
         line = next(x for x in out.splitlines() if x.startswith("RESULT "))
         results.append(json.loads(line[len("RESULT ") :]))
-    expected = [
-        [10 * i, 100, i % 2 == 0, i % 3 != 0] for i in range(20)
-    ]  # fmt: skip
-    for result in results:
+    return results
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "jax", reason="JAX clusters agree through JAX"
+)
+@pytest.mark.parametrize("store", [True, False])
+def test_cluster_agreements_are_the_same_through_the_store_or_xla(tmp_path, store):
+    """Two JAX processes agree on small integers through the coordination
+    service's store, or through XLA all-gathers with the capability off:
+    the same answers either way, and the store keeps only the last two
+    calls' keys."""
+    import os
+
+    env = dict(os.environ, KERAS_BACKEND="jax", TF_CPP_MIN_LOG_LEVEL="3",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")  # fmt: skip
+    if not store:
+        env[registry.DISABLE_ENV] = "cluster_key_value"
+    for result in run_two_processes(_AGREEMENTS, env):
         assert result["store"] is store
-        assert result["found"] == expected
+        assert result["found"] == _AGREED
         assert result["left"] == ([78, 79] if store else [])
 
 
@@ -278,27 +286,9 @@ def test_a_torch_distributed_group_agrees_through_its_collectives():
     """Two processes of a gloo group on 127.0.0.1 (as torchrun starts them)
     agree on small integers through `torch.distributed`: each would
     otherwise answer with its own value alone."""
-    import json
     import os
-    import subprocess
-    import sys
-
-    from conftest import _free_port
 
     env = dict(os.environ, KERAS_BACKEND="torch")
-    port = str(_free_port())
-    processes = [
-        subprocess.Popen([sys.executable, "-c", _TORCH_AGREEMENTS, str(i), port],
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
-        for i in range(2)
-    ]  # fmt: skip
-    for process in processes:
-        out, _ = process.communicate(timeout=120)
-        assert process.returncode == 0, out[-3000:]
-        line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-        result = json.loads(line[len("RESULT ") :])
+    for result in run_two_processes(_TORCH_AGREEMENTS, env):
         assert result["alone"] is False and result["group"] is True
-        assert result["found"] == [
-            [10 * i, 100, i % 2 == 0, i % 3 != 0] for i in range(20)
-        ]  # fmt: skip
+        assert result["found"] == _AGREED
