@@ -74,6 +74,12 @@ _ALIGN = 64  # Each piece starts on a cache line: aligned views on restore.
 # How many bytes of pieces a restore from a bucket fetches ahead of the one
 # it places: ranged GETs in parallel, memory bounded.
 _AHEAD_BYTES = 256 << 20
+# Pieces of one file that lie at most _RUN_GAP bytes apart are fetched by one
+# ranged GET of up to _RUN_BYTES (more if one piece is bigger): every request
+# has a fixed cost (a round trip; some servers read the whole object for each
+# range), and 8-16 MB ranges are what object stores serve fastest in parallel.
+_RUN_GAP = 64 << 10
+_RUN_BYTES = 16 << 20
 
 
 @dataclasses.dataclass
@@ -608,9 +614,10 @@ class ShardedReader:
         self._lock = threading.Lock()
         # A bucket's checkpoint: its files' pieces are fetched by range.
         self._ranges = remote.range_reader(directory)
-        # Pieces being fetched ahead from the bucket, and to fetch next.
-        self._fetching: dict[tuple[str, int, int], Future] = {}
-        self._queued: collections.deque[tuple[str, int, int]] = collections.deque()
+        # Runs of pieces being fetched ahead from the bucket, by piece (with
+        # the piece's place in its run), and the runs to fetch next.
+        self._fetching: dict[tuple[str, int, int], tuple[_Run, int]] = {}
+        self._queued: collections.deque[_Run] = collections.deque()
         self._ahead = 0  # Bytes being fetched.
 
     def read(self, variable: int, bounds: host.Bounds) -> np.ndarray:
@@ -675,16 +682,18 @@ class ShardedReader:
                 key = _key(piece)
                 if key is not None and any(_overlaps(piece, b) for b in slices):
                     wanted[key] = None
-        self._queued.extend(wanted)
+        self._queued.extend(_runs(list(wanted)))
         self._fetch_more()
 
     def _fetch_more(self) -> None:
         while self._queued and (not self._fetching or self._ahead < _AHEAD_BYTES):
-            key = self._queued.popleft()
-            if key in self._fetching:
-                continue
-            self._fetching[key] = threads.submit(threads.transfer, self._fetch, *key)
-            self._ahead += key[2]
+            run = self._queued.popleft()
+            run.bytes = threads.submit(
+                threads.transfer, self._fetch, run.name, run.offset, run.nbytes
+            )
+            for key in run.pieces:
+                self._fetching[key] = (run, key[1] - run.offset)
+            self._ahead += run.nbytes
 
     def _piece(self, piece: dict, dtype: np.dtype) -> np.ndarray:
         name, offset, nbytes = piece["file"], piece["offset"], piece["nbytes"]
@@ -702,9 +711,13 @@ class ShardedReader:
             if fetching is None:
                 raw = self._fetch(name, offset, nbytes)
             else:
-                self._ahead -= nbytes
-                self._fetch_more()
-                raw = fetching.result()
+                run, at = fetching
+                assert run.bytes is not None
+                raw = run.bytes.result()[at : at + nbytes]
+                run.left -= 1
+                if not run.left:  # Its bytes are the pieces' now.
+                    self._ahead -= run.nbytes
+                    self._fetch_more()
         else:
             with self._lock:
                 fd = self._files.get(name)
@@ -743,13 +756,52 @@ class ShardedReader:
 
     def close(self) -> None:
         self._queued.clear()
-        for fetching in self._fetching.values():
-            fetching.cancel()  # A GET under way ends; its bytes are dropped.
+        for run, _ in self._fetching.values():
+            if run.bytes is not None:
+                run.bytes.cancel()  # A GET under way ends; its bytes are dropped.
         self._fetching.clear()
         with self._lock:
             for fd in self._files.values():
                 os.close(fd)
             self._files.clear()
+
+
+@dataclasses.dataclass(eq=False)
+class _Run:
+    """Pieces of one file fetched from a bucket by one ranged GET."""
+
+    name: str
+    offset: int
+    nbytes: int
+    pieces: list[tuple[str, int, int]]
+    left: int  # Pieces not yet read from it.
+    bytes: Future | None = None  # Of the GET, once started.
+
+
+def _runs(keys: list[tuple[str, int, int]]) -> list[_Run]:
+    """The pieces `keys` (file, offset, bytes) as runs to fetch, in the
+    order their first piece is needed. Only pieces in file order, apart by
+    at most _RUN_GAP, join a run, up to _RUN_BYTES: a table's offsets are
+    untrusted, and overlapping or far-apart pieces are fetched alone."""
+    order = {key: i for i, key in enumerate(keys)}
+    runs: list[tuple[int, _Run]] = []
+    for key in sorted(keys, key=lambda k: (k[0], k[1], k[2])):
+        name, offset, nbytes = key
+        last = runs[-1][1] if runs else None
+        end = last.offset + last.nbytes if last is not None else 0
+        if (
+            last is not None
+            and last.name == name
+            and end <= offset <= end + _RUN_GAP
+            and offset + nbytes - last.offset <= _RUN_BYTES
+        ):
+            last.nbytes = offset + nbytes - last.offset
+            last.pieces.append(key)
+            last.left += 1
+            runs[-1] = (min(runs[-1][0], order[key]), last)
+        else:
+            runs.append((order[key], _Run(name, offset, nbytes, [key], 1)))
+    return [run for _, run in sorted(runs, key=lambda r: r[0])]
 
 
 def read_variables(directory: str, variables: list, specs: list[list]) -> list[Any]:
