@@ -30,6 +30,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from concurrent import futures
 from typing import IO, Any, Protocol, TypeVar
 
 from keras_ft import threads
@@ -451,8 +452,15 @@ class CheckpointStore:
         Raises:
             CorruptCheckpointError: if `checkpoint` does not verify.
         """
+        # In a bucket, the checkpoint's objects are listed while its manifest
+        # is read: two round trips at once.
+        listing = (
+            threads.submit(threads.transfer, self.storage.names, checkpoint)
+            if self.storage.ranged_reads
+            else None
+        )
         files = self._manifest(checkpoint)
-        _check_names(self.storage, checkpoint, files)
+        _check_names(self.storage, checkpoint, files, listing)
         piecewise = frozenset(n for n, e in files.items() if e.get(PIECEWISE))
         # A piecewise file's reader checks each piece it reads: in a bucket,
         # it fetches only the pieces it needs.
@@ -718,13 +726,17 @@ def _read_small(storage: Storage, checkpoint: Checkpoint, name: str) -> bytes:
 
 
 def _check_names(
-    storage: Storage, checkpoint: Checkpoint, files: dict[str, dict[str, Any]]
+    storage: Storage,
+    checkpoint: Checkpoint,
+    files: dict[str, dict[str, Any]],
+    listing: futures.Future | None = None,
 ) -> None:
     """A checkpoint holds the files its manifest lists and nothing else: a
     loader looks for some files by name, and an unlisted one must never be
-    taken for part of the checkpoint."""
+    taken for part of the checkpoint. `listing`: of `storage.names()`, if
+    already under way."""
     try:
-        present = storage.names(checkpoint)
+        present = storage.names(checkpoint) if listing is None else listing.result()
     except OSError as e:
         raise CorruptCheckpointError(
             checkpoint.path, f"cannot be listed ({e})"
