@@ -256,7 +256,7 @@ def test_pieces_close_together_in_a_file_are_fetched_in_runs():
         (a, 100_000_000, most - 8), (a, 100_000_000 + most - 8, 16),  # Too long.
         (a, 136 + gap + 5, 8),  # Overlaps the one before (a forged table).
     ])  # fmt: skip
-    assert [(r.name, r.offset, r.nbytes, r.left) for r in runs] == [
+    assert [(r.name, r.offset, r.nbytes, len(r.pieces)) for r in runs] == [
         (b, 0, 64, 1),
         (a, 0, 136, 2),
         (a, 136 + gap + 1, 8, 1),

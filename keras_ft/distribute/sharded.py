@@ -693,6 +693,7 @@ class ShardedReader:
             )
             for key in run.pieces:
                 self._fetching[key] = (run, key[1] - run.offset)
+            run.left = len(run.pieces)
             self._ahead += run.nbytes
 
     def _piece(self, piece: dict, dtype: np.dtype) -> np.ndarray:
@@ -774,7 +775,7 @@ class _Run:
     offset: int
     nbytes: int
     pieces: list[tuple[str, int, int]]
-    left: int  # Pieces not yet read from it.
+    left: int = 0  # Pieces not yet read from it, once started.
     bytes: Future | None = None  # Of the GET, once started.
 
 
@@ -797,10 +798,9 @@ def _runs(keys: list[tuple[str, int, int]]) -> list[_Run]:
         ):
             last.nbytes = offset + nbytes - last.offset
             last.pieces.append(key)
-            last.left += 1
             runs[-1] = (min(runs[-1][0], order[key]), last)
         else:
-            runs.append((order[key], _Run(name, offset, nbytes, [key], 1)))
+            runs.append((order[key], _Run(name, offset, nbytes, [key])))
     return [run for _, run in sorted(runs, key=lambda r: r[0])]
 
 
