@@ -786,7 +786,7 @@ def _runs(keys: list[tuple[str, int, int]]) -> list[_Run]:
     untrusted, and overlapping or far-apart pieces are fetched alone."""
     order = {key: i for i, key in enumerate(keys)}
     runs: list[tuple[int, _Run]] = []
-    for key in sorted(keys, key=lambda k: (k[0], k[1], k[2])):
+    for key in sorted(keys):  # By file, then offset.
         name, offset, nbytes = key
         last = runs[-1][1] if runs else None
         end = last.offset + last.nbytes if last is not None else 0
