@@ -113,6 +113,19 @@ def _train(backup_dir: str, callback: str, seconds_per_batch: float) -> None:
     _say("done", step=_step(model), weights=weights.tobytes().hex())
 
 
+def _train_on_request() -> None:
+    """A training process started ahead: imports, then waits for its run."""
+    import keras  # noqa: F401  (The start-up the parent overlaps.)
+
+    import keras_ft  # noqa: F401
+
+    line = sys.stdin.readline()
+    if line:  # Nothing when the demo ends: this process was not needed.
+        request = json.loads(line)
+        _train(request["backup_dir"], request["callback"],
+               request["seconds_per_batch"])  # fmt: skip
+
+
 def _step(model) -> int:
     return (
         int(model.optimizer.iterations.numpy())
@@ -124,13 +137,8 @@ def _step(model) -> int:
 class Run:
     """One training process, followed through its report lines."""
 
-    def __init__(self, backup_dir: str, callback: str, seconds_per_batch: float):
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONWARNINGS="ignore")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "keras_ft.demo", "--train", backup_dir,
-             "--callback", callback, "--seconds-per-batch", str(seconds_per_batch)],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-        )  # fmt: skip
+    def __init__(self, process: subprocess.Popen):
+        self.process = process
         self.events: list[dict] = []
 
     def next_event(self) -> dict | None:
@@ -169,6 +177,39 @@ class Run:
         return next((e for e in reversed(self.events) if e["kind"] == kind), None)
 
 
+class Launcher:
+    """Starts each training in a process that has already imported Keras.
+
+    The next process is started while the current training runs, so its
+    framework start-up overlaps the training instead of following it.
+    """
+
+    def __init__(self, seconds_per_batch: float):
+        self.seconds_per_batch = seconds_per_batch
+        self.spare = self._start()
+
+    @staticmethod
+    def _start() -> subprocess.Popen:
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONWARNINGS="ignore")
+        return subprocess.Popen(
+            [sys.executable, "-m", "keras_ft.demo", "--train-on-request"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True, env=env,
+        )  # fmt: skip
+
+    def run(self, backup_dir: str, callback: str) -> Run:
+        process, self.spare = self.spare, self._start()
+        request = {"backup_dir": backup_dir, "callback": callback,
+                   "seconds_per_batch": self.seconds_per_batch}  # fmt: skip
+        process.stdin.write(json.dumps(request) + "\n")
+        process.stdin.close()
+        return Run(process)
+
+    def close(self) -> None:
+        self.spare.stdin.close()  # The spare ends without training.
+        self.spare.wait()
+
+
 class Bar:
     def __init__(self, label: str):
         self.label = label
@@ -194,14 +235,14 @@ def _position(step: int) -> str:
 
 
 def _crash_and_resume(
-    root: str, callback: str, label: str, reference: dict, kill_at: int | None,
-    in_save: bool, seconds_per_batch: float,
+    launcher: Launcher, root: str, callback: str, label: str, reference: dict,
+    kill_at: int | None, in_save: bool,
 ) -> bool:  # fmt: skip
     """Runs, kills (at a step, or during a save after it), runs again."""
     backup_dir = os.path.join(root, f"{callback}-{'save' if in_save else 'step'}")
     bar = Bar(label)
     for attempt in range(10):
-        run = Run(backup_dir, callback, seconds_per_batch)
+        run = launcher.run(backup_dir, callback)
         while (event := run.next_event()) is not None:
             if event["kind"] == "step":
                 bar.show(event["step"])
@@ -223,7 +264,7 @@ def _crash_and_resume(
         where = f"killed during the save at step {save['step']}"
     else:
         where = f"killed at step {killed_step}, between saves (10 tries missed them)"
-    again = Run(backup_dir, callback, seconds_per_batch)
+    again = launcher.run(backup_dir, callback)
     result = again.finish(bar)
     begin = again.first("begin")
     if result["kind"] == "failed":
@@ -243,16 +284,17 @@ def _crash_and_resume(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="keras-ft demo", description=__doc__)
-    parser.add_argument("--train", metavar="BACKUP_DIR", help=argparse.SUPPRESS)
-    parser.add_argument("--callback", default="keras-ft", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--train-on-request", action="store_true", help=argparse.SUPPRESS
+    )
     parser.add_argument("--seconds-per-batch", type=float, default=0.005)
     parser.add_argument(
         "--kill-at-step", type=int, default=None,
         help="Optimizer step to SIGKILL the training at (default: random, mid-epoch).",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    if args.train:
-        _train(args.train, args.callback, args.seconds_per_batch)
+    if args.train_on_request:
+        _train_on_request()
         return 0
     kill_at = args.kill_at_step or random.randrange(
         2 * STEPS_PER_EPOCH + 3, 3 * STEPS_PER_EPOCH - 3
@@ -263,22 +305,27 @@ def main(argv: list[str] | None = None) -> int:
         f"backup every {SAVE_FREQ} steps; each training in its own process, killed "
         "with SIGKILL as a crash would.\n"
     )
-    with tempfile.TemporaryDirectory() as root:
-        print("1. Uninterrupted, for reference")
-        bar = Bar("no callback")
-        reference = Run(os.path.join(root, "reference"), "none",
-                        args.seconds_per_batch).finish(bar)  # fmt: skip
-        bar.done(f"{reference['step']} optimizer steps.")
-        print(f"\n2. Killed mid-epoch at step {kill_at}, then started again")
-        exact = _crash_and_resume(root, "keras-ft", "keras-ft", reference, kill_at,
-                                  False, args.seconds_per_batch)  # fmt: skip
-        _crash_and_resume(root, "keras", "Keras' callback", reference, kill_at,
-                          False, args.seconds_per_batch)  # fmt: skip
-        print("\n3. Killed while a backup is being written, then started again")
-        survived = _crash_and_resume(root, "keras-ft", "keras-ft", reference,
-                                     kill_at, True, args.seconds_per_batch)  # fmt: skip
-        _crash_and_resume(root, "keras", "Keras' callback", reference, kill_at,
-                          True, args.seconds_per_batch)  # fmt: skip
+    launcher = Launcher(args.seconds_per_batch)
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            print("1. Uninterrupted, for reference")
+            bar = Bar("no callback")
+            reference = launcher.run(os.path.join(root, "reference"), "none").finish(
+                bar
+            )
+            bar.done(f"{reference['step']} optimizer steps.")
+            print(f"\n2. Killed mid-epoch at step {kill_at}, then started again")
+            exact = _crash_and_resume(launcher, root, "keras-ft", "keras-ft",
+                                      reference, kill_at, False)  # fmt: skip
+            _crash_and_resume(launcher, root, "keras", "Keras' callback",
+                              reference, kill_at, False)  # fmt: skip
+            print("\n3. Killed while a backup is being written, then started again")
+            survived = _crash_and_resume(launcher, root, "keras-ft", "keras-ft",
+                                         reference, kill_at, True)  # fmt: skip
+            _crash_and_resume(launcher, root, "keras", "Keras' callback",
+                              reference, kill_at, True)  # fmt: skip
+    finally:
+        launcher.close()
     ok = exact and survived
     print(
         "\nResult: keras-ft "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import hashlib
 import json
 import os
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import keras
@@ -22,6 +24,68 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 TRAIN_SCRIPT = os.path.join(TESTS_DIR, "train_script.py")
 SAMPLES, BATCH_SIZE = 64, 16
 STEPS_PER_EPOCH = SAMPLES // BATCH_SIZE
+
+
+# A test past this many seconds that has run no subprocess for the last
+# NO_CHILD_SECONDS is stalled, not slow: its stacks, the machine's load and
+# the busiest processes go to the terminal once, to say what it waits for.
+STALL_SECONDS, NO_CHILD_SECONDS = 30.0, 10.0
+_TERMINAL_FD: int | None = None
+
+
+def pytest_configure(config):
+    global _TERMINAL_FD
+    _TERMINAL_FD = os.dup(2)  # Before any test's output is captured.
+
+
+def _has_children() -> bool:
+    pid = os.getpid()
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True  # Not Linux: never call a test stalled.
+    for task in tasks:
+        with (
+            contextlib.suppress(OSError),
+            open(f"/proc/{pid}/task/{task}/children") as f,
+        ):
+            if f.read().strip():
+                return True
+    return False
+
+
+def _report_stall(name: str, seconds: float) -> None:
+    lines = [f"\n=== stalled: {name} has run {seconds:.0f} s with no subprocess"]
+    for path in ["/proc/loadavg"] + [f"/proc/pressure/{r}" for r in ("cpu", "io")]:
+        with contextlib.suppress(OSError), open(path) as f:
+            lines.append(f"{path}: " + " | ".join(f.read().split("\n")).strip(" |"))
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        ps = ["ps", "-eo", "pid,ppid,stat,etime,pcpu,rss,args", "--sort=-pcpu"]
+        out = subprocess.run(ps, capture_output=True, text=True, timeout=10).stdout
+        lines += [line[:200] for line in out.splitlines()[:12]]
+    os.write(_TERMINAL_FD, ("\n".join(lines) + "\n").encode())
+    faulthandler.dump_traceback(file=_TERMINAL_FD, all_threads=True)
+
+
+@pytest.fixture(autouse=True)
+def _watch_for_a_stall(request):
+    done = threading.Event()
+    start = time.monotonic()
+
+    def watch() -> None:
+        if done.wait(STALL_SECONDS) or _TERMINAL_FD is None:
+            return
+        quiet_since = time.monotonic()
+        while not done.wait(1.0):
+            if _has_children():
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= NO_CHILD_SECONDS:
+                _report_stall(request.node.nodeid, time.monotonic() - start)
+                return
+
+    threading.Thread(target=watch, daemon=True, name="stall-watch").start()
+    yield
+    done.set()
 
 
 def make_model(units: int = 8, built: bool = True) -> keras.Model:

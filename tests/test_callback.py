@@ -107,7 +107,7 @@ def test_interrupted_fit_resumes_at_next_epoch_in_same_process(backup_dir, data)
     assert not os.path.exists(backup_dir)
 
 
-@pytest.mark.compat_core
+# Not in compat_core: test_exact_resume's SIGKILL resumes in a new process there.
 def test_interrupted_process_resumes_in_a_new_process(backup_dir):
     code, events, stderr = run_training(backup_dir, "--raise-at-epoch-end", "5")
     assert code != 0 and "Interrupting at the end of epoch 5" in stderr

@@ -8,11 +8,13 @@ import subprocess
 import sys
 
 import keras
-from conftest import TESTS_DIR, subprocess_env
+from conftest import TESTS_DIR, run_once_on, subprocess_env
 
 HARNESS = os.path.join(os.path.dirname(TESTS_DIR), "benchmarks", "kill_fuzz.py")
 
 
+# Kills at random moments on every backend: test_callback's SIGKILL tests.
+@run_once_on("jax", "the harness; the backend's own kills are in test_callback")
 def test_short_kill_fuzz_never_fails_to_resume():
     result = subprocess.run(
         [sys.executable, HARNESS, "--trials", "4", "--callback", "keras-ft",
