@@ -563,6 +563,7 @@ def test_preemption_signal_backs_up_the_exact_step_and_exits(backup_dir, signum)
     assert done["step"] == 3 * STEPS_PER_EPOCH
 
 
+@run_once_on("torch", "the message; the SIGTERM path per backend is above")
 def test_preemption_message_is_printed(backup_dir):
     process = start_training(
         backup_dir, "--epochs", "1000", "--seconds-per-batch", "0.05"
@@ -574,6 +575,7 @@ def test_preemption_message_is_printed(backup_dir):
     assert "run the same script again to resume" in stdout
 
 
+@run_once_on("torch", "a timer in the signal handler's thread")
 def test_no_batch_end_within_the_grace_period_exits_anyway(backup_dir):
     process = start_training(
         backup_dir, "--epochs", "1000", "--seconds-per-batch", "600",
@@ -655,6 +657,7 @@ def test_ctrl_c_after_a_fit_that_raised_is_a_keyboard_interrupt(backup_dir, data
         callback._preemption.watcher.done()  # Whatever happened, no delayed exit.
 
 
+@run_once_on("torch", "a lock on the directory; the backend does not matter")
 def test_second_trainer_on_the_same_directory_is_refused(backup_dir, data):
     process = start_training(
         backup_dir, "--epochs", "1000", "--seconds-per-batch", "0.05"

@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import subprocess_env
+from conftest import run_once_on, subprocess_env
 
 from keras_ft.checkpoint import lock as lock_module
 from keras_ft.checkpoint.lock import DirectoryInUseError, DirectoryLock
@@ -94,6 +94,7 @@ for make in (
 """
 
 
+@run_once_on("torch", "a process without fcntl; the backend does not matter")
 def test_import_works_without_posix_locks_and_a_backup_says_why(tmp_path):
     backup_dir = str(tmp_path / "backup")
     result = subprocess.run(

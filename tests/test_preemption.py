@@ -10,9 +10,13 @@ import sys
 import textwrap
 
 import pytest
+from conftest import run_once_on
 
 from keras_ft.checkpoint.store import CheckpointStore
 from keras_ft.training.preemption import ClusterNotice, PreemptionWatcher, parse_signals
+
+# Signals to processes that train nothing: the backend does not matter.
+ONCE = run_once_on("torch", "signals and processes")
 
 
 def test_parse_signals_accepts_names_and_numbers():
@@ -232,6 +236,7 @@ def assert_still_alive(code: str, *args: str) -> None:
     )  # fmt: skip
 
 
+@ONCE
 def test_a_signal_seen_after_the_handlers_are_gone_ends_nothing():
     """The sentinel's thread may read a signal after `uninstall()`: it must
     not start a grace period that ends the process later (twenty tries)."""
@@ -264,6 +269,7 @@ def test_a_watcher_can_be_deep_copied_as_keras_tuner_does():
     copied.uninstall()
 
 
+@ONCE
 def test_a_signal_for_a_handler_that_was_replaced_ends_nothing():
     """A watcher left installed (its fit() raised) whose handler someone
     replaced since: a later signal is not its, and starts no grace period."""
@@ -284,6 +290,7 @@ def test_a_signal_for_a_handler_that_was_replaced_ends_nothing():
     assert_still_alive(code)
 
 
+@ONCE
 @pytest.mark.parametrize("early", [False, True], ids=["idle", "at-fork"])
 def test_a_signal_to_a_forked_worker_is_not_the_trainings(early):
     """Keras' worker processes (a `PyDataset` with `use_multiprocessing`) are

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import tree_digest
+from conftest import run_once_on, tree_digest
 
 from keras_ft import threads
 from keras_ft.checkpoint import files
@@ -396,6 +396,7 @@ _WRITER = textwrap.dedent(
 )
 
 
+@run_once_on("torch", "the store alone, in processes that import no backend")
 def test_sigkill_at_random_moments_always_leaves_a_verifiable_checkpoint(tmp_path):
     directory = str(tmp_path / "chief")
     rng = random.Random(1234)
