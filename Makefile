@@ -68,7 +68,7 @@ bench: venv
 	$(PY) benchmarks/orbax_peer.py
 	$(PY) benchmarks/orbax_peer.py --every-epoch --epochs 3 --batches 4 --rounds 1
 	$(PY) benchmarks/sharded.py --units 4096  # 1, 2, 4 JAX processes, ModelParallel, 19M.
-	$(PY) benchmarks/sharded.py --bucket  # The same into a local S3 server; a local tier.
+	$(PY) benchmarks/sharded.py --bucket  # Into a local S3 server, beside Orbax; a local tier.
 	$(PY) benchmarks/scaling.py  # 5M to 200M parameters (cold restores need root).
 	$(PY) benchmarks/failures.py  # Detection, torchrun relaunch, goodput under kills.
 	$(PY) benchmarks/recovery.py  # Relaunch to the batch killed: 3 inputs, 3 kill points.

@@ -201,12 +201,15 @@ class Launcher:
         process, self.spare = self.spare, self._start()
         request = {"backup_dir": backup_dir, "callback": callback,
                    "seconds_per_batch": self.seconds_per_batch}  # fmt: skip
-        process.stdin.write(json.dumps(request) + "\n")
-        process.stdin.close()
+        try:
+            process.stdin.write(json.dumps(request) + "\n")
+            process.stdin.close()
+        except BrokenPipeError:
+            pass  # It died starting up: `finish()` reports its exit status.
         return Run(process)
 
     def close(self) -> None:
-        self.spare.stdin.close()  # The spare ends without training.
+        self.spare.kill()  # It has only imported: nothing to end cleanly.
         self.spare.wait()
 
 
