@@ -8,13 +8,21 @@ STAMP := $(VENV)/.installed-stamp
 BACKENDS ?= tensorflow jax torch
 PYTEST_ARGS ?=
 KERAS_HUB := keras-hub>=0.32,<0.33
+TORCH_CPU := torch==2.13.0+cpu
 
 .PHONY: venv demo test test-compat lint bench fuzz clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	# The CPU build first, by its local version: asked for as plain
+	# torch==2.13.0, pip's resolver, once it backtracks over s3fs and
+	# aiobotocore, settles on PyPI's CUDA build (3.4 GB of nvidia-* and
+	# triton). These machines carry the CPU wheel; elsewhere, PyTorch's CPU
+	# index (PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu) has it.
+	$(PY) -m pip install -q "$(TORCH_CPU)"
 	$(PY) -m pip install -q -e ".[tensorflow,jax,torch,test]"
+	$(PY) -c 'import torch, sys; sys.exit(torch.version.cuda and "a CUDA build of torch was installed: see the Makefile")'
 	# KerasHub for the workload tests, without tensorflow-text (the full
 	# tensorflow wheel) and kagglehub: models built from configs need neither.
 	$(PY) -m pip install -q --no-deps "$(KERAS_HUB)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import hashlib
@@ -280,8 +281,10 @@ def start_moto() -> tuple[subprocess.Popen, int]:
     port = _free_port()
     moto = shutil.which("moto_server", path=os.path.dirname(sys.executable))
     # Its request recorder (when a test starts it) writes here, not in the
-    # working directory.
-    recording = os.path.join(tempfile.mkdtemp(prefix="keras-ft-moto-"), "requests")
+    # working directory; removed when this process ends.
+    scratch = tempfile.mkdtemp(prefix="keras-ft-moto-")
+    atexit.register(shutil.rmtree, scratch, True)
+    recording = os.path.join(scratch, "requests")
     server = subprocess.Popen(
         [moto, "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

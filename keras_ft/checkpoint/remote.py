@@ -42,7 +42,6 @@ import hashlib
 import json
 import os
 import secrets
-import shutil
 import socket
 import tempfile
 import threading
@@ -53,6 +52,7 @@ from typing import IO, Any, TypeVar
 
 from keras_ft import threads
 from keras_ft.checkpoint import files as file_io
+from keras_ft.checkpoint import scratch
 from keras_ft.checkpoint.errors import (
     DirectoryInUseError,
     LeaseLapsedError,
@@ -152,9 +152,11 @@ class ObjectStorage:
 
     def scratch_dir(self, name: str) -> str:
         """A local directory for a process's throwaway saves: a bucket is
-        no place for them."""
+        no place for them. One level deep, so that removing it leaves
+        nothing behind; the same path each time, so that a killed worker's
+        is written over by its restart."""
         digest = hashlib.sha1(self.location.encode()).hexdigest()[:12]
-        return os.path.join(tempfile.gettempdir(), f"keras-ft-{digest}", name)
+        return os.path.join(tempfile.gettempdir(), f"keras-ft-{digest}-{name}")
 
     def _path(self, sequence: int) -> str:
         return f"{self.location}/{checkpoint_name(sequence)}"
@@ -206,7 +208,7 @@ class ObjectStorage:
     # Writing: files staged locally, uploaded, the manifest last.
 
     def stage(self, cancel: threading.Event | None) -> Staging:
-        path = tempfile.mkdtemp(prefix="keras-ft-upload-")
+        path = scratch.make("upload")
         return Staging(path, cancel, sync=False)  # Uploaded, not kept.
 
     def commit(
@@ -304,7 +306,7 @@ class ObjectStorage:
         _as_os_error(lambda: _put_if(self.fs, key, data), f"upload of {key}")
 
     def unstage(self, staging: Staging) -> None:
-        shutil.rmtree(staging.path, ignore_errors=True)
+        scratch.remove(staging.path)
 
     def _upload(
         self, path: str, key: str, cancel: threading.Event | None = None
@@ -410,7 +412,7 @@ class ObjectStorage:
         fetches the byte ranges it needs of them (`range_reader()`). The
         others are whole when this returns.
         """
-        root = tempfile.mkdtemp(prefix="keras-ft-download-")
+        root = scratch.make("download")
         local = Checkpoint(
             checkpoint.sequence,
             os.path.join(root, checkpoint_name(checkpoint.sequence)),
@@ -486,7 +488,7 @@ class ObjectStorage:
             _RANGED.pop(local.path, None)
         root = os.path.dirname(local.path)
         if os.path.basename(root).startswith("keras-ft-download-"):
-            shutil.rmtree(root, ignore_errors=True)
+            scratch.remove(root)
 
     def usage(self, path: str) -> int:
         return int(self.fs.du(path.split("://", 1)[-1]))

@@ -37,7 +37,6 @@ import math
 import mmap
 import os
 import shutil
-import tempfile
 import threading
 import time
 import zlib
@@ -51,7 +50,7 @@ import numpy as np
 from keras_ft import backend as host
 from keras_ft import threads
 from keras_ft.checkpoint import files as file_io
-from keras_ft.checkpoint import remote
+from keras_ft.checkpoint import remote, scratch
 from keras_ft.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -291,19 +290,19 @@ def upload_part(
     never read, removed by the next writer."""
     name = part_name(process)
     chunks, pieces = _part_image(share)
-    scratch = tempfile.mkdtemp(prefix="keras-ft-part-")
+    scratch_path = scratch.make("part")
     try:
-        path = os.path.join(scratch, f"{name}.bin")
+        path = os.path.join(scratch_path, f"{name}.bin")
         # Staged on local disk, as every upload is: written with direct I/O
         # from the share's buffer, the upload streams it with retries.
         entry = file_io.write_file(path, chunks, sync=False, cancel=cancel)
         storage.upload_into(sequence, f"{name}.bin", path, cancel)
-        index = os.path.join(scratch, f"{name}.json")
+        index = os.path.join(scratch_path, f"{name}.json")
         with open(index, "wb") as f:
             f.write(_index_bytes(process, tag, entry, pieces))
         storage.upload_into(sequence, f"{name}.json", index, cancel)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.remove(scratch_path)
 
 
 def write_own_part(
