@@ -66,6 +66,16 @@ def _report_stall(name: str, seconds: float) -> None:
         lines += [line[:200] for line in out.splitlines()[:12]]
     os.write(_TERMINAL_FD, ("\n".join(lines) + "\n").encode())
     faulthandler.dump_traceback(file=_TERMINAL_FD, all_threads=True)
+    # The main thread's native stack: a stall seen in CI showed it in
+    # Python's garbage collector, below any Python frame, with the machine
+    # idle (a finalizer waiting on something, with the GIL released).
+    gdb = ["gdb", "-p", str(os.getpid()), "-batch", "-nx", "-ex", "thread 1",
+           "-ex", "bt 40"]  # fmt: skip
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(gdb, capture_output=True, text=True, timeout=120).stdout
+        frames = [line[:240] for line in out.splitlines() if line.startswith("#")]
+        os.write(_TERMINAL_FD, ("=== native stack of the main thread:\n"
+                                + "\n".join(frames) + "\n").encode())  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
