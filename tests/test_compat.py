@@ -275,6 +275,11 @@ dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2],
     + """
 print("RESULT", json.dumps({"found": found, "alone": alone,
       "group": host.gathers_across_processes()}), flush=True)
+# Leave the group together: a process that exits while its peer's gloo
+# threads still talk to it aborts ("terminate called without an active
+# exception").
+dist.barrier()
+dist.destroy_process_group()
 """
 )
 
