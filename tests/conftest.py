@@ -66,16 +66,53 @@ def _report_stall(name: str, seconds: float) -> None:
         lines += [line[:200] for line in out.splitlines()[:12]]
     os.write(_TERMINAL_FD, ("\n".join(lines) + "\n").encode())
     faulthandler.dump_traceback(file=_TERMINAL_FD, all_threads=True)
-    # The main thread's native stack: a stall seen in CI showed it in
-    # Python's garbage collector, below any Python frame, with the machine
-    # idle (a finalizer waiting on something, with the GIL released).
-    gdb = ["gdb", "-p", str(os.getpid()), "-batch", "-nx", "-ex", "thread 1",
-           "-ex", "bt 40"]  # fmt: skip
+    # The native stacks: stalls seen in CI had the main thread in Python's
+    # garbage collector, below any Python frame, finalizing an abandoned
+    # generator whose traceback held a tf.data iterator, and waiting in the
+    # iterator's destructor for one of its threads, with the machine idle.
+    # So: the main thread, every tf.data thread, and which generator and
+    # frames are being finalized.
+    gdb = ["gdb", "-p", str(os.getpid()), "-batch", "-nx",
+           "-ex", "thread apply all bt 40"]  # fmt: skip
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         out = subprocess.run(gdb, capture_output=True, text=True, timeout=120).stdout
-        frames = [line[:240] for line in out.splitlines() if line.startswith("#")]
-        os.write(_TERMINAL_FD, ("=== native stack of the main thread:\n"
-                                + "\n".join(frames) + "\n").encode())  # fmt: skip
+        report = ["=== native stacks (the main thread and tf.data's):"]
+        for thread in out.split("\nThread ")[1:]:
+            frames = [x[:240] for x in thread.splitlines() if x.startswith("#")]
+            if thread.startswith("1 ") or "tensorflow::data::" in thread:
+                report += ["Thread " + thread.splitlines()[0]] + frames
+        report += _finalized_python_objects(out)
+        os.write(_TERMINAL_FD, ("\n".join(report) + "\n").encode())
+
+
+def _finalized_python_objects(stacks: str) -> list[str]:
+    """Names the generators and frames the collector is finalizing in
+    `stacks` (gdb's), read from the stalled process's memory."""
+    import re
+
+    code = {
+        "_PyGen_Finalize (self=": "((struct _PyInterpreterFrame*)"
+        "((PyGenObject*){})->gi_iframe)->f_code",
+        "frame_dealloc (f=": "((PyFrameObject*){})->f_frame->f_code",
+    }
+    gdb = ["gdb", "-p", str(os.getpid()), "-batch", "-nx"]
+    found = []
+    for marker, expression in code.items():
+        for address in re.findall(re.escape(marker) + r"(0x[0-9a-f]+)", stacks):
+            f = expression.format(address)
+            found.append(marker.split(" ")[0] + " " + address)
+            gdb += ["-ex", f"p (char*)PyUnicode_AsUTF8({f}->co_qualname)",
+                    "-ex", f"p (char*)PyUnicode_AsUTF8({f}->co_filename)",
+                    "-ex", f"p {f}->co_firstlineno"]  # fmt: skip
+    if not found:
+        return []
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(gdb, capture_output=True, text=True, timeout=60).stdout
+        values = [x.split("=", 1)[1].strip() for x in out.splitlines()
+                  if x.startswith("$")]  # fmt: skip
+        return ["being finalized: " + what + " " + " ".join(values[3 * i : 3 * i + 3])
+                for i, what in enumerate(found)]  # fmt: skip
+    return []
 
 
 @pytest.fixture(autouse=True)
