@@ -578,6 +578,32 @@ def test_a_lapsed_lease_taken_over_is_never_written_over(monkeypatch):
     assert first._read() is None
 
 
+def test_a_later_fit_in_this_process_ends_the_earlier_leases_heartbeat(monkeypatch):
+    """A fit() that raised keeps its lease; a later one in the same process
+    (a notebook's next cell) takes it over and stops the earlier heartbeat,
+    so that once the later one releases it, nothing writes the lease again
+    (the earlier beats would keep the prefix in use for as long as the
+    kernel lives)."""
+    from keras_ft.checkpoint import remote
+    from keras_ft.checkpoint.store import open_store
+
+    monkeypatch.setenv(remote.LEASE_SECONDS_ENV, "1.5")  # A beat each 0.5 s.
+    backup = f"memory://again-{os.getpid()}-{time.monotonic_ns()}/chief"
+    first = remote.RemoteLease(open_store(backup).storage)
+    second = remote.RemoteLease(open_store(backup).storage)
+    first.acquire()  # Its fit() raises: never released.
+    beating = first._beating
+    time.sleep(0.7)
+    second.acquire()
+    assert not beating.is_alive()
+    with pytest.raises(keras_ft.DirectoryInUseError, match="taken over"):
+        first.check()  # Were its fit() still going, it would not commit.
+    second.release()
+    time.sleep(1.7)  # Three beats of the first, had it gone on.
+    assert second._read() is None
+    first.release()  # Not its lease any more: nothing to remove, no error.
+
+
 def test_a_lease_that_cannot_be_renewed_stops_the_next_commit(data, monkeypatch):
     """The bucket goes out of reach for the heartbeat: once a takeover could
     have happened, the writer's next save is refused before its commit, and

@@ -47,6 +47,7 @@ import tempfile
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import IO, Any, TypeVar
 
@@ -79,6 +80,11 @@ _CONDITIONAL = ("s3", "s3a")
 # One process's memory: no other writer to race with.
 _LOCAL_ONLY = ("memory",)
 _warned_best_effort: set[str] = set()
+# The lease each prefix has in this process, if any. A fit() that raised
+# keeps its lease, as it keeps a flock, until a later fit() here takes it:
+# that one stops the earlier heartbeat, which would otherwise write the
+# lease again for as long as the process lives (a notebook's kernel).
+_HELD: weakref.WeakValueDictionary[str, RemoteLease] = weakref.WeakValueDictionary()
 
 
 def filesystem(url: str, storage_options: dict | None = None) -> tuple[Any, str]:
@@ -652,6 +658,9 @@ class RemoteLease:
         held = self._read()
         if held is not None and not self._expired(held):
             raise self._in_use(held)
+        earlier = _HELD.get(self._ident)
+        if earlier is not None and earlier is not self:
+            earlier._yield_to_this_process()
         self._token, self._taken = secrets.token_hex(8), None
         if self._conditional:
             try:
@@ -672,11 +681,25 @@ class RemoteLease:
         self._renewed, self._failure = time.monotonic(), None
         self._stop.clear()
         self._beating = threads.start_daemon(self._heartbeat, "keras-ft-lease")
+        _HELD[self._ident] = self
+
+    @property
+    def _ident(self) -> str:
+        return self.fs.unstrip_protocol(self.key)
+
+    def _yield_to_this_process(self) -> None:
+        """A later lease of this process takes the prefix: this one stops
+        beating, and refuses its commits (`check`) if its fit() goes on."""
+        self._taken = {"pid": os.getpid(), "host": socket.gethostname()}
+        self._stop.set()
+        beating, self._beating = self._beating, None
+        if beating is not None and beating is not threading.current_thread():
+            beating.join(timeout=30)  # At most one write of the lease.
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(max(self.seconds / 3, 0.5)):
             if self._token is None or self._taken is not None:
-                continue
+                return  # Released, or taken over: never written again.
             try:
                 if not self._conditional and (
                     time.monotonic() - self._renewed > self.seconds
@@ -686,7 +709,7 @@ class RemoteLease:
                     held = self._read()
                     if held is not None and held.get("token") != self._token:
                         self._taken = held
-                        continue
+                        return
                 self._write(over=self._etag)
             except _Refused:  # Written since: by another (taken over), or by
                 # this writer's own last beat whose answer was lost.
@@ -695,6 +718,7 @@ class RemoteLease:
                     self._etag = self._etag_now()
                 else:
                     self._taken = held
+                    return
             except Exception as e:  # Retried at the next beat; see check().
                 self._failure = e
             else:
@@ -737,6 +761,8 @@ class RemoteLease:
         if beating is not None and beating is not threading.current_thread():
             beating.join(timeout=30)  # At most one write of the lease.
         token, self._token = self._token, None
+        if _HELD.get(self._ident) is self:
+            del _HELD[self._ident]
         if token is None:
             return
         try:
