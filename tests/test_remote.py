@@ -111,10 +111,13 @@ def test_a_damaged_object_falls_back_to_the_previous_checkpoint(s3_server, data)
 @ONCE
 @pytest.mark.parametrize("damage", [None, "flipped", "longer", "shorter", "missing"])
 def test_a_restore_checksums_the_download_as_its_ranges_arrive(
-    s3_server, data, monkeypatch, damage
+    s3_server, data, monkeypatch, tmp_path, damage
 ):
     # Ranges of 1 KiB: the weights file arrives in dozens of ranges fetched
     # concurrently and out of order; its checksum and the loader follow.
+    # Downloads go to a temporary directory of this test's own: another
+    # suite running beside this one downloads too.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(remote, "STREAM_MIN", 4096)
     monkeypatch.setattr(remote, "STREAM_RANGE", 1024)
     monkeypatch.setattr(remote, "STREAM_RANGE_MAX", 1024)

@@ -61,15 +61,20 @@ def test_a_killed_process_directory_is_reaped_and_a_live_one_kept(tmp_path):
 def test_a_forked_child_does_not_keep_its_parent_directory(tmp_path):
     # A child the writer forked (a PyDataset worker, say) that outlives it
     # never used the directory: it must not keep it on disk.
+    # The child says when it runs (its at-fork hooks have run) before the
+    # parent is killed: a loaded machine may schedule it late.
     parent, path = start_holder(
-        tmp_path, "import os\nif os.fork() == 0:\n    time.sleep(600)"
+        tmp_path,
+        "import os\nr, w = os.pipe()\nif os.fork() == 0:\n"
+        "    os.write(w, b'1')\n    time.sleep(600)\nos.read(r, 1)"
+        f"\n# forked under {tmp_path}",  # For pkill, below: this test's only.
     )
     parent.send_signal(signal.SIGKILL)
     parent.wait(timeout=30)
     try:
         assert scratch.reap(str(tmp_path)) == [path]
     finally:
-        subprocess.run(["pkill", "-KILL", "-f", "keras_ft.checkpoint import scratch"])
+        subprocess.run(["pkill", "-KILL", "-f", f"forked under {tmp_path}"])
 
 
 def test_reap_leaves_what_is_not_a_scratch_directory(tmp_path):
