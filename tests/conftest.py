@@ -72,17 +72,34 @@ def _report_stall(name: str, seconds: float) -> None:
     # iterator's destructor for one of its threads, with the machine idle.
     # So: the main thread, every tf.data thread, and which generator and
     # frames are being finalized.
-    gdb = ["gdb", "-p", str(os.getpid()), "-batch", "-nx",
-           "-ex", "thread apply all bt 40"]  # fmt: skip
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(gdb, capture_output=True, text=True, timeout=120).stdout
-        report = ["=== native stacks (the main thread and tf.data's):"]
-        for thread in out.split("\nThread ")[1:]:
-            frames = [x[:240] for x in thread.splitlines() if x.startswith("#")]
-            if thread.startswith("1 ") or "tensorflow::data::" in thread:
-                report += ["Thread " + thread.splitlines()[0]] + frames
-        report += _finalized_python_objects(out)
-        os.write(_TERMINAL_FD, ("\n".join(report) + "\n").encode())
+    out = _gdb(["thread apply all bt 40"], seconds=120)
+    report = ["=== native stacks (the main thread and tf.data's):"]
+    for thread in out.split("\nThread ")[1:]:
+        frames = [x[:240] for x in thread.splitlines() if x.startswith("#")]
+        if thread.startswith("1 ") or "tensorflow::data::" in thread:
+            report += ["Thread " + thread.splitlines()[0]] + frames
+    report += _finalized_python_objects(out)
+    os.write(_TERMINAL_FD, ("\n".join(report) + "\n").encode())
+
+
+def _gdb(commands: list[str], seconds: float) -> str:
+    """What gdb prints for `commands` run in this process. While attached,
+    gdb stops every thread of this process, this one included: its output
+    goes to a file (a pipe this thread cannot drain would block gdb, and
+    with it the process, for good), and `timeout`, outside the process,
+    bounds it (the kernel detaches a killed gdb and this process goes on)."""
+    command = ["timeout", "-s", "KILL", str(seconds), "gdb", "-p", str(os.getpid()),
+               "-batch", "-nx"]  # fmt: skip
+    for line in commands:
+        command += ["-ex", line]
+    with (
+        contextlib.suppress(OSError, subprocess.SubprocessError),
+        tempfile.TemporaryFile("w+") as out,
+    ):
+        subprocess.run(command, stdout=out, stderr=subprocess.DEVNULL)
+        out.seek(0)
+        return out.read()
+    return ""
 
 
 def _finalized_python_objects(stacks: str) -> list[str]:
@@ -95,24 +112,20 @@ def _finalized_python_objects(stacks: str) -> list[str]:
         "((PyGenObject*){})->gi_iframe)->f_code",
         "frame_dealloc (f=": "((PyFrameObject*){})->f_frame->f_code",
     }
-    gdb = ["gdb", "-p", str(os.getpid()), "-batch", "-nx"]
-    found = []
+    commands, found = [], []
     for marker, expression in code.items():
         for address in re.findall(re.escape(marker) + r"(0x[0-9a-f]+)", stacks):
             f = expression.format(address)
             found.append(marker.split(" ")[0] + " " + address)
-            gdb += ["-ex", f"p (char*)PyUnicode_AsUTF8({f}->co_qualname)",
-                    "-ex", f"p (char*)PyUnicode_AsUTF8({f}->co_filename)",
-                    "-ex", f"p {f}->co_firstlineno"]  # fmt: skip
+            commands += [f"p (char*)PyUnicode_AsUTF8({f}->co_qualname)",
+                         f"p (char*)PyUnicode_AsUTF8({f}->co_filename)",
+                         f"p {f}->co_firstlineno"]  # fmt: skip
     if not found:
         return []
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(gdb, capture_output=True, text=True, timeout=60).stdout
-        values = [x.split("=", 1)[1].strip() for x in out.splitlines()
-                  if x.startswith("$")]  # fmt: skip
-        return ["being finalized: " + what + " " + " ".join(values[3 * i : 3 * i + 3])
-                for i, what in enumerate(found)]  # fmt: skip
-    return []
+    out = _gdb(commands, seconds=60)
+    values = [x.split("=", 1)[1].strip() for x in out.splitlines() if x.startswith("$")]
+    return ["being finalized: " + what + " " + " ".join(values[3 * i : 3 * i + 3])
+            for i, what in enumerate(found)]  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
