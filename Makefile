@@ -37,31 +37,16 @@ lint: venv
 	$(VENV)/bin/ruff check keras_ft tests benchmarks examples
 	$(VENV)/bin/ruff format --check keras_ft tests benchmarks examples
 
-# One pytest process per backend: Keras fixes its backend at import time.
-# Each backend's log is kept, and a failing one's summary printed again at
-# the end, so the tail of the output says what failed.
+# One pytest process per backend (Keras fixes its backend at import time),
+# LANES at a time: each keeps about one core busy (see .ci/suites). Each
+# backend's log is printed whole when it ends, and the failures again at the
+# end, so the tail of the output says what failed. EXTRA_JOBS=compat runs
+# test-compat in a lane too (CI does).
+LANES ?= 2
+EXTRA_JOBS ?=
 test: venv lint
-	@failed=""; logs=$$(mktemp -d); \
-	for backend in $(BACKENDS); do \
-		echo "=== KERAS_BACKEND=$$backend"; \
-		KERAS_BACKEND=$$backend $(PY) -m pytest -rfE --durations=15 $(PYTEST_ARGS) 2>&1 \
-			| tee $$logs/$$backend.log; \
-		status=$${PIPESTATUS[0]}; \
-		echo "=== KERAS_BACKEND=$$backend: pytest exit status $$status"; \
-		[ $$status -eq 0 ] || failed="$$failed $$backend"; \
-	done; \
-	for backend in $$failed; do \
-		echo "=== failures on KERAS_BACKEND=$$backend"; \
-		sed -n '/= FAILURES =/,/short test summary info/p' $$logs/$$backend.log \
-			| tail -n 60; \
-		sed -n '/short test summary info/,$$p' $$logs/$$backend.log; \
-		grep -q 'short test summary info' $$logs/$$backend.log || { \
-			echo "=== no pytest summary: the process died; its last lines:"; \
-			tail -n 40 $$logs/$$backend.log; }; \
-	done; \
-	rm -rf $$logs; \
-	if [ -n "$$failed" ]; then echo "FAILED backends:$$failed"; exit 1; fi; \
-	echo "all backends passed: $(BACKENDS)"
+	PY=$(PY) JOBS="$(BACKENDS) $(EXTRA_JOBS)" LANES=$(LANES) \
+		PYTEST_ARGS="$(PYTEST_ARGS)" bash .ci/suites
 
 # The core subset on the oldest Keras pyproject.toml declares and on
 # keras-nightly, every backend (see .ci/compat).
