@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import gc
 import hashlib
 import json
 import os
@@ -37,6 +38,21 @@ _TERMINAL_FD: int | None = None
 def pytest_configure(config):
     global _TERMINAL_FD
     _TERMINAL_FD = os.dup(2)  # Before any test's output is captured.
+
+
+def pytest_sessionfinish(session):
+    # The process's last collection, which ran after pytest's summary: a
+    # TensorFlow suite beside another once took two minutes more to exit.
+    # Collected here, under the stall watch, it says what it waits for.
+    done = threading.Event()
+
+    def watch() -> None:
+        if not done.wait(STALL_SECONDS) and _TERMINAL_FD is not None:
+            _report_stall("the collection at the end of the session", STALL_SECONDS)
+
+    threading.Thread(target=watch, daemon=True, name="stall-watch").start()
+    gc.collect()
+    done.set()
 
 
 def _has_children() -> bool:
