@@ -133,15 +133,20 @@ def _finalized_python_objects(stacks: str) -> list[str]:
         for address in re.findall(re.escape(marker) + r"(0x[0-9a-f]+)", stacks):
             f = expression.format(address)
             found.append(marker.split(" ")[0] + " " + address)
-            commands += [f"p (char*)PyUnicode_AsUTF8({f}->co_qualname)",
+            # Each object's values after a line of its own: a print that
+            # fails (freed memory) leaves the others where they belong.
+            commands += ["echo @@\\n",
+                         f"p (char*)PyUnicode_AsUTF8({f}->co_qualname)",
                          f"p (char*)PyUnicode_AsUTF8({f}->co_filename)",
                          f"p {f}->co_firstlineno"]  # fmt: skip
     if not found:
         return []
-    out = _gdb(commands, seconds=60)
-    values = [x.split("=", 1)[1].strip() for x in out.splitlines() if x.startswith("$")]
-    return ["being finalized: " + what + " " + " ".join(values[3 * i : 3 * i + 3])
-            for i, what in enumerate(found)]  # fmt: skip
+    parts = _gdb(commands, seconds=60).split("@@\n")[1:]
+    named = []
+    for what, part in zip(found, parts, strict=False):
+        values = [x.split("=", 1)[1].strip() for x in part.splitlines() if x[:1] == "$"]
+        named.append(f"being finalized: {what} " + " ".join(values))
+    return named
 
 
 @pytest.fixture(autouse=True)

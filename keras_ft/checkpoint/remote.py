@@ -691,6 +691,9 @@ class RemoteLease:
         """A later lease of this process takes the prefix: this one stops
         beating, and refuses its commits (`check`) if its fit() goes on."""
         self._taken = {"pid": os.getpid(), "host": socket.gethostname()}
+        self._stop_beating()
+
+    def _stop_beating(self) -> None:
         self._stop.set()
         beating, self._beating = self._beating, None
         if beating is not None and beating is not threading.current_thread():
@@ -756,10 +759,7 @@ class RemoteLease:
 
     def release(self, remove: bool = False) -> None:
         """Gives the lease back: its object is removed if it is still ours."""
-        self._stop.set()
-        beating, self._beating = self._beating, None
-        if beating is not None and beating is not threading.current_thread():
-            beating.join(timeout=30)  # At most one write of the lease.
+        self._stop_beating()
         token, self._token = self._token, None
         if _HELD.get(self._ident) is self:
             del _HELD[self._ident]
