@@ -339,6 +339,12 @@ def run_launcher(args: argparse.Namespace) -> dict:
         "chiefs": [d and d["is_chief"] for d in done],
         "backup_dir_entries": entries(args.backup_dir),
         "chief_entries": _chief_entries(args.backup_dir),
+        # Why a relaunched worker failed, for a test's assertion message.
+        "stderr_of_failed": {
+            w.index: "".join(w.stderr[-30:])
+            for w, code in zip(workers, codes, strict=True)
+            if code != 0
+        },
     }
     if all(r is not None for r in resumed) and all(d is not None for d in done):
         same = "equal" if len(set(result["weights"])) == 1 else "DIFFERENT"

@@ -139,12 +139,28 @@ CLUSTER_BACKENDS = pytest.mark.skipif(
 )
 
 
+def master_port() -> int:
+    """A free `MASTER_PORT` whose next two ports are free too: the example
+    puts JAX's coordinator on `MASTER_PORT + 1` and TensorFlow's workers on
+    `MASTER_PORT + 1 + rank`, and another suite may hold any of them."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            for offset in (1, 2):
+                with socket.socket() as t:
+                    t.bind(("127.0.0.1", port + offset))
+        except OSError:
+            continue
+        return port
+    raise AssertionError("no three free ports in a row on 127.0.0.1")
+
+
 def start_pair(backup_dir: str, *args: str) -> list[subprocess.Popen]:
     """Two processes of the example as torchrun would start them (without
     its agent), once the chief has committed a backup."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = master_port()
     processes = []
     for rank in (0, 1):
         env = subprocess_env()

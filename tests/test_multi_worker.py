@@ -82,7 +82,7 @@ def test_sigterm_to_one_worker_backs_up_one_step_on_all_and_exits(tmp_path):
     # had reached, taken by both workers together.
     committed = run["committed_step"]
     assert committed > run["killed_after_step"]
-    assert run["exit_codes"] == [0, 0]
+    assert run["exit_codes"] == [0, 0], run["stderr_of_failed"]
     assert run["resumed_steps"] == [committed, committed]
     assert run["final_steps"] == [EPOCHS * STEPS_PER_EPOCH] * 2
     assert run["weights"][0] == run["weights"][1]

@@ -502,7 +502,7 @@ def test_sigterm_in_a_cluster_backed_up_to_a_bucket(s3_server):
     assert run["exit_codes_after_kill"] == {"0": 143, "1": 143}, run
     committed = run["committed_step"]
     assert committed > run["killed_after_step"]  # The signal's own backup.
-    assert run["exit_codes"] == [0, 0]
+    assert run["exit_codes"] == [0, 0], run["stderr_of_failed"]
     assert run["resumed_steps"] == [committed, committed]
     assert run["final_steps"] == [3 * 8, 3 * 8]
     assert run["weights"][0] == run["weights"][1]
