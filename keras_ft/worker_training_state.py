@@ -29,7 +29,7 @@ from keras_ft.checkpoint.errors import (
 )
 from keras_ft.checkpoint.files import ReadProgress, Staging
 from keras_ft.checkpoint.format import METADATA_FILE, is_url, local_path
-from keras_ft.checkpoint.lock import check_platform
+from keras_ft.checkpoint.lock import DirectoryLock, check_platform
 from keras_ft.checkpoint.store import (
     Checkpoint,
     CheckpointStore,
@@ -184,6 +184,17 @@ class WorkerTrainingState:
         )
         self._root = open_storage(self.backup_dir, storage_options)
         self._lock = self._chief_store.writer_lock()
+        # A worker's own lock, beside the directory its throwaway saves go
+        # to: a second cluster's worker on the same `backup_dir` must not
+        # empty it in the middle of this one's save.
+        scratch = self._worker_dir()
+        self._worker_lock = DirectoryLock(
+            # `backup_dir` may be a link the user made; the lock file is not.
+            os.path.realpath(os.path.dirname(scratch)),
+            os.path.basename(scratch) + ".lock",
+            f"Worker {self.task.task_index}'s directory {scratch!r} for "
+            f"backup_dir={self.backup_dir!r}",
+        )
         # The fast tier on this machine's disk, its own lock beside it.
         self._local_store: CheckpointStore | None = None
         self._local_lock: Any = None
@@ -271,6 +282,11 @@ class WorkerTrainingState:
                 self.unlock()
                 raise
         if not self.task.is_chief:
+            try:
+                self._worker_lock.acquire()
+            except BaseException:
+                self.unlock()
+                raise
             # A worker's directory only ever holds the save being written.
             shutil.rmtree(self._worker_dir(), ignore_errors=True)
             return
@@ -342,6 +358,7 @@ class WorkerTrainingState:
     def unlock(self) -> None:
         """Releases the lock (see `lock()`); the backup stays as it is."""
         self._lock.release()
+        self._worker_lock.release(remove=True)  # Beside the backup: no trace.
         if self._local_lock is not None:
             self._local_lock.release()
         self._let_go()
@@ -1030,6 +1047,7 @@ class WorkerTrainingState:
             self._chief_store.storage.remove_root()  # Emptied of its lock file.
         else:
             shutil.rmtree(self._worker_dir(), ignore_errors=True)
+            self._worker_lock.release(remove=True)
         if self._local_store is not None:  # Every process's own.
             self._local_store.clear()
             self._local_lock.release(remove=True)

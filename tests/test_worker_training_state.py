@@ -144,6 +144,53 @@ def test_non_chief_writes_a_temporary_directory_and_removes_it(
     assert tree_digest(backup_dir) == before
 
 
+# Worker 1 of a cluster: it locks its directory, says so, saves when told.
+_WORKER_ONE = """
+import sys, keras
+sys.path.insert(0, sys.argv[2])
+from conftest import make_model
+from keras_ft import TaskSpec, WorkerTrainingState
+state = WorkerTrainingState(
+    make_model(), sys.argv[1], task=TaskSpec("worker", 1, 2, False)
+)
+state.lock()
+print("locked", flush=True)
+sys.stdin.readline()
+state.back_up(0)
+state.close()
+print("saved", flush=True)
+"""
+
+
+@run_once_on("torch", "locks and processes: the backend does not matter")
+def test_a_second_clusters_worker_is_refused_before_it_empties_the_first_ones(
+    backup_dir,
+):
+    """Two clusters on one `backup_dir`: worker 1 of the second is refused
+    before it removes anything, and worker 1 of the first saves as before
+    (the second used to empty its directory, even in the middle of a save)."""
+    first = subprocess.Popen(
+        [sys.executable, "-c", _WORKER_ONE, backup_dir, TESTS_DIR],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=subprocess_env(),
+    )  # fmt: skip
+    try:
+        assert first.stdout.readline().strip() == "locked", first.stderr.read()
+        second = WorkerTrainingState(
+            make_model(), backup_dir, task=TaskSpec("worker", 1, 2, False)
+        )
+        with pytest.raises(
+            DirectoryInUseError, match=f"Worker 1's directory .*pid {first.pid}"
+        ):
+            second.lock()
+        out, err = first.communicate("go\n", timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 0 and out.strip() == "saved", err
+    # Nothing of either worker is left beside the backup.
+    assert os.listdir(backup_dir) == []
+
+
 def test_check_writable_names_backup_dir(unwritable_dir):
     state = WorkerTrainingState(make_model(), os.path.join(unwritable_dir, "b"))
     with pytest.raises(ValueError, match="`backup_dir`.*cannot write"):

@@ -56,11 +56,15 @@ class DirectoryLock:
 
     Args:
         directory: The directory to lock; created if missing.
+        name: The lock file's name in `directory`.
+        label: What the lock guards, as the error names it (a worker's
+            directory beside the backup, say); `directory` by default.
     """
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, name: str = LOCK_FILE, label: str = ""):
         self.directory = directory
-        self.path = os.path.join(directory, LOCK_FILE)
+        self.path = os.path.join(directory, name)
+        self.label = label or f"The backup directory {directory!r}"
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -90,7 +94,7 @@ class DirectoryLock:
             holder = os.read(fd, 512).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             raise DirectoryInUseError(
-                f"The backup directory {self.directory!r} is being written by "
+                f"{self.label} is being written by "
                 f"another training process ({holder}). Two trainings sharing a "
                 "`backup_dir` would overwrite each other's backups: give this "
                 "one its own `backup_dir`, or stop the other process first."
