@@ -187,14 +187,16 @@ class WorkerTrainingState:
         # A worker's own lock, beside the directory its throwaway saves go
         # to: a second cluster's worker on the same `backup_dir` must not
         # empty it in the middle of this one's save.
-        scratch = self._worker_dir()
-        self._worker_lock = DirectoryLock(
-            # `backup_dir` may be a link the user made; the lock file is not.
-            os.path.realpath(os.path.dirname(scratch)),
-            os.path.basename(scratch) + ".lock",
-            f"Worker {self.task.task_index}'s directory {scratch!r} for "
-            f"backup_dir={self.backup_dir!r}",
-        )
+        self._worker_lock: DirectoryLock | None = None
+        if not self.task.is_chief:
+            scratch = self._worker_dir()
+            self._worker_lock = DirectoryLock(
+                # `backup_dir` may be a link the user made; the lock file not.
+                os.path.realpath(os.path.dirname(scratch)),
+                os.path.basename(scratch) + ".lock",
+                f"Worker {self.task.task_index}'s directory {scratch!r} for "
+                f"backup_dir={self.backup_dir!r}",
+            )
         # The fast tier on this machine's disk, its own lock beside it.
         self._local_store: CheckpointStore | None = None
         self._local_lock: Any = None
@@ -281,7 +283,7 @@ class WorkerTrainingState:
             except BaseException:
                 self.unlock()
                 raise
-        if not self.task.is_chief:
+        if self._worker_lock is not None:  # Not the chief.
             try:
                 self._worker_lock.acquire()
             except BaseException:
@@ -358,7 +360,8 @@ class WorkerTrainingState:
     def unlock(self) -> None:
         """Releases the lock (see `lock()`); the backup stays as it is."""
         self._lock.release()
-        self._worker_lock.release(remove=True)  # Beside the backup: no trace.
+        if self._worker_lock is not None:  # Beside the backup: leave no trace.
+            self._worker_lock.release(remove=True)
         if self._local_lock is not None:
             self._local_lock.release()
         self._let_go()
@@ -1047,7 +1050,8 @@ class WorkerTrainingState:
             self._chief_store.storage.remove_root()  # Emptied of its lock file.
         else:
             shutil.rmtree(self._worker_dir(), ignore_errors=True)
-            self._worker_lock.release(remove=True)
+            if self._worker_lock is not None:
+                self._worker_lock.release(remove=True)
         if self._local_store is not None:  # Every process's own.
             self._local_store.clear()
             self._local_lock.release(remove=True)
