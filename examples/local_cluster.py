@@ -321,9 +321,14 @@ def run_launcher(args: argparse.Namespace) -> dict:
         reads = checkpoint_reads(s3_server_recording("download-recording"), before)
     resumed = [w.event("resumed") for w in workers]
     done = [w.event("done") for w in workers]
-    for w, code in zip(workers, codes, strict=True):
-        if code != 0:
-            say(f"worker {w.index} exited with {code}:\n" + "".join(w.stderr[-30:]))
+    # Why a relaunched worker failed: said, and kept for a test's message.
+    failed = {
+        w.index: "".join(w.stderr[-30:])
+        for w, code in zip(workers, codes, strict=True)
+        if code != 0
+    }
+    for index, tail in failed.items():
+        say(f"worker {index} exited with {codes[index]}:\n" + tail)
     result = {
         "victim": victim,
         "signal": signum.name,
@@ -339,12 +344,7 @@ def run_launcher(args: argparse.Namespace) -> dict:
         "chiefs": [d and d["is_chief"] for d in done],
         "backup_dir_entries": entries(args.backup_dir),
         "chief_entries": _chief_entries(args.backup_dir),
-        # Why a relaunched worker failed, for a test's assertion message.
-        "stderr_of_failed": {
-            w.index: "".join(w.stderr[-30:])
-            for w, code in zip(workers, codes, strict=True)
-            if code != 0
-        },
+        "stderr_of_failed": failed,
     }
     if all(r is not None for r in resumed) and all(d is not None for d in done):
         same = "equal" if len(set(result["weights"])) == 1 else "DIFFERENT"

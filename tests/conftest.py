@@ -351,7 +351,8 @@ def fill_filesystem(directory: str) -> str:
 BUCKET = "keras-ft-test"
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -359,7 +360,7 @@ def _free_port() -> int:
 
 def start_moto() -> tuple[subprocess.Popen, int]:
     """A moto S3 server on a free loopback port, once it accepts connections."""
-    port = _free_port()
+    port = free_port()
     moto = shutil.which("moto_server", path=os.path.dirname(sys.executable))
     # Its request recorder (when a test starts it) writes here, not in the
     # working directory; removed when this process ends.

@@ -223,9 +223,9 @@ def run_two_processes(script: str, env: dict) -> list[dict]:
     import subprocess
     import sys
 
-    from conftest import _free_port
+    from conftest import free_port
 
-    port = str(_free_port())
+    port = str(free_port())
     processes = [
         subprocess.Popen([sys.executable, "-c", script, str(i), port], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -15,7 +15,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from conftest import TESTS_DIR, subprocess_env
+from conftest import TESTS_DIR, free_port, subprocess_env
 
 from keras_ft.checkpoint.store import CheckpointStore
 from keras_ft.distribute import launch
@@ -144,9 +144,7 @@ def master_port() -> int:
     puts JAX's coordinator on `MASTER_PORT + 1` and TensorFlow's workers on
     `MASTER_PORT + 1 + rank`, and another suite may hold any of them."""
     for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         try:
             for offset in (1, 2):
                 with socket.socket() as t:
