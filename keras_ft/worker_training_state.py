@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 import shutil
@@ -14,7 +13,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import keras
 
@@ -56,6 +55,9 @@ from keras_ft.state.training_state import optimizer_step, progress_text
 from keras_ft.threads import BackgroundWriter, PendingWrite, wait_for_removals
 from keras_ft.training.listeners import CheckpointListener, check_listeners, notify
 from keras_ft.training.policy import KeepLast
+
+if TYPE_CHECKING:  # fsspec is optional.
+    from keras_ft.checkpoint.remote import ObjectStorage
 
 # One writer per chief directory in this process, shared by every
 # WorkerTrainingState on it: a fit() that raised may leave a write in flight,
@@ -205,7 +207,7 @@ class WorkerTrainingState:
             # apart: each keeps enough for a step they all hold.
             spread = 4 if self.task.num_workers > 1 else 1
             self._local_store = open_store(
-                local_tier_dir(self.local_dir, self.backup_dir, self.task),
+                local_tier_dir(self.local_dir, self._root, self.task),
                 KeepLast(max(keep, spread)),
                 manifest_key=manifest_key,
             )
@@ -1144,12 +1146,12 @@ def _bucket_newer(
     return newest is not None and position < newest
 
 
-def local_tier_dir(local_dir: str, backup_dir: str, task: TaskSpec) -> str:
-    """The local tier's directory for the backup `backup_dir`: named after
-    it, so that one `local_dir` serves several backups, never mixing them;
-    and in a cluster after the process (several may share one machine)."""
-    digest = hashlib.sha1(backup_dir.encode()).hexdigest()[:12]
-    name = f"tier-{digest}"
+def local_tier_dir(local_dir: str, bucket: ObjectStorage, task: TaskSpec) -> str:
+    """The local tier's directory for the backup in `bucket`: named after
+    it (its URL and server), so that one `local_dir` serves several backups,
+    never mixing them; and in a cluster after the process (several may
+    share one machine)."""
+    name = f"tier-{bucket.digest_name}"
     if task.num_workers > 1:
         name += f"-process-{task.task_index}"
     return os.path.join(local_dir, name)

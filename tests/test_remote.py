@@ -298,6 +298,50 @@ def test_two_writers_on_one_prefix(s3_server, tmp_path, data):
               callbacks=[keras_ft.BackupAndRestore(backup)])  # fmt: skip
 
 
+def test_one_url_on_two_servers_is_two_backups(monkeypatch, tmp_path):
+    """Local names made for a bucket backup (a worker's scratch directory and
+    its lock, the local tier, the lease held in this process) tell servers
+    apart, so that two jobs on one host writing the same bucket path on two
+    servers never share them; credentials do not, and with no endpoint
+    given they are as before (a tier made before is still found)."""
+    import hashlib
+
+    from keras_ft.distribute.cluster import TaskSpec
+    from keras_ft.worker_training_state import local_tier_dir
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    backup, task = "s3://bucket/run", TaskSpec()
+
+    def names(**options):
+        storage = remote.ObjectStorage(backup, options or None)
+        lease = remote.RemoteLease(storage)
+        tier = local_tier_dir(str(tmp_path), storage, task)
+        return storage.scratch_dir("workertemp_1"), tier, lease._ident
+
+    default = names()
+    digest = hashlib.sha1(backup.encode()).hexdigest()[:12]
+    assert os.path.basename(default[0]) == f"keras-ft-{digest}-workertemp_1"
+    assert os.path.basename(default[1]) == f"tier-{digest}"
+    one = names(client_kwargs={"endpoint_url": "http://127.0.0.1:9001"})
+    other = names(client_kwargs={"endpoint_url": "http://127.0.0.1:9002"})
+    assert len({*default, *one, *other}) == 9, (default, one, other)
+    assert (
+        names(
+            key="a", secret="b", client_kwargs={"endpoint_url": "http://127.0.0.1:9001"}
+        )
+        == one
+    )
+    # An object's text may differ from process to process: not a name.
+    assert names(config_kwargs={"endpoint_resolver": object()}) == default
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9001")
+    from_env = names()
+    assert from_env != default and from_env != one
+    # The client's own order: the S3-specific variable wins.
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9002")
+    assert names() != from_env
+
+
 def test_a_missing_filesystem_package_names_the_extra(tmp_path):
     pytest.importorskip("fsspec")
     try:
@@ -402,8 +446,6 @@ def test_a_cluster_backs_up_to_a_bucket_and_resumes_from_it(s3_server, tmp_path)
     """Two JAX processes: the chief commits to the bucket, the other worker's
     throwaway saves stay local; one is killed, both resume from the bucket."""
     import glob
-    import hashlib
-    import tempfile
 
     backup = url("cluster")
     run = run_cluster_on_bucket(
@@ -420,8 +462,10 @@ def test_a_cluster_backs_up_to_a_bucket_and_resumes_from_it(s3_server, tmp_path)
         name.startswith(("ckpt-", "goodput_")) for name in run["chief_entries"]
     ), run["chief_entries"]
     # The other worker's saves went to a local directory, removed each time.
-    digest = hashlib.sha1(backup.encode()).hexdigest()[:12]
-    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"keras-ft-{digest}*"))
+    # (Named as the workers named it: this process has the same endpoint.)
+    scratch_dirs = remote.ObjectStorage(backup).scratch_dir("*")
+    assert os.path.basename(scratch_dirs).startswith("keras-ft-")
+    assert not glob.glob(scratch_dirs + "*")
 
 
 @ONCE

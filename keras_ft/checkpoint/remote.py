@@ -85,6 +85,15 @@ _warned_best_effort: set[str] = set()
 # that one stops the earlier heartbeat, which would otherwise write the
 # lease again for as long as the process lives (a notebook's kernel).
 _HELD: weakref.WeakValueDictionary[str, RemoteLease] = weakref.WeakValueDictionary()
+# Options, beside any "*endpoint*", that pick the server a URL is on.
+_SERVER_KEYS = ("host", "hostname", "port", "account_name", "account_url")
+# Environment variables that point a scheme's client at another server.
+_ENDPOINT_ENV = {
+    "s3": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
+    "s3a": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
+    "gs": ("STORAGE_EMULATOR_HOST",),
+    "gcs": ("STORAGE_EMULATOR_HOST",),
+}
 
 
 def filesystem(url: str, storage_options: dict | None = None) -> tuple[Any, str]:
@@ -110,6 +119,39 @@ def filesystem(url: str, storage_options: dict | None = None) -> tuple[Any, str]
             f"Invalid value for argument `backup_dir`: fsspec knows no "
             f"filesystem for {url!r} ({e}). Received: backup_dir={url!r}"
         ) from None
+
+
+def server_of(url: str, storage_options: dict | None) -> str:
+    """What names the server `url` is on, beyond the URL: every option
+    that names an endpoint, host, port or account (at any depth), and the
+    environment's endpoint for the scheme; "" for the scheme's default.
+    Credentials are left out (the same objects, whoever reads them), and
+    so is any value that is not a plain string or number (its text may
+    differ from process to process)."""
+    found: list[str] = []
+
+    def walk(options: Any, path: str) -> None:
+        if not isinstance(options, dict):
+            return
+        for key in sorted(options, key=str):
+            value, name = options[key], f"{path}{key}"
+            if isinstance(value, dict):
+                walk(value, name + ".")
+            elif isinstance(value, (str, int, float)) and _names_server(str(key)):
+                found.append(f"{name}={value}")
+
+    walk(storage_options, "")
+    scheme = url.partition("://")[0]
+    for variable in _ENDPOINT_ENV.get(scheme, ()):
+        if os.environ.get(variable):
+            found.append(f"${variable}={os.environ[variable]}")
+            break  # The first one set is the one the client uses.
+    return " ".join(found)
+
+
+def _names_server(key: str) -> bool:
+    key = key.lower()
+    return "endpoint" in key or key in _SERVER_KEYS
 
 
 class ObjectStorage:
@@ -139,6 +181,8 @@ class ObjectStorage:
     ):
         self.location = url.rstrip("/")
         self.fs, root = filesystem(self.location, storage_options)
+        # The same URL on two servers is two backups.
+        self.server = server_of(self.location, storage_options)
         self.root = root.rstrip("/")
         self.progress = progress
         self.progress_bytes = progress_bytes
@@ -150,7 +194,8 @@ class ObjectStorage:
 
     @property
     def identity(self) -> str:
-        return self.location
+        """The URL, and the server when not the scheme's default."""
+        return f"{self.location} on {self.server}" if self.server else self.location
 
     def url(self, checkpoint: Checkpoint) -> str:
         """Where `checkpoint` is in the bucket (its downloaded copy's too)."""
@@ -161,8 +206,14 @@ class ObjectStorage:
         no place for them. One level deep, so that removing it leaves
         nothing behind; the same path each time, so that a killed worker's
         is written over by its restart."""
-        digest = hashlib.sha1(self.location.encode()).hexdigest()[:12]
+        digest = self.digest_name
         return os.path.join(tempfile.gettempdir(), f"keras-ft-{digest}-{name}")
+
+    @property
+    def digest_name(self) -> str:
+        """12 hex digits for local names made for this backup (a scratch
+        directory, a local tier): one backup, one name."""
+        return hashlib.sha1(self.identity.encode()).hexdigest()[:12]
 
     def _path(self, sequence: int) -> str:
         return f"{self.location}/{checkpoint_name(sequence)}"
@@ -601,6 +652,7 @@ class RemoteLease:
         self.fs = store.fs
         self.directory = store.location
         self.key = f"{store.root}/{LEASE_FILE}"
+        self._server = store.server
         self.seconds = (
             seconds
             if seconds is not None
@@ -685,7 +737,7 @@ class RemoteLease:
 
     @property
     def _ident(self) -> str:
-        return self.fs.unstrip_protocol(self.key)
+        return f"{self.fs.unstrip_protocol(self.key)} on {self._server}"
 
     def _yield_to_this_process(self) -> None:
         """A later lease of this process takes the prefix: this one stops
