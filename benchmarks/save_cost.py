@@ -229,6 +229,40 @@ class CopyOnly:
         self.callback = Callback()
 
 
+class DiskBeside:
+    """The disk's share of a save per batch, with training running: a
+    thread writes the checkpoint's bytes over a file in place (direct I/O,
+    then fdatasync, as keras-ft writes over a spare) again and again while
+    `fit()` runs with no callback, and notes how long each write takes.
+    Saving every batch, a step cannot come round faster than that."""
+
+    def __init__(self, path: str, block):
+        import keras
+
+        self.writes: list[float] = []  # Median write of each fit, seconds.
+        stop, times, threads_ = threading.Event(), [], []
+
+        def loop():
+            while not stop.is_set():
+                start = time.perf_counter()
+                raw_direct_write(path, block, in_place=True)
+                times.append(time.perf_counter() - start)
+
+        class Callback(keras.callbacks.Callback):
+            def on_train_begin(inner, logs=None):
+                stop.clear()
+                times.clear()
+                threads_[:] = [threading.Thread(target=loop)]
+                threads_[0].start()
+
+            def on_train_end(inner, logs=None):
+                stop.set()
+                threads_[0].join()
+                self.writes.append(med(times))
+
+        self.callback = Callback()
+
+
 class Blocking:
     """Around the callbacks measured: how long their batch ends held training
     up, at the batches they save at (every `every` batches, the first left
@@ -399,9 +433,11 @@ def measure(args) -> dict:
             return lambda: [keras.callbacks.BackupAndRestore(path, **kwargs)]
 
         fit_args = (args.width, x, y)
+        beside = DiskBeside(direct_path + ".in-place", direct_block)
         result["every_batch"] = interleaved(
             {
                 "none": fit_runner(*fit_args, list),
+                "disk beside": fit_runner(*fit_args, lambda: [beside.callback]),
                 "keras": fit_runner(*fit_args, keras_own(f"{root}/f-k", save_freq=1)),
                 "sync": fit_runner(
                     *fit_args, ft(f"{root}/f-s", save_freq=1, async_save=False)
@@ -411,6 +447,7 @@ def measure(args) -> dict:
             args.repeats,
         )
         result["steps"] = args.fit_steps
+        result["disk_beside"] = beside.writes
 
         # 1a. Blocking time of one save, against one copy of the state.
         xs, ys = data(BLOCKING_EVERY * 8)
@@ -535,7 +572,7 @@ def rows_of(r: dict) -> list[tuple[str, str, str, str]]:
 
     eb = r["every_batch"]
     steps = r["steps"]
-    for name in ("none", "keras", "sync", "async"):
+    for name in ("none", "disk beside", "keras", "sync", "async"):
         rows.append(
             (
                 f"fit {steps} steps saving every batch: {name}, s",
@@ -580,6 +617,22 @@ def rows_of(r: dict) -> list[tuple[str, str, str, str]]:
             f"  disk floor: added time at one {disk * 1000:.0f} ms write+fsync "
             "per step / Keras' added time",
             spread(floor, "{:.2f}"),
+            "",
+            "",
+        )
+    )
+    # The same floor with the disk's speed while training runs beside it
+    # (the disk, its interrupts and the memory bus are shared with the step).
+    beside = r["disk_beside"]
+    loaded = [
+        max(0.0, w - n / steps) * steps / (k - n)
+        for w, n, k in zip(beside, eb["none"], eb["keras"], strict=True)
+    ]
+    rows.append(
+        (
+            f"  disk floor beside training: one {med(beside) * 1000:.0f} ms write "
+            "per step / Keras' added time",
+            spread(loaded, "{:.2f}"),
             "",
             "",
         )
