@@ -652,7 +652,9 @@ class RemoteLease:
         self.fs = store.fs
         self.directory = store.location
         self.key = f"{store.root}/{LEASE_FILE}"
-        self._server = store.server
+        # Its name in this process's `_HELD`: the same path on another
+        # server is another lease.
+        self._ident = f"{store.identity}/{LEASE_FILE}"
         self.seconds = (
             seconds
             if seconds is not None
@@ -734,10 +736,6 @@ class RemoteLease:
         self._stop.clear()
         self._beating = threads.start_daemon(self._heartbeat, "keras-ft-lease")
         _HELD[self._ident] = self
-
-    @property
-    def _ident(self) -> str:
-        return f"{self.fs.unstrip_protocol(self.key)} on {self._server}"
 
     def _yield_to_this_process(self) -> None:
         """A later lease of this process takes the prefix: this one stops
