@@ -608,10 +608,16 @@ def rows_of(r: dict) -> list[tuple[str, str, str, str]]:
         med(io_["raw direct write"]),
         med(io_["raw direct overwrite"]),
     )
-    floor = [
-        max(0.0, disk - n / steps) * steps / (k - n)
-        for n, k in zip(eb["none"], eb["keras"], strict=True)
-    ]
+
+    def floor_of(writes: list[float]) -> list[float]:
+        """Per round: the time added by one write of `writes` per step
+        (beyond the step's own), over Keras' added time."""
+        return [
+            max(0.0, w - n / steps) * steps / (k - n)
+            for w, n, k in zip(writes, eb["none"], eb["keras"], strict=True)
+        ]
+
+    floor = floor_of([disk] * len(eb["none"]))
     rows.append(
         (
             f"  disk floor: added time at one {disk * 1000:.0f} ms write+fsync "
@@ -624,10 +630,7 @@ def rows_of(r: dict) -> list[tuple[str, str, str, str]]:
     # The same floor with the disk's speed while training runs beside it
     # (the disk, its interrupts and the memory bus are shared with the step).
     beside = r["disk_beside"]
-    loaded = [
-        max(0.0, w - n / steps) * steps / (k - n)
-        for w, n, k in zip(beside, eb["none"], eb["keras"], strict=True)
-    ]
+    loaded = floor_of(beside)
     rows.append(
         (
             f"  disk floor beside training: one {med(beside) * 1000:.0f} ms write "
