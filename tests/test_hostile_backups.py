@@ -375,6 +375,14 @@ def test_a_symlinked_chief_directory_is_refused_and_its_target_untouched(world):
     shutil.move(chief, target)
     os.symlink(target, chief)
     before = outside_state(outside)
+    target_mtime = os.stat(target).st_mtime_ns
+    # fit() refuses it before it writes (or creates and deletes) anything there.
+    x, y = make_data()
+    with pytest.raises(ValueError, match="symlink"):
+        make_model().fit(
+            x, y, epochs=1, verbose=0, callbacks=[keras_ft.BackupAndRestore(backup)]
+        )
+    assert os.stat(target).st_mtime_ns == target_mtime, "written into the link"
     state = keras_ft.WorkerTrainingState(make_model(), backup)
     with pytest.raises(ValueError, match="symlink"), state.locked():
         state.restore()
@@ -390,6 +398,7 @@ def test_a_symlinked_chief_directory_is_refused_and_its_target_untouched(world):
             assert cli.main(command) == 1, command  # A problem, named.
         assert "symlink" in err.getvalue() and "Traceback" not in err.getvalue()
     assert outside_state(outside) == before
+    assert os.stat(target).st_mtime_ns == target_mtime
 
 
 @ONCE

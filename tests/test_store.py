@@ -337,6 +337,25 @@ def test_a_file_a_reader_holds_is_never_written_over(tmp_path):
     store.verify(newest)
 
 
+def test_only_a_file_the_store_wrote_is_written_over(tmp_path):
+    """A file put in a checkpoint by someone else (here: moved in while its
+    owner keeps it open, so that it has one link and no other name) is not
+    overwritten when that checkpoint is recycled: its owner would see it."""
+    store = CheckpointStore(str(tmp_path / "chief"), KeepLast(1))
+    first = store.save(write_big(os.urandom(3 << 20)), {})
+    planted = tmp_path / "planted.bin"
+    original = os.urandom(3 << 20)
+    planted.write_bytes(original)
+    with open(planted, "rb") as owner:
+        os.replace(planted, first.file("big.bin"))
+        assert os.fstat(owner.fileno()).st_nlink == 1
+        for _ in range(3):
+            newest = store.save(write_big(os.urandom(3 << 20)), {})
+            assert inode(newest.file("big.bin")) != os.fstat(owner.fileno()).st_ino
+        assert owner.read() == original
+    store.verify(newest)
+
+
 def test_failed_write_leaves_previous_checkpoint_and_no_staging(tmp_path):
     store = CheckpointStore(str(tmp_path), KeepLast(1))
     store.save(write_payload(b"good"), {"i": 1})

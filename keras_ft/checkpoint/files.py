@@ -81,6 +81,34 @@ class ReadProgress:
                 self._condition.wait()
 
 
+class WrittenFiles:
+    """The identities (device, inode) of the last big files a store wrote.
+
+    A spare's file is overwritten in place only if it is one of these: a
+    file that someone else put in a backup directory (moved in, or the one
+    name left of a file another process holds open) is never written
+    through. Bounded: a checkpoint retired long ago is no spare any more.
+    """
+
+    _KEPT = 64
+
+    def __init__(self) -> None:
+        self._identities: dict[tuple[int, int], None] = {}
+        self._lock = threading.Lock()
+
+    def add(self, status: os.stat_result) -> None:
+        with self._lock:
+            key = (status.st_dev, status.st_ino)
+            self._identities.pop(key, None)
+            self._identities[key] = None
+            while len(self._identities) > self._KEPT:
+                del self._identities[next(iter(self._identities))]
+
+    def wrote(self, status: os.stat_result) -> bool:
+        with self._lock:
+            return (status.st_dev, status.st_ino) in self._identities
+
+
 class Staging(os.PathLike):
     """The directory a checkpoint is written into before its commit.
 
@@ -97,6 +125,11 @@ class Staging(os.PathLike):
             place of new ones, taking them by name. Defaults to `None`.
         sync: Whether `write_file()` fsyncs each file. Defaults to `True`;
             a store's save syncs all of a checkpoint's files together.
+        written: The identities (device, inode) of files this process
+            wrote, kept by the store across saves: only such a file of the
+            spare is overwritten in place (one put there by anyone else,
+            however it looks, may be seen from outside the backup), and
+            `write_file()` adds each file it writes. Defaults to `None`.
         pin: Whether to write through the directory as opened now, so that
             if its name is swapped for a symlink (in a backup directory that
             others can write), nothing is written where the link points: its
@@ -113,11 +146,13 @@ class Staging(os.PathLike):
         recycle: str | None = None,
         sync: bool = True,
         pin: bool = False,
+        written: WrittenFiles | None = None,
     ):
         self.path = os.fspath(path)
         self.cancel = cancel
         self.recycle = recycle
         self.sync = sync
+        self._written = written
         self._through = self.path
         self._recycle_fd: int | None = None
         self._reuse = recycle is not None
@@ -178,6 +213,8 @@ class Staging(os.PathLike):
             written=written,
             fd=fd,
         )
+        if self._written is not None and size >= RECYCLE_MIN:
+            self._written.add(os.stat(path, follow_symlinks=False))
 
     def _recycled(self, name: str, path: str) -> int | None:
         """An open, exclusively locked file of the spare, moved to `path`."""
@@ -196,8 +233,14 @@ class Staging(os.PathLike):
             # still holds a shared lock: then leave it to the reader.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             status = os.fstat(fd)
-            # A second hard link (a `cp -al` snapshot) would see the write.
-            if not stat.S_ISREG(status.st_mode) or status.st_nlink != 1:
+            # A second hard link (a `cp -al` snapshot) would see the write,
+            # and so would anyone holding a file they put in the spare.
+            if (
+                not stat.S_ISREG(status.st_mode)
+                or status.st_nlink != 1
+                or self._written is None
+                or not self._written.wrote(status)
+            ):
                 raise OSError(errno.EINVAL, "not a regular file of its own")
             os.set_blocking(fd, True)
             if not pinned:
@@ -525,7 +568,13 @@ def open_directory(path: str, depth: int = CHIEF_FILE) -> int:
     """A descriptor of the directory at `path`, none of whose last `depth`
     components is a symlink (see `open_regular()`): 2 for `<chief>/<name>`,
     1 for the chief's directory itself."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        # A symlink at the last component: ELOOP, or ENOTDIR on some systems.
+        if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
+            raise ValueError(_link_message(path)) from None
+        raise
     try:
         _check_reached_directly(fd, path, depth)
     except BaseException:

@@ -13,7 +13,8 @@ of an old one). Only a directory no reader can name is ever overwritten: the
 spare was renamed away from its committed name first. A reader that opened a
 file before that holds a shared `flock` on it while it reads (verification,
 and the weights loader for as long as its mapping lives), and a file so held
-is not recycled, nor is one with a second hard link.
+is not recycled, nor is one with a second hard link, nor any file this
+store's own saves did not write (`files.WrittenFiles`).
 
 A backup directory is untrusted input: a checkpoint directory or file that is
 a symlink, a FIFO or a device is never followed or opened.
@@ -22,11 +23,11 @@ a symlink, a FIFO or a device is never followed or opened.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import shutil
 import stat
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from typing import IO
@@ -73,6 +74,8 @@ class LocalStorage:
     ):
         self.directory = os.fspath(directory)
         self._arrived = arrived
+        # The files this storage's saves wrote: only those are recycled.
+        self._written = file_io.WrittenFiles()
 
     @property
     def location(self) -> str:
@@ -138,7 +141,12 @@ class LocalStorage:
         with self._opened(create=True) as directory:
             os.mkdir(name, dir_fd=directory)
         return Staging(
-            path, cancel, recycle=self._take_spare(path), sync=False, pin=True
+            path,
+            cancel,
+            recycle=self._take_spare(path),
+            sync=False,
+            pin=True,
+            written=self._written,
         )
 
     def commit(
@@ -335,11 +343,15 @@ class LocalStorage:
         return DirectoryLock(self.directory)
 
     def check_writable(self) -> None:
-        """Creates the directory and a file in it, or raises naming it."""
+        """Creates the directory and a file in it, or raises naming it.
+
+        The file is made through the directory as opened with no symlink
+        followed: a directory that is a link is refused before anything is
+        written where it points.
+        """
         try:
-            os.makedirs(self.directory, exist_ok=True)
-            with tempfile.TemporaryFile(dir=self.directory):
-                pass
+            with self._opened(create=True) as directory:
+                _probe_write(directory)
         except OSError as e:
             raise ValueError(
                 f"Invalid value for argument `backup_dir`: cannot write to "
@@ -361,6 +373,20 @@ def _write_temporary(directory: int, name: str, data: bytes) -> str:
             os.remove(temporary, dir_fd=directory)
         raise
     return temporary
+
+
+def _probe_write(directory: int) -> None:
+    """Creates and removes a file in the directory open as `directory`."""
+    if hasattr(os, "O_TMPFILE"):
+        try:  # A file that never has a name: nothing to remove on a kill.
+            os.close(os.open(".", os.O_WRONLY | os.O_TMPFILE, 0o600, dir_fd=directory))
+            return
+        except IsADirectoryError:  # The filesystem has no O_TMPFILE.
+            pass
+        except OSError as e:
+            if e.errno != errno.EOPNOTSUPP:
+                raise
+    os.remove(_write_temporary(directory, ".keras-ft-probe", b""), dir_fd=directory)
 
 
 def _is_directory(path: str) -> bool:
