@@ -161,6 +161,10 @@ def _human(size: int) -> str:
     return f"{value:.1f} TB"
 
 
+# An entry named like a leftover that is not one: listed, never followed.
+_FOREIGN = "foreign entry, not followed (a link or file no save made)"
+
+
 # Commands.
 
 
@@ -194,6 +198,9 @@ def _ls(args: argparse.Namespace) -> int:
         name = _shown(leftover.rstrip("/").rsplit("/", 1)[-1])
         table.append(("-", "-", "-", "-", "-", _human(store.usage(leftover)),
                       f"partial leftover ({name})"))  # fmt: skip
+    for entry in store.foreign():
+        name = _shown(entry.rstrip("/").rsplit("/", 1)[-1])
+        table.append(("-", "-", "-", "-", "-", "-", f"{_FOREIGN} ({name})"))
     print(f"{store.directory}:")
     if len(table) == 1:
         print("  no checkpoints")
@@ -220,6 +227,8 @@ def _verify(args: argparse.Namespace) -> int:
             )
     for leftover in store.leftovers():
         print(f"{_shown(leftover)}: partial leftover (removed at the next start)")
+    for entry in store.foreign():
+        print(f"{_shown(entry)}: {_FOREIGN} (removed at the next start)")
     resume = _resume_row(rows)
     if resume is None:
         what = "no checkpoint verifies" if rows else "there is no checkpoint"
@@ -299,7 +308,7 @@ def _prune(args: argparse.Namespace) -> int:
     lock: Any = store.writer_lock()
     lock.acquire()  # DirectoryInUseError while a training holds the backup.
     try:
-        leftovers = store.leftovers()
+        leftovers = store.leftovers() + store.foreign()
         store.remove_leftovers()
         committed = store.checkpoints()
         # The newest N that verify; a damaged one counts for nothing. Only

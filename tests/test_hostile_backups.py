@@ -597,3 +597,65 @@ def test_a_staging_directory_swapped_for_a_link_is_written_as_opened(tmp_path):
         f.write(b"y")
     assert os.listdir(outside) == []
     assert sorted(os.listdir(moved)) == ["a.bin", "b.bin"]
+
+
+@ONCE
+def test_links_named_like_leftovers_are_listed_as_foreign_and_never_followed(world):
+    """`.spare-*`, `.trash-*`, `.staging-*` and `.parts-*` links to a
+    directory outside: `ls`, `verify`, `prune` and a training's start and
+    saves name them, never list, read or write what they point to, and
+    remove only the links."""
+    backup, newest, outside = world
+    target = os.path.join(outside, "elsewhere")
+    os.mkdir(target)
+    with open(os.path.join(target, "model.weights.h5"), "wb") as f:
+        f.write(SECRET * 1024)
+    chief = os.path.dirname(newest)
+    links = [".spare-000000000000", ".trash-0", ".staging-1-2", ".parts-3"]
+    for name in links:
+        os.symlink(target, os.path.join(chief, name))
+    os.utime(target, (0, time.time()))
+    for name in os.listdir(target):
+        os.utime(os.path.join(target, name), (0, time.time()))
+    before = outside_state(outside)  # Lists `target`: its access time is reset.
+    os.utime(target, ns=(0, os.stat(target).st_mtime_ns))
+
+    said = {}
+    for command in ("ls", "verify"):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+            assert cli.main([command, backup]) == 0, out.getvalue()
+        said[command] = out.getvalue()
+    for name in links:
+        for command in ("ls", "verify"):
+            rows = [r for r in said[command].splitlines() if name in r]
+            assert len(rows) == 1 and "foreign entry" in rows[0], said[command]
+            assert "partial leftover" not in rows[0], said[command]
+    assert "5.0 MB" not in said["ls"] and "elsewhere" not in said["ls"], said["ls"]
+    if atime_tells_reads(outside):
+        assert os.stat(target).st_atime_ns == 0, "the linked directory was listed"
+
+    # A training's start removes the links (only), and its saves go on.
+    x, y = make_data()
+    model = make_model()
+    state = keras_ft.WorkerTrainingState(model, backup, keep=3)
+    with state.locked():
+        state.restore()
+        model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+        state.back_up(3)
+        state.wait()
+    assert not any(os.path.lexists(os.path.join(chief, n)) for n in links)
+    for name in links:  # And `prune`, planted again.
+        os.symlink(target, os.path.join(chief, name))
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli.main(["prune", backup, "--keep", "1"]) == 0
+    assert not any(os.path.lexists(os.path.join(chief, n)) for n in links)
+
+    after = outside_state(outside)
+    assert {p: v[:2] for p, v in after.items()} == {
+        p: v[:2] for p, v in before.items()
+    }, "a file outside the backup changed"
+    assert sorted(os.listdir(target)) == ["model.weights.h5"]
+    if atime_tells_reads(outside):
+        read = [p for p in after if after[p][2] != before[p][2]]
+        assert read == [], f"read outside the backup: {read}"

@@ -113,13 +113,21 @@ class LocalStorage:
 
     def leftovers(self) -> list[str]:
         """Staging, trash, spare and parts directories: partial or deleted saves."""
+        return [p for p in self._leftover_names() if _is_directory(p)]
+
+    def foreign(self) -> list[str]:
+        """Entries named like leftovers that are not directories (a symlink,
+        a file): nobody's save. Removed with the leftovers, never followed."""
+        return [p for p in self._leftover_names() if not _is_directory(p)]
+
+    def remove_leftovers(self) -> None:
+        for path in self._leftover_names():
+            _remove_tree(path)
+
+    def _leftover_names(self) -> list[str]:
         return [
             os.path.join(self.directory, n) for n in sorted(self._names(_LEFTOVERS))
         ]
-
-    def remove_leftovers(self) -> None:
-        for path in self.leftovers():
-            _remove_tree(path)
 
     def _names(self, prefix: str | tuple[str, ...] = "") -> list[str]:
         if os.path.islink(self.directory):
@@ -179,7 +187,7 @@ class LocalStorage:
             threads.remove_in_background(staging.recycle)
 
     def _take_spare(self, staging: str) -> str | None:
-        for name in self._names(_SPARE_PREFIX):
+        for name in self._spares():
             taken = f"{staging}.recycle"
             try:
                 # Atomic: of two saves in flight, one gets it.
@@ -189,9 +197,17 @@ class LocalStorage:
             return taken
         return None
 
+    def _spares(self) -> list[str]:
+        """The spares' names: a link named like one is nobody's spare."""
+        return [
+            n
+            for n in self._names(_SPARE_PREFIX)
+            if _is_directory(os.path.join(self.directory, n))
+        ]
+
     def retire(self, checkpoint: Checkpoint) -> None:
         """Lets a checkpoint go: kept as the spare if it is worth reusing."""
-        if self._names(_SPARE_PREFIX) or not file_io.has_big_file(checkpoint.path):
+        if self._spares() or not file_io.has_big_file(checkpoint.path):
             self.delete(checkpoint)
             return
         # Renamed away from its committed name, so that no reader can find
@@ -271,7 +287,9 @@ class LocalStorage:
         """Nothing to free: `local_copy()` made no copy."""
 
     def usage(self, path: str) -> int:
-        """Bytes in the files below `path`."""
+        """Bytes in the files below `path`; no link is followed."""
+        if not _is_directory(path):
+            return os.lstat(path).st_size
         return sum(
             os.lstat(os.path.join(root, name)).st_size
             for root, _, names in os.walk(path)

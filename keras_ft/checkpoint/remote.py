@@ -257,6 +257,10 @@ class ObjectStorage:
             if MANIFEST_FILE not in names
         ]
 
+    def foreign(self) -> list[str]:
+        """Nothing: an object store has no links."""
+        return []
+
     def remove_leftovers(self) -> None:
         for sequence, names in self._listing().items():
             if MANIFEST_FILE not in names:

@@ -125,6 +125,10 @@ class Storage(Protocol):
         """What partial or deleted saves left."""
         ...
 
+    def foreign(self) -> list[str]:
+        """Entries named like leftovers that no save made (a symlink)."""
+        ...
+
     def remove_leftovers(self) -> None: ...
 
     def stage(self, cancel: threading.Event | None) -> Staging:
@@ -318,6 +322,11 @@ class CheckpointStore:
     def leftovers(self) -> list[str]:
         """What partial or deleted saves left (never a checkpoint)."""
         return self.storage.leftovers()
+
+    def foreign(self) -> list[str]:
+        """Entries named like leftovers that no save made (a symlink): never
+        followed, removed with the leftovers."""
+        return self.storage.foreign()
 
     def verify(
         self,
