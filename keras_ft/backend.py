@@ -98,6 +98,18 @@ def set_generator_state(state: np.ndarray) -> None:
         torch.set_rng_state(torch.from_numpy(np.asarray(state, np.uint8)))
 
 
+def check_generator_state(state: np.ndarray) -> None:
+    """Raises `ValueError` unless `set_generator_state(state)` would take
+    it: set first on a generator of its own."""
+    if keras.backend.backend() == "torch":
+        import torch
+
+        try:
+            torch.Generator().set_state(torch.from_numpy(np.asarray(state, np.uint8)))
+        except RuntimeError as e:
+            raise ValueError(f"PyTorch's generator state is malformed ({e})") from None
+
+
 # The alignment TensorFlow's CPU kernels require of a tensor's data.
 _TF_ALIGNMENT = 64
 

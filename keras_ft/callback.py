@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import math
 import os
 import signal
@@ -360,6 +361,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             on_config_change=self.on_config_change,
             manifest_key=self.manifest_key,
             local_dir=self.local_dir,
+            check_extra=functools.partial(
+                resume.check_saved, callbacks=self._callbacks.others
+            ),
         )
         try:
             self._check_cluster(self._state.task)

@@ -152,6 +152,15 @@ def _resume_row(rows: list[dict]) -> dict | None:
     return good[-1] if good else None
 
 
+def _when(saved: Any) -> str:
+    """A checkpoint's `saved_at` as a local time, or `?` (a damaged one's
+    may be anything)."""
+    try:
+        return datetime.datetime.fromtimestamp(saved).strftime("%Y-%m-%d %H:%M:%S")
+    except (TypeError, ValueError, OverflowError, OSError):
+        return "?"
+
+
 def _human(size: int) -> str:
     value = float(size)
     for unit in ("B", "KB", "MB", "GB"):
@@ -175,12 +184,7 @@ def _ls(args: argparse.Namespace) -> int:
     table = [("seq", "epoch", "batch", "step", "saved", "size", "state")]
     for row in rows:
         metadata = row["metadata"]
-        saved = metadata.get("saved_at")
-        when = (
-            datetime.datetime.fromtimestamp(saved).strftime("%Y-%m-%d %H:%M:%S")
-            if isinstance(saved, (int, float))
-            else "?"
-        )
+        when = _when(metadata.get("saved_at"))
         problem = row["problem"]
         state = "good" if problem is None else f"damaged: {_shown(problem)}"
         if row is resume:

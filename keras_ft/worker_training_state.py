@@ -138,6 +138,13 @@ class WorkerTrainingState:
             cluster whose processes can agree (JAX's, under `ModelParallel`
             each process's pieces; the model's `MultiWorkerMirroredStrategy`;
             a `torch.distributed` group). Defaults to `None`.
+        check_extra: A function given the `extra` a checkpoint holds
+            (`back_up(extra=...)`), before `restore()` sets anything: it
+            raises `ValueError` or `TypeError` for one this training cannot
+            use, and that checkpoint is then treated as damaged (the restore
+            falls back to the one before). A backup is untrusted input.
+            Defaults to `None`: `extra` is only checked to be JSON values
+            and arrays.
 
     Example:
 
@@ -166,6 +173,7 @@ class WorkerTrainingState:
         on_config_change: str = "warn",
         manifest_key: str | bytes | None = None,
         local_dir: str | os.PathLike | None = None,
+        check_extra: Callable[[dict], None] | None = None,
     ):
         check_platform()
         self.backup_dir = validate_backup_dir(backup_dir)
@@ -175,6 +183,12 @@ class WorkerTrainingState:
         self.task = task if task is not None else current_task()
         self._retention = KeepLast(keep)
         self._state = TrainingState(model)
+        if check_extra is not None and not callable(check_extra):
+            raise ValueError(
+                "Invalid value for argument `check_extra`. Expected a function "
+                f"or None. Received: check_extra={check_extra!r}"
+            )
+        self._state.check_extra = check_extra
         # A disk (rename commit, flock) or a bucket (manifest-last commit,
         # lease): one protocol, and nothing here asks which.
         self._chief_store = open_store(

@@ -280,6 +280,47 @@ def string_weights(newest, outside):
     retyped_weights(newest, outside, as_string=True)
 
 
+def edit_metadata(newest, change):
+    """`change(metadata)`, then a valid manifest."""
+    path = os.path.join(newest, "metadata.json")
+    with open(path) as f:
+        metadata = json.load(f)
+    change(metadata)
+    with open(path, "w") as f:
+        json.dump(metadata, f)
+    reseal(newest)
+
+
+def nested(levels: int):
+    tree: dict = {}
+    for _ in range(levels):
+        tree = {"a": tree}
+    return tree
+
+
+def deep_state(newest, outside):
+    edit_metadata(newest, lambda m: m["state"].update(deep=nested(400)))
+
+
+def far_saved_at(newest, outside):
+    edit_metadata(newest, lambda m: m.update(saved_at=1e300))
+
+
+def replace_array(newest, reference: dict, value: np.ndarray) -> None:
+    """Puts `value` where the metadata's array `reference` points."""
+    with h5py.File(os.path.join(newest, "arrays.h5"), "a") as f:
+        name = reference["__keras_ft_array__"]
+        del f[name]
+        f[name] = value
+    reseal(newest)
+
+
+def short_python_rng(newest, outside):
+    with open(os.path.join(newest, "metadata.json")) as f:
+        python = json.load(f)["state"]["rng"]["python"]
+    replace_array(newest, python[1], np.arange(10, dtype="uint32"))
+
+
 CASES = {
     "symlinked manifest": (symlinked_manifest, "symlink"),
     "symlinked weights file": (symlinked_weights, "model.weights.h5"),
@@ -298,6 +339,9 @@ CASES = {
     "symlinked checkpoint directory": (symlinked_checkpoint, None),
     "odd checkpoint names": (odd_names, None),
     "weights as strings": (string_weights, "not numbers"),
+    "state nested 400 levels deep": (deep_state, "nested more than"),
+    "saved_at of 1e300": (far_saved_at, "saved_at"),
+    "Python generator state of the wrong size": (short_python_rng, "random"),
 }
 
 
@@ -659,3 +703,127 @@ def test_links_named_like_leftovers_are_listed_as_foreign_and_never_followed(wor
     if atime_tells_reads(outside):
         read = [p for p in after if after[p][2] != before[p][2]]
         assert read == [], f"read outside the backup: {read}"
+
+
+# Malformed state that a fit() meets only when it resumes: the restore falls
+# back, nothing of the damaged checkpoint is set, and training goes on.
+
+
+class AtTrainBegin(keras.callbacks.Callback):
+    """Keeps the model's variables as the restore left them."""
+
+    def on_train_begin(self, logs=None):
+        self.variables = [
+            keras.ops.convert_to_numpy(v)
+            for v in self.model.weights + self.model.optimizer.variables
+        ]
+
+
+def fit_with(backup: str, epochs: int, *more):
+    x, y = make_data()
+    model = make_model()
+    callbacks = [
+        keras_ft.BackupAndRestore(backup, keep=3, delete_checkpoint=False),
+        keras.callbacks.EarlyStopping(
+            monitor="loss", patience=100, restore_best_weights=True
+        ),
+        *more,
+    ]
+    model.fit(x, y, epochs=epochs, batch_size=16, verbose=0, callbacks=callbacks)
+    return model
+
+
+@pytest.fixture(scope="module")
+def pristine_fit(tmp_path_factory):
+    """A backup of three epochs of fit(), with EarlyStopping's and History's
+    state in it."""
+    backup = str(tmp_path_factory.mktemp("pristine_fit") / "backup")
+    fit_with(backup, 3)
+    return backup
+
+
+def in_state(*path):
+    def change(metadata, value):
+        node = metadata["state"]
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+
+    return change
+
+
+def callback_value(path, value):
+    return lambda newest: edit_metadata(newest, lambda m: in_state(*path)(m, value))
+
+
+def torch_state_of_the_wrong_size(newest):
+    with open(os.path.join(newest, "metadata.json")) as f:
+        rng_state = json.load(f)["state"]["rng"]
+    if "torch" not in rng_state:
+        pytest.skip("no PyTorch generator state on this backend")
+    replace_array(newest, rng_state["torch"], np.zeros(100, "uint8"))
+
+
+def best_weights_of_other_shapes(newest):
+    edit_metadata(
+        newest,
+        lambda m: in_state("callbacks", "EarlyStopping:0", "best_weights")(
+            m, [1.0, 2.0]
+        ),
+    )
+
+
+FIT_CASES = {
+    "History.history a string": (
+        callback_value(("callbacks", "History:0", "history"), "oops"),
+        "History:0.history",
+    ),
+    "EarlyStopping.wait negative": (
+        callback_value(("callbacks", "EarlyStopping:0", "wait"), -3),
+        "EarlyStopping:0.wait",
+    ),
+    "EarlyStopping.best_weights not weights": (
+        best_weights_of_other_shapes,
+        "EarlyStopping:0.best_weights",
+    ),
+    "logs a list": (callback_value(("logs",), [1, 2]), "logs"),
+    "epoch-begin NumPy generator position past its keys": (
+        callback_value(("epoch_begin_rng", "numpy", "pos"), 10**6),
+        "random",
+    ),
+    "PyTorch generator state of the wrong size": (
+        torch_state_of_the_wrong_size,
+        "PyTorch",
+    ),
+    "state nested 400 levels deep": (
+        lambda newest: deep_state(newest, None),
+        "nested more than",
+    ),
+    "saved_at of 1e300": (lambda newest: far_saved_at(newest, None), "saved_at"),
+}
+
+
+@pytest.mark.parametrize("case", list(FIT_CASES))
+def test_malformed_state_makes_fit_fall_back_with_nothing_of_it_set(
+    pristine_fit, tmp_path, case
+):
+    backup = str(tmp_path / "backup")
+    shutil.copytree(pristine_fit, backup)
+    before, newest = keras_ft.WorkerTrainingState(make_model(), backup).checkpoints()[
+        -2:
+    ]
+    alter, reason = FIT_CASES[case]
+    alter(newest.path)
+    expected = make_model()
+    keras_ft.load_checkpoint(before.path, expected)
+    restored = AtTrainBegin()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = fit_with(backup, 5, restored)
+    said = " ".join(str(w.message) for w in caught)
+    assert newest.name in said and reason in said, said
+    # The checkpoint before, whole: nothing of the damaged one was set.
+    wanted = expected.weights + expected.optimizer.variables
+    for value, variable in zip(restored.variables, wanted, strict=True):
+        np.testing.assert_array_equal(value, keras.ops.convert_to_numpy(variable))
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 5 * 4

@@ -14,7 +14,7 @@ from typing import IO, Any
 import h5py
 
 from keras_ft.checkpoint.errors import CorruptCheckpointError
-from keras_ft.state import arrays, hdf5
+from keras_ft.state import arrays, generators, hdf5
 
 STATE_FORMAT_VERSION = 1
 # A checkpoint's weights file: the name `model.save_weights()` takes.
@@ -34,7 +34,13 @@ def inspect(metadata: Any, open_file: Callable[[str], IO[bytes]], where: str) ->
     """
     check_metadata(metadata, where)
     with open_file(arrays.ARRAYS_FILE) as f:
-        arrays.read(f, os.path.join(where, arrays.ARRAYS_FILE))
+        held = arrays.read(f, os.path.join(where, arrays.ARRAYS_FILE))
+    try:
+        check_generators(arrays.join(metadata.get("state", {}), held))
+    except ValueError as e:
+        raise CorruptCheckpointError(
+            where, f"its saved state is malformed: {e}"
+        ) from None
     try:
         weights = open_file(WEIGHTS_FILE)
     except FileNotFoundError:  # A sharded checkpoint: its shards hold the values.
@@ -43,15 +49,44 @@ def inspect(metadata: Any, open_file: Callable[[str], IO[bytes]], where: str) ->
         hdf5.check_plain(f, os.path.join(where, WEIGHTS_FILE))
 
 
+# Bounds on what a metadata file may hold. Its deepest real nesting is a
+# model's configuration (a few levels per model nested in a model); every
+# reader of the tree (arrays.join(), configuration.differences()) recurses.
+MAX_DEPTH = 100
+_MAX_COUNT = 1 << 62  # Epochs, batches, steps, dimensions.
+# Seconds since the epoch: up to the year 9999, which `datetime` can show.
+_MAX_TIME = 253402300799.0
+
+
+def check_generators(state: dict) -> None:
+    """Raises `ValueError` unless the data side's generator states that a
+    saved state holds (see `generators`) are ones their generators take."""
+    saved_input = state.get("input", {})
+    for saved in (
+        state.get("rng", {}),
+        state.get("epoch_begin_rng", {}),
+        saved_input.get("rng", {}) if isinstance(saved_input, dict) else {},
+    ):
+        generators.check(saved)
+
+
 def check_metadata(metadata: Any, directory: str) -> None:
     """Raises `CorruptCheckpointError` unless `metadata` has the shape
     keras-ft writes (counters, variable list, state format)."""
 
     def is_count(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        return (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and 0 <= value < _MAX_COUNT
+        )
 
     if not isinstance(metadata, dict):
         raise CorruptCheckpointError(directory, "its metadata is not an object")
+    if depth(metadata) > MAX_DEPTH:
+        raise CorruptCheckpointError(
+            directory, f"its metadata is nested more than {MAX_DEPTH} levels deep"
+        )
     build_config = metadata.get("build_config")
     if build_config is not None and not isinstance(build_config, dict):
         raise CorruptCheckpointError(directory, "its build_config is not an object")
@@ -62,7 +97,12 @@ def check_metadata(metadata: Any, directory: str) -> None:
         for key in ("epochs_completed", "batches_completed", "step")
         if not is_count(metadata.get(key))
     ]
-    if not isinstance(metadata.get("saved_at"), (int, float)):
+    saved_at = metadata.get("saved_at")
+    if (
+        not isinstance(saved_at, (int, float))
+        or isinstance(saved_at, bool)
+        or not 0 <= saved_at <= _MAX_TIME  # NaN fails it too.
+    ):
         problems.append("saved_at")
     variables = metadata.get("variables")
     if not isinstance(variables, list) or not all(
@@ -84,3 +124,24 @@ def check_metadata(metadata: Any, directory: str) -> None:
             f"its metadata is not keras-ft's (bad {', '.join(problems)}); written "
             "by another release, or edited by hand",
         )
+
+
+def depth(tree: Any) -> int:
+    """How deeply lists and objects nest in a JSON tree (a scalar: 0),
+    without recursion: the tree is untrusted and may be deeper than the
+    interpreter's stack."""
+    deepest = 0
+    pending = [(tree, 1)]
+    while pending:
+        node, level = pending.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, level)
+        if deepest > MAX_DEPTH:  # Deep enough to refuse: stop looking.
+            return deepest
+        pending.extend((child, level + 1) for child in children)
+    return deepest

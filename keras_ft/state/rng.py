@@ -26,6 +26,7 @@ import keras
 import numpy as np
 
 from keras_ft import backend, compat
+from keras_ft.state import generators
 
 
 def capture() -> dict[str, Any]:
@@ -66,6 +67,30 @@ def from_raw(raw: tuple[Any, Any]) -> dict[str, Any]:
 MODEL_SIDE = ("torch", "keras")
 
 
+def check(state: Any) -> None:
+    """Raises `ValueError` unless every generator's state in `state` is one
+    `apply()` can set: each is set first on a generator of its own, so that
+    a backup's malformed state is found before any global one is changed.
+
+    Args:
+        state: What a backup holds where `capture()`'s result was saved.
+    """
+    generators.check(state)
+    if "keras" in state:
+        seed = state["keras"]
+        current = compat.keras_global_seed_state()
+        shape = (2,) if current is None else tuple(current.shape)
+        if not generators.integers(seed) or seed.shape != shape:
+            raise ValueError(
+                f"Keras' global seed state is not integers of shape {shape}"
+            )
+    if "torch" in state:
+        torch_state = state["torch"]
+        if not isinstance(torch_state, np.ndarray) or torch_state.dtype != np.uint8:
+            raise ValueError("PyTorch's generator state is not bytes")
+        backend.check_generator_state(torch_state)
+
+
 def apply(state: dict[str, Any], only: tuple[str, ...] | None = None) -> None:
     """Sets the global generators named in `state` to their captured state.
 
@@ -77,14 +102,9 @@ def apply(state: dict[str, Any], only: tuple[str, ...] | None = None) -> None:
     if only is not None:
         state = {k: v for k, v in state.items() if k in only}
     if "python" in state:
-        version, internal, gauss = state["python"]
-        random.setstate((version, tuple(int(v) for v in internal), gauss))
+        random.setstate(generators.python_state(state["python"]))
     if "numpy" in state:
-        n = state["numpy"]
-        np.random.set_state(
-            (n["name"], np.asarray(n["keys"], dtype=np.uint32), n["pos"],
-             n["has_gauss"], n["cached_gaussian"])
-        )  # fmt: skip
+        np.random.set_state(generators.numpy_state(state["numpy"]))
     if "keras" in state:
         compat.set_keras_global_seed_state(np.asarray(state["keras"]))
     if "torch" in state:

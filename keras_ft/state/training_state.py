@@ -19,6 +19,7 @@ import os
 import stat
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -162,6 +163,9 @@ class TrainingState:
         # only those it writes into a shared save (for a save of its own).
         self.every_replica = False
         self._configuration: dict | None = None
+        # More checks of a checkpoint's `extra` before anything is restored
+        # (what the caller saved there): raises ValueError or TypeError.
+        self.check_extra: Callable[[dict], None] | None = None
 
     def snapshot(
         self,
@@ -284,7 +288,7 @@ class TrainingState:
             for name in (METADATA_FILE, arrays.ARRAYS_FILE):
                 _wait_for_whole(directory, name, progress)
         metadata = _read_metadata(directory)
-        extra = _extra(directory, metadata)
+        extra = self._read_extra(directory, metadata)
         self._check_build_config(directory, metadata)
         weights = self._read_weights(directory, progress)
         if weights is None:  # Not this model's layout: checked before parsing.
@@ -339,7 +343,7 @@ class TrainingState:
                 if the configuration differs.
         """
         if read is None:  # Checked before anything is loaded.
-            read = ReadAhead(None, _extra(directory, metadata))
+            read = ReadAhead(None, self._read_extra(directory, metadata))
             self._check_build_config(directory, metadata)
             self._check_weights_file(directory)
         values = read.weights
@@ -395,11 +399,27 @@ class TrainingState:
             the first training step).
         """
         variables = self.model.metrics_variables
-        if len(values) != len(variables):
+        if len(values) != len(variables) or _misfits(values, variables):
             return False
         for variable, value in zip(variables, values, strict=True):
             variable.assign(value)
         return True
+
+    def _read_extra(self, directory: str, metadata: Any) -> dict:
+        """The state beside the variables (`ResumePoint.extra`), checked
+        whole before any of it is set: a malformed one is damage."""
+        extra = _extra(directory, metadata)
+        try:
+            _check_values(extra.get("seed_generators", []), _seed_states(self.model))
+            _check_values(extra.get("metrics", []), self.model.metrics_variables)
+            rng.check(extra.get("rng", {}))
+            if self.check_extra is not None:
+                self.check_extra(extra)
+        except (TypeError, ValueError) as e:
+            raise CorruptCheckpointError(
+                directory, f"its saved state is malformed: {e}"
+            ) from None
+        return extra
 
     def _apply_seed_generators(self, values: list) -> None:
         states = _seed_states(self.model)
@@ -560,6 +580,28 @@ def _seed_states(model: keras.Model) -> list:
             seen.add(id(variable))
             found.append(variable)
     return found
+
+
+def _check_values(values: Any, variables: list) -> None:
+    """Raises `ValueError` unless `values` is a list of arrays (numbers:
+    `arrays.read()` refuses others), of
+    the variables' shapes where there are as many (a count that differs is
+    said where they are set: TensorFlow builds compiled metrics late)."""
+    if not isinstance(values, list) or not all(_is_array(v) for v in values):
+        raise ValueError("variable values are not a list of arrays")
+    if len(values) == len(variables) and _misfits(values, variables):
+        raise ValueError("variable values do not have the model's shapes")
+
+
+def _is_array(value: Any) -> bool:
+    # An HDF5 scalar dataset reads back as a NumPy scalar.
+    return isinstance(value, (np.ndarray, np.generic))
+
+
+def _misfits(values: list, variables: list) -> bool:
+    return any(
+        np.shape(v) != tuple(w.shape) for v, w in zip(values, variables, strict=True)
+    )
 
 
 def _extra(directory: str, metadata: Any) -> dict:
