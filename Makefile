@@ -21,7 +21,10 @@ $(STAMP): pyproject.toml Makefile
 	# triton). These machines carry the CPU wheel; elsewhere, PyTorch's CPU
 	# index (PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu) has it.
 	$(PY) -m pip install -q "$(TORCH_CPU)"
-	$(PY) -m pip install -q -e ".[tensorflow,jax,torch,test]"
+	# The backends' CPU builds, named here: the package's extras leave the
+	# build to the user.
+	$(PY) -m pip install -q tensorflow-cpu "jax[cpu]"
+	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -c 'import torch, sys; sys.exit(torch.version.cuda and "a CUDA build of torch was installed: see the Makefile")'
 	# KerasHub for the workload tests, without tensorflow-text (the full
 	# tensorflow wheel) and kagglehub: models built from configs need neither.

@@ -334,17 +334,22 @@ def launch(args: argparse.Namespace, processes: int, callback: str, root: str):
                EPATH_USE_TF="false")  # fmt: skip
     env["PYTHONPATH"] = os.path.dirname(HERE)
     command = [
-        sys.executable, __file__, "--worker", "0", "--processes", str(processes),
+        sys.executable, os.path.abspath(__file__), "--worker", "0",
+        "--processes", str(processes),
         "--callback", callback, "--dir", root, "--port", str(port),
         "--units", str(args.units), "--batches", str(args.batches),
         "--every", str(args.every),
     ]  # fmt: skip
     procs = []
+    # In a directory of the run's own: a bucket path that a library takes for
+    # a local one (`s3://b` made `s3:/b`) lands there, and is caught below.
+    cwd = os.path.join(root, "cwd")
+    os.makedirs(cwd, exist_ok=True)
     for i in range(processes):
         command[command.index("--worker") + 1] = str(i)
         procs.append(
             subprocess.Popen(list(command), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=env)
+                             stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
         )  # fmt: skip
     results = []
     for p in procs:
@@ -353,6 +358,12 @@ def launch(args: argparse.Namespace, processes: int, callback: str, root: str):
             raise RuntimeError(f"{callback} x{processes} failed:\n{err[-3000:]}")
         line = next(x for x in out.splitlines() if x.startswith("RESULT "))
         results.append(json.loads(line[len("RESULT ") :]))
+    stray = os.listdir(cwd)
+    if stray:
+        raise RuntimeError(
+            f"{callback} x{processes} wrote {stray} into its working directory: "
+            "a bucket path was taken for a local one (its '//' collapsed)."
+        )
     return results
 
 

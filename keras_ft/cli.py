@@ -21,6 +21,7 @@ import os
 import sys
 from typing import Any
 
+import keras_ft
 from keras_ft.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from keras_ft.checkpoint.format import is_url, local_path
 from keras_ft.checkpoint.lock import DirectoryInUseError
@@ -65,6 +66,9 @@ def _shown(text: str) -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="keras-ft", description="Look at, check, export and prune backups."
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {keras_ft.__version__}"
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     ls = commands.add_parser("ls", help="list the checkpoints of a backup")

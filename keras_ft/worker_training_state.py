@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import shutil
 import sys
 import threading
@@ -1203,6 +1204,10 @@ def validate_local_dir(local_dir: object, backup_dir: str) -> str | None:
     return path
 
 
+# `s3:/bucket/run`: a URL after a path function collapsed its `//`.
+_LOST_SLASH = re.compile(r"[a-z][a-z0-9+.-]*:/(?!/)")
+
+
 def validate_backup_dir(backup_dir: object) -> str:
     """Returns `backup_dir` as a string, or raises a `ValueError` saying why not."""
     if not backup_dir:
@@ -1221,6 +1226,16 @@ def validate_backup_dir(backup_dir: object) -> str:
         path = os.fsdecode(path)
     if is_url(path):
         return path.rstrip("/")  # Object storage: checked at train begin.
+    if _LOST_SLASH.match(path):
+        # What `os.path.join()` or `normpath()` make of a URL: as a local
+        # path it would become a directory named after the scheme.
+        scheme, _, rest = path.partition(":/")
+        raise ValueError(
+            "Invalid value for argument `backup_dir`: it looks like a URL that "
+            f"lost a slash, which would be a local directory named {scheme + ':'!r}."
+            f" Write it as {scheme}://{rest}, or as ./{path} for a local "
+            f"directory. Received: backup_dir={path!r}"
+        )
     path = local_path(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(

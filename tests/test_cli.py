@@ -186,3 +186,14 @@ def test_names_from_a_backup_are_printed_escaped_and_no_traceback(backup):
     assert result.returncode == 1 and "symlink" in result.stderr
     assert "Traceback" not in result.stderr
     assert not os.path.exists(os.path.join(backup_dir, "outside-lock"))
+
+
+def test_version_is_the_installed_distributions():
+    """One version, written once (keras_ft.__version__), read by the
+    package's metadata and by `keras-ft --version`."""
+    from importlib import metadata
+
+    result = keras_ft_command("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"keras-ft {keras_ft.__version__}"
+    assert metadata.version("keras-ft") == keras_ft.__version__

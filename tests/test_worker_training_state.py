@@ -15,6 +15,7 @@ import pytest
 from conftest import (
     TESTS_DIR,
     iterations,
+    make_data,
     make_model,
     run_once_on,
     subprocess_env,
@@ -195,6 +196,25 @@ def test_check_writable_names_backup_dir(unwritable_dir):
     state = WorkerTrainingState(make_model(), os.path.join(unwritable_dir, "b"))
     with pytest.raises(ValueError, match="`backup_dir`.*cannot write"):
         state.check_writable()
+
+
+@pytest.mark.parametrize("mangled", ["s3:/bucket/run", "gs:/b", "memory:/x/y"])
+def test_a_url_that_lost_a_slash_never_becomes_a_local_directory(
+    mangled, tmp_path, monkeypatch
+):
+    """`os.path.join()` or `normpath()` turn `s3://b/run` into `s3:/b/run`:
+    refused, naming the fix, with nothing made on disk."""
+    monkeypatch.chdir(tmp_path)
+    scheme = mangled.split(":")[0]
+    with pytest.raises(ValueError, match=f"lost a slash.*{scheme}://"):
+        WorkerTrainingState(make_model(), mangled)
+    x, y = make_data()
+    with pytest.raises(ValueError, match="lost a slash"):
+        make_model().fit(
+            x, y, epochs=1, verbose=0, callbacks=[keras_ft.BackupAndRestore(mangled)]
+        )
+    assert os.listdir(tmp_path) == []
+    WorkerTrainingState(make_model(), f"./{mangled}")  # Said so: a local one.
 
 
 def test_only_the_lock_holder_removes_a_killed_writers_staging_directory(
