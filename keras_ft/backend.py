@@ -17,6 +17,7 @@ on TensorFlow.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -185,6 +186,182 @@ def for_assign(array: np.ndarray) -> Any:
     except (TypeError, ValueError, RuntimeError, BufferError):
         return array  # E.g. bfloat16, which DLPack refuses.
     return tf.raw_ops.DeepCopy(x=shared)
+
+
+# Snapshots on the device: what a save holds training up for on an accelerator.
+#
+# Moving a state to host memory runs at the bus's speed (about 1 GB/s from
+# pageable memory), a copy on the device at its memory's (hundreds of GB/s).
+# A save copies the state on the device, in one operation where the backend
+# has one, and moves the copy to host memory beside the next steps. The
+# copy is new buffers of its own: Keras' JAX trainer donates the live state
+# to the next step (its buffers are then gone), and PyTorch's optimizers
+# update theirs in place.
+
+
+def raw_value(value: Any) -> Any:
+    """The backend tensor behind a Keras variable (or `value` itself)."""
+    return value.value if isinstance(value, keras.Variable) else value
+
+
+def accelerator(value: Any) -> str | None:
+    """The kind of accelerator holding `value` (`"gpu"`, `"tpu"`), or `None`
+    for host memory."""
+    value = raw_value(value)
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        if isinstance(value, jax.Array):
+            platforms = {d.platform for d in value.devices()}
+            return None if platforms == {"cpu"} else platforms.pop()
+    elif backend == "torch":
+        import torch
+
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            return value.device.type
+    elif backend == "tensorflow":
+        device = getattr(value, "device", "") or ""
+        if "GPU" in device.upper():
+            return "gpu"
+        if "TPU" in device.upper():
+            return "tpu"
+    return None
+
+
+def device_snapshot(values: list) -> tuple[list, Callable[[], None]]:
+    """Copies of `values` (backend tensors) in new device buffers, made in
+    one operation where the backend has one.
+
+    Returns:
+        `(copies, ready)`: `ready()` returns once the copies are made (the
+        device runs asynchronously), in any thread.
+    """
+    backend = keras.backend.backend()
+    if backend == "jax":
+        copies = _jax_copy()(list(values))
+
+        def ready() -> None:
+            for copy in copies:
+                copy.block_until_ready()
+
+        return copies, ready
+    if backend == "torch":
+        import torch
+
+        with torch.no_grad():
+            copies = [
+                v.detach().clone() if isinstance(v, torch.Tensor) else np.array(v)
+                for v in values
+            ]
+        devices = {
+            c.device
+            for c in copies
+            if isinstance(c, torch.Tensor) and c.device.type == "cuda"
+        }
+        events = []
+        for device in devices:  # Recorded on the streams that made them.
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            events.append(event)
+
+        def made() -> None:
+            for event in events:
+                event.synchronize()
+
+        return copies, made
+    if backend == "tensorflow":
+        # Copy-on-write: a tensor read from a variable keeps its values
+        # when the variable is updated later (TensorFlow copies then).
+        return list(_tf_copy()(list(values))), _nothing
+    return [np.array(v) for v in values], _nothing
+
+
+def _nothing() -> None:
+    pass
+
+
+_jitted: dict[str, Any] = {}  # One compiled copy per backend, reused.
+
+
+def _jax_copy() -> Callable[[list], list]:
+    if "jax" not in _jitted:
+        import jax
+        import jax.numpy as jnp
+
+        # One executable for the whole state (not a dispatch per variable);
+        # its outputs never alias its inputs (nothing is donated).
+        _jitted["jax"] = jax.jit(lambda xs: [jnp.copy(x) for x in xs])
+    return _jitted["jax"]
+
+
+def _tf_copy() -> Callable[[list], list]:
+    if "tensorflow" not in _jitted:
+        import tensorflow as tf
+
+        _jitted["tensorflow"] = tf.function(
+            lambda xs: [tf.identity(x) for x in xs], reduce_retracing=True
+        )
+    return _jitted["tensorflow"]
+
+
+def device_free_bytes(value: Any) -> int | None:
+    """Bytes free on the accelerator holding `value`, as far as its backend
+    says (`None`: not known, or host memory)."""
+    value = raw_value(value)
+    backend = keras.backend.backend()
+    try:
+        if backend == "jax":
+            (device, *_) = value.devices()
+            stats = device.memory_stats() or {}
+            if "bytes_limit" in stats:
+                return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        elif backend == "torch":
+            import torch
+
+            if value.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(value.device)
+                # What its caching allocator holds unused is free to it too.
+                cached = torch.cuda.memory_reserved(
+                    value.device
+                ) - torch.cuda.memory_allocated(value.device)
+                return int(free + cached)
+    except (AttributeError, RuntimeError, ValueError, TypeError):
+        return None
+    return None  # TensorFlow's allocator says what it holds, not its room.
+
+
+def nondeterminism() -> str | None:
+    """What to set for bitwise-reproducible training on this backend's
+    accelerators, if it is not set; `None` if it is."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        if "--xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", ""):
+            return None
+        return (
+            "XLA_FLAGS=--xla_gpu_deterministic_ops=true in the environment "
+            "before JAX starts"
+        )
+    if backend == "torch":
+        import torch
+
+        workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        if torch.are_deterministic_algorithms_enabled() and workspace in (
+            ":4096:8",
+            ":16:8",
+        ):
+            return None
+        return (
+            "torch.use_deterministic_algorithms(True), with "
+            "CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment"
+        )
+    if backend == "tensorflow":
+        from keras_ft.compat import tf_op_determinism
+
+        if tf_op_determinism():
+            return None
+        return "tf.config.experimental.enable_op_determinism()"
+    return None
 
 
 # Variables split across processes (JAX, `keras.distribution.ModelParallel`).

@@ -27,6 +27,7 @@ from keras_ft.distribute.launch import (
     warn_of_jax_default_timeouts,
 )
 from keras_ft.state import NonFiniteStateError, ResumePoint, rng
+from keras_ft.state.snapshots import validate_snapshot
 from keras_ft.state.training_state import optimizer_step, progress_text
 from keras_ft.training import (
     callback_state,
@@ -214,6 +215,14 @@ class BackupAndRestore(keras.callbacks.Callback):
             tier alone, between the bucket's saves: a positive integer number
             of batches, or `"epoch"`. Defaults to `None`: the local tier gets
             the bucket's saves only.
+        snapshot: Where a save copies the state that training waits for:
+            `"device"`, into new buffers on the GPU or TPU holding it (a
+            few milliseconds), moved to host memory and written beside the
+            next steps; `"host"`, straight into host memory (on a GPU about
+            a second per GB, all of it holding training up); `"auto"`, on
+            the device where the state is on an accelerator with room for
+            one more copy of it (else in host memory, said once), and on the
+            CPU the host copy, which is one copy there. Defaults to `"auto"`.
 
     Attributes:
         backup_seconds: Seconds the saves of the current `fit()` have held
@@ -247,9 +256,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         local_save_freq: str | int | None = None,
         stall_timeout: float | str | bool | None = None,
         first_batch_timeout: float = 1800.0,
+        snapshot: str = "auto",
     ):
         super().__init__()
         check_platform()
+        self.snapshot = validate_snapshot(snapshot)
         self.backup_dir = validate_backup_dir(backup_dir)
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ValueError(
@@ -364,6 +375,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             check_extra=functools.partial(
                 resume.check_saved, callbacks=self._callbacks.others
             ),
+            snapshot=self.snapshot,
         )
         try:
             self._check_cluster(self._state.task)

@@ -50,6 +50,7 @@ class Watermark:
         self.total = total
         self._level = 0
         self._error: BaseException | None = None
+        self._failed = False
         self._condition = threading.Condition()
 
     @property
@@ -73,6 +74,13 @@ class Watermark:
             self._error = error
             self._condition.notify_all()
 
+    def fail(self, error: BaseException) -> None:
+        """The rest will never be ready, and no one else reports why (it was
+        being filled in a background thread): waiters get `error`."""
+        with self._condition:
+            self._error, self._failed = error, True
+            self._condition.notify_all()
+
     def wait_for(self, level: int) -> None:
         """Waits until the first `level` bytes are ready.
 
@@ -81,6 +89,8 @@ class Watermark:
         """
         with self._condition:
             while self._level < min(level, self.total):
+                if self._failed:
+                    raise self._error
                 if self._error is not None:
                     raise Cancelled(f"The snapshot was not taken ({self._error!r}).")
                 self._condition.wait()
@@ -256,7 +266,10 @@ copy_helper = _Pool(1, "keras-ft-copy", needs_two_cores=True)
 # The NaN/infinity check of a copy written in the background: off the
 # training thread's time, ahead of the writer.
 checker = _Pool(1, "keras-ft-finite-check")
-_POOLS = (hasher, syncer, verifier, remover, transfer, copy_helper, checker)
+# The move of a snapshot made on the device into host memory, beside the
+# next training steps (the writer follows it).
+mover = _Pool(1, "keras-ft-device-to-host")
+_POOLS = (hasher, syncer, verifier, remover, transfer, copy_helper, checker, mover)
 _holders = 0
 _holders_lock = threading.Lock()
 

@@ -56,6 +56,7 @@ from keras_ft.compat.training import (
     set_keras_global_seed_state,
     stack_holds,
     tf_dataset_reshuffles,
+    tf_op_determinism,
 )
 
 __all__ = [
@@ -98,5 +99,6 @@ __all__ = [
     "start_data_at_epoch",
     "strategy_cluster",
     "tf_dataset_reshuffles",
+    "tf_op_determinism",
     "usable",
 ]

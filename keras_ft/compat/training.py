@@ -272,3 +272,39 @@ def set_keras_global_seed_state(value: Any) -> None:
     from keras.src.random.seed_generator import global_seed_generator
 
     global_seed_generator().state.assign(value)
+
+
+@register(
+    "tf_op_determinism",
+    "keras-ft cannot tell whether tf.config.experimental.enable_op_determinism() "
+    "was called (only TF_DETERMINISTIC_OPS=1 is seen), and may say a TensorFlow "
+    "GPU run is not reproducible when it is",
+    applies=lambda: keras.backend.backend() == "tensorflow" and _tf_has_gpu(),
+)
+def _check_tf_op_determinism() -> bool:
+    from tensorflow.python.framework import config
+
+    return callable(config.is_op_determinism_enabled)
+
+
+def tf_op_determinism() -> bool:
+    """Whether TensorFlow's ops are deterministic (`enable_op_determinism()`)."""
+    import os
+
+    if os.environ.get("TF_DETERMINISTIC_OPS", "").lower() in ("1", "true"):
+        return True
+    if not usable("tf_op_determinism"):
+        return False
+    from tensorflow.python.framework import config
+
+    try:
+        return bool(config.is_op_determinism_enabled())
+    except Exception as e:  # Moved or changed: the public signal alone.
+        fail("tf_op_determinism", e)
+        return False
+
+
+def _tf_has_gpu() -> bool:
+    import tensorflow as tf
+
+    return bool(tf.config.list_logical_devices("GPU"))

@@ -175,6 +175,7 @@ class TrainingState:
         copy: bool = True,
         fill: bool = True,
         check_later: bool = False,
+        on_device: bool = False,
     ) -> Snapshot:
         """The state now, with `extra` (JSON values and NumPy arrays) added.
 
@@ -195,6 +196,10 @@ class TrainingState:
                 check follows the copy in the background rather than being
                 part of it (see `WeightsLayout.capture()`). Defaults to
                 `False`.
+            on_device: With `copy` and not `fill`, whether the weights are
+                copied on their device now, and `fill()` (in any thread)
+                moves that copy to host memory (see `WeightsLayout.capture()`).
+                Defaults to `False`.
         """
         tree = {
             "seed_generators": [
@@ -211,7 +216,9 @@ class TrainingState:
         if self.sharded():
             # Each process copies its share; no weights file is written.
             return Snapshot(None, metadata, state_arrays, self.share())
-        captured = self._weights.capture(copy=copy, fill=fill, check_later=check_later)
+        captured = self._weights.capture(
+            copy=copy, fill=fill, check_later=check_later, on_device=on_device
+        )
         return Snapshot(captured, metadata, state_arrays)
 
     def share(self) -> sharded.Share:

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import mmap
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -71,6 +72,9 @@ class CapturedWeights:
     # Whether the check follows the copy in the background (`fill()` then
     # returns before `non_finite` is known).
     checked_later: bool = False
+    # Whether `fill()` moves a copy made on the device (it may then run in
+    # any thread while training goes on).
+    from_device: bool = False
 
     def fill(self) -> None:
         """Copies the variables into the buffer (in this thread), if not yet."""
@@ -119,9 +123,13 @@ class CopyBuffer:
             self._allocating = threads.start_daemon(self._allocate, "keras-ft-allocate")
 
     def capture(
-        self, values: list[np.ndarray], fill: bool, check_later: bool = False
+        self,
+        values: list[np.ndarray] | Callable[[], list[np.ndarray]],
+        fill: bool,
+        check_later: bool = False,
     ) -> CapturedWeights:
-        """A copy of `values` in the buffer (see `WeightsLayout.capture()`)."""
+        """A copy of `values` in the buffer (see `WeightsLayout.capture()`);
+        `values` may be a function that gives them, called by `fill()`."""
         self._allocate()
         previous, filled = self._written, Watermark(self.size)
         if previous is not None and previous.level < previous.total:
@@ -154,7 +162,7 @@ class CopyBuffer:
     def _fill(
         self,
         batches: list[tuple[int, list[_Piece], int]],
-        values: list[np.ndarray],
+        values: list[np.ndarray] | Callable[[], list[np.ndarray]],
         previous: Watermark | None,
         filled: Watermark,
         non_finite: list[str],
@@ -173,6 +181,8 @@ class CopyBuffer:
         """
         bad: set[int] = set()
         try:
+            if callable(values):
+                values = values()
             for ready, pieces, split in batches:
                 if previous is not None:
                     previous.wait_for(ready)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import shutil
 import tempfile
@@ -100,7 +101,11 @@ class WeightsLayout:
         self._buffer: CopyBuffer | None = None  # Of this layout, made once.
 
     def capture(
-        self, copy: bool = True, fill: bool = True, check_later: bool = False
+        self,
+        copy: bool = True,
+        fill: bool = True,
+        check_later: bool = False,
+        on_device: bool = False,
     ) -> CapturedWeights:
         """The model's weights file as it would be written now.
 
@@ -120,12 +125,19 @@ class WeightsLayout:
                 after the copy, in the background, rather than during it:
                 `filled` then waits for the check, and `non_finite` is known
                 once `filled` finishes. Defaults to `False`.
+            on_device: With `copy` and not `fill`, whether the values are
+                first copied on the device they live on (see
+                `backend.device_snapshot()`), and `fill()` then moves that
+                copy to the buffer: it may run in any thread while training
+                goes on, and the NaN/infinity check follows it there.
+                Defaults to `False`: `fill()` reads the variables themselves.
         """
         self._ensure_laid_out()
-        values = self._read_values() if self._fast else None
+        read = functools.partial(self._read_values, raw=on_device)
+        values = read() if self._fast else None
         if self._fast and values is None:  # Other keys or shapes than planned.
             self._lay_out()
-            values = self._read_values() if self._fast else None
+            values = read() if self._fast else None
         if not self._fast:
             return _capture_public(self.model)
         if values is None:
@@ -137,6 +149,18 @@ class WeightsLayout:
             )
         if not copy:
             return CapturedWeights(self._chunks_around(values))
+        if on_device and not fill:
+            copies, made = host.device_snapshot(values)
+
+            def moved() -> list[np.ndarray]:
+                made()
+                return [host.view(c) for c in copies]
+
+            captured = self._copy_buffer().capture(moved, fill, check_later=True)
+            captured.from_device = True
+            return captured
+        if on_device:
+            values = [host.view(v) for v in values]
         return self._copy_buffer().capture(values, fill, check_later)
 
     def dataset_names(self) -> list[str]:
@@ -266,16 +290,23 @@ class WeightsLayout:
         self._groups, self._fast = groups, True
         self.release()
 
-    def _read_values(self) -> list[np.ndarray] | None:
-        """Every dataset's current value, in `_data_slots()` order."""
+    def _read_values(self, raw: bool = False) -> list[Any] | None:
+        """Every dataset's current value, in `_data_slots()` order: NumPy
+        views, or with `raw` the backend's tensors (on their device)."""
         values = []
         for group in self._groups:
             current = _own_variables(group.saveable)
             if list(current) != [s.key for s in group.slots]:
                 return None
             for slot in group.slots:
-                value = host.view(current[slot.key])
-                if value.shape != slot.shape or value.dtype != slot.dtype:
+                if raw:
+                    value = host.raw_value(current[slot.key])
+                    dtype = keras.backend.standardize_dtype(value.dtype)
+                    same = tuple(value.shape) == slot.shape and dtype == slot.dtype.name
+                else:
+                    value = host.view(current[slot.key])
+                    same = value.shape == slot.shape and value.dtype == slot.dtype
+                if not same:
                     return None
                 if slot.offset is not None:
                     values.append(value)

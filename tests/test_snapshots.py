@@ -1,0 +1,230 @@
+"""Where a save copies the state: on the device (then moved to host memory
+beside the next steps), or in host memory (`state/snapshots.py`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from conftest import make_data, make_model, subprocess_env
+
+import keras_ft
+from keras_ft import backend, threads
+from keras_ft.state import snapshots
+from keras_ft.state.snapshots import SnapshotPlace
+
+
+def state_of(model: keras.Model) -> list[np.ndarray]:
+    return [
+        keras.ops.convert_to_numpy(v) for v in model.weights + model.optimizer.variables
+    ]
+
+
+class SaveOnceMidEpoch(keras.callbacks.Callback):
+    """Backs up after batch 2 of epoch 1 while the move to host memory is
+    held back, so that the steps after it run before the move does."""
+
+    def __init__(self, state: keras_ft.WorkerTrainingState, gate: threading.Event):
+        super().__init__()
+        self.state, self.gate = state, gate
+        self.expected: list[np.ndarray] | None = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.expected is not None or batch != 1:
+            return
+        model = self.model  # On JAX, reading it syncs the trainer's state.
+        self.expected = state_of(model)
+        threads.submit(threads.mover, self.gate.wait)  # The move waits for it.
+        self.state.back_up(0, batch + 1)
+
+
+@pytest.mark.parametrize("mode", ["device", "host"])
+def test_a_snapshot_holds_the_state_at_its_step_after_later_steps_ran(tmp_path, mode):
+    """Keras' JAX trainer donates the state to the next step and PyTorch's
+    optimizers update in place: a snapshot moved to host memory only after
+    three more epochs must still hold the values of its own step."""
+    x, y = make_data()
+    model = make_model(units=64)
+    state = keras_ft.WorkerTrainingState(
+        model, str(tmp_path / "backup"), async_save=True, snapshot=mode
+    )
+    gate = threading.Event()
+    saver = SaveOnceMidEpoch(state, gate)
+    try:
+        model.fit(x, y, epochs=3, batch_size=16, verbose=0, callbacks=[saver])
+    finally:
+        gate.set()
+    state.wait()  # Committed once the move is let go.
+    after = state_of(model)
+    changed = zip(after, saver.expected, strict=True)
+    assert any(not np.array_equal(a, b) for a, b in changed)  # Trained on.
+    restored = make_model(units=64)
+    keras_ft.load_checkpoint(str(tmp_path / "backup"), restored)
+    for saved, expected in zip(state_of(restored), saver.expected, strict=True):
+        np.testing.assert_array_equal(saved, expected)
+
+
+def test_auto_copies_to_host_memory_on_the_cpu_and_device_where_asked():
+    model = make_model()
+    variables = model.weights + model.optimizer.variables
+    assert backend.accelerator(variables[0]) is None  # These machines.
+    assert SnapshotPlace("auto").on_device(variables) is False
+    assert SnapshotPlace("host").on_device(variables) is False
+    assert SnapshotPlace("device").on_device(variables) is True
+
+
+@pytest.mark.parametrize("bad", ["gpu", "Device", None, 1, True])
+def test_a_bad_snapshot_value_is_named_with_the_choices(tmp_path, bad):
+    message = "Invalid value for argument `snapshot`.*'auto', 'device', 'host'"
+    with pytest.raises(ValueError, match=message):
+        keras_ft.BackupAndRestore(str(tmp_path), snapshot=bad)
+    with pytest.raises(ValueError, match=message):
+        keras_ft.WorkerTrainingState(make_model(), str(tmp_path), snapshot=bad)
+
+
+def test_a_device_without_room_for_a_snapshot_copies_to_host_memory(
+    tmp_path, monkeypatch
+):
+    """The device's free memory, as its backend reports it (a hook here:
+    these machines have no accelerator), decides before the first save."""
+    monkeypatch.setattr(backend, "device_free_bytes", lambda value: 16 << 10)
+    x, y = make_data()
+    model = make_model(units=2000)  # 48,004 bytes of weights; with Adam's, 3x + 12.
+    state = keras_ft.WorkerTrainingState(model, str(tmp_path), snapshot="device")
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state.back_up(0)
+        state.back_up(1)
+    said = [str(w.message) for w in caught if "snapshot" in str(w.message)]
+    assert len(said) == 1, said  # Once, at the first save.
+    assert "no room on the device" in said[0], said
+    assert "(140.6 KiB needed, 16.0 KiB free)" in said[0], said  # 144,024 bytes.
+    assert state._snapshots.on_device([]) is False
+    restored = make_model(units=2000)
+    keras_ft.load_checkpoint(str(tmp_path), restored)
+    for a, b in zip(state_of(restored), state_of(model), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_room_enough_keeps_the_snapshot_on_the_device(monkeypatch):
+    monkeypatch.setattr(backend, "device_free_bytes", lambda value: 1 << 40)
+    model = make_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert SnapshotPlace("device").on_device(model.weights) is True
+
+
+def test_an_out_of_memory_snapshot_falls_back_to_host_memory(tmp_path, monkeypatch):
+    def no_room(values):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(backend, "device_snapshot", no_room)
+    x, y = make_data()
+    model = make_model()
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    state = keras_ft.WorkerTrainingState(model, str(tmp_path), snapshot="device")
+    with pytest.warns(UserWarning, match="ran out of memory.*host memory"):
+        assert state.back_up(0) is not None
+    state.back_up(1)  # From host memory now, without a second notice.
+
+
+def test_the_nondeterminism_notice_says_how_once(monkeypatch):
+    """On an accelerator with nondeterministic kernels, the first save says
+    that no run there is bitwise reproducible, and what makes it so."""
+    monkeypatch.setattr(backend, "accelerator", lambda value: "gpu")
+    monkeypatch.setattr(snapshots, "_told_nondeterminism", set())
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.delenv("TF_DETERMINISTIC_OPS", raising=False)
+    model = make_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        SnapshotPlace("host").on_device(model.weights)
+        SnapshotPlace("auto").on_device(model.weights)
+    said = [str(w.message) for w in caught if "reproducible" in str(w.message)]
+    assert len(said) == 1, said
+    fix = {
+        "jax": "XLA_FLAGS=--xla_gpu_deterministic_ops=true",
+        "torch": "torch.use_deterministic_algorithms(True), with "
+        "CUBLAS_WORKSPACE_CONFIG=:4096:8",
+        "tensorflow": "tf.config.experimental.enable_op_determinism()",
+    }[keras.backend.backend()]
+    assert "no run here is bitwise reproducible" in said[0] and fix in said[0]
+
+
+def test_no_nondeterminism_notice_once_determinism_is_set(monkeypatch):
+    monkeypatch.setattr(backend, "accelerator", lambda value: "gpu")
+    monkeypatch.setattr(snapshots, "_told_nondeterminism", set())
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    monkeypatch.setenv("TF_DETERMINISTIC_OPS", "1")
+    if keras.backend.backend() == "torch":
+        import torch
+
+        torch.use_deterministic_algorithms(True)
+        monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda *a, **k: 0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            SnapshotPlace("auto").on_device(make_model().weights)
+    finally:
+        if keras.backend.backend() == "torch":
+            import torch
+
+            torch._C._set_deterministic_algorithms(False)
+
+
+_KILLED_MID_MOVE = textwrap.dedent(
+    """
+    import sys, threading
+    sys.path.insert(0, sys.argv[2])
+    from conftest import make_data, make_model
+    import keras_ft
+    from keras_ft import threads
+    x, y = make_data()
+    model = make_model(units=2000)
+    state = keras_ft.WorkerTrainingState(
+        model, sys.argv[1], async_save=True, snapshot="device")
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    state.back_up(0)
+    state.wait()
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    threads.submit(threads.mover, threading.Event().wait)  # The move never runs.
+    state.back_up(1)
+    print("moving", flush=True)
+    threading.Event().wait()
+    """
+)
+
+
+def test_a_kill_during_the_move_to_host_memory_leaves_the_last_backup(tmp_path):
+    backup = str(tmp_path / "backup")
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_MID_MOVE, backup, os.path.dirname(__file__)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
+    try:
+        assert child.stdout.readline().strip() == "moving", child.stderr.read()
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        child.kill()
+    model = make_model(units=2000)
+    point = keras_ft.WorkerTrainingState(model, backup).restore()
+    assert (
+        point is not None
+        and point.epoch == 1
+        and point.checkpoint.endswith("ckpt-00000001")
+    )
