@@ -58,6 +58,7 @@ test-compat: venv
 
 bench: venv
 	$(PY) benchmarks/save_cost.py
+	$(PY) benchmarks/accelerator.py --quick  # On a GPU machine: without --quick.
 	$(PY) -m pip install -q obstore  # Only to compare against s3fs.
 	$(PY) benchmarks/object_storage.py
 	$(PY) -m pip install -q orbax-checkpoint  # Keras' OrbaxCheckpoint, the peer.
