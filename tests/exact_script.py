@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--kill-after-batch", help="EPOCH:BATCHES_DONE")
     parser.add_argument("--kill-at-epoch-begin", type=int)
     parser.add_argument("--stateful-callbacks", action="store_true")
+    parser.add_argument("--snapshot", default="auto")
     parser.add_argument(
         "--input", choices=["numpy", "numpy-unshuffled", "pydataset", "tf.data"],
         default="numpy",
@@ -100,7 +101,10 @@ def main() -> None:
         save_freq = args.save_freq if args.save_freq == "epoch" else int(args.save_freq)
         callbacks.append(
             keras_ft.BackupAndRestore(
-                args.backup_dir, save_freq=save_freq, delete_checkpoint=False
+                args.backup_dir,
+                save_freq=save_freq,
+                delete_checkpoint=False,
+                snapshot=args.snapshot,
             )
         )
     kill = KillSelf(args.kill_after_batch, args.kill_at_epoch_begin)

@@ -102,6 +102,21 @@ def test_sigkill_mid_epoch_resumes_bitwise_exact(tmp_path, stateful_reference):
     check_against_reference(stateful_reference, summary, arrays)
 
 
+def test_saves_snapshotted_on_the_device_resume_bitwise_exact(
+    tmp_path, stateful_reference
+):
+    """snapshot="device": each save copied on the device (a second copy on
+    the CPU) and moved to host memory in the background."""
+    summary, arrays, resumed = killed_and_resumed(
+        tmp_path,
+        ["--kill-after-batch", "2:5"],
+        "--stateful-callbacks", "--epochs", "8", "--save-freq", "2",
+        "--snapshot", "device",
+    )  # fmt: skip
+    assert "resuming at epoch 3/8, batch 5, optimizer step 16" in resumed.stdout
+    check_against_reference(stateful_reference, summary, arrays)
+
+
 INPUTS = [
     # Arrays take the adapter the shuffled runs above take on every backend.
     pytest.param(
