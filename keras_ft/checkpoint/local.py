@@ -175,7 +175,7 @@ class LocalStorage:
         final = os.path.join(self.directory, checkpoint_name(sequence))
         # rename() of a directory is atomic, and refuses to replace a
         # non-empty directory, so no committed checkpoint is ever overwritten.
-        os.rename(staging.path, final)
+        self._rename(staging.path, final)
         file_io.fsync_path(self.directory)
         return Checkpoint(sequence, final)
 
@@ -191,7 +191,7 @@ class LocalStorage:
             taken = f"{staging}.recycle"
             try:
                 # Atomic: of two saves in flight, one gets it.
-                os.rename(os.path.join(self.directory, name), taken)
+                self._rename(os.path.join(self.directory, name), taken)
             except OSError:
                 continue
             return taken
@@ -213,7 +213,7 @@ class LocalStorage:
         # Renamed away from its committed name, so that no reader can find
         # it any more, and kept for the next save to reuse.
         name = f"{_SPARE_PREFIX}{secrets.token_hex(6)}"
-        os.rename(checkpoint.path, os.path.join(self.directory, name))
+        self._rename(checkpoint.path, os.path.join(self.directory, name))
 
     def delete(self, checkpoint: Checkpoint) -> None:
         # Rename first, so a kill during the removal never leaves a
@@ -221,8 +221,20 @@ class LocalStorage:
         # takes a while (more with online discard): not on the saver's time.
         # A kill leaves `.trash-*`, removed as a leftover at the next start.
         trash = os.path.join(self.directory, f"{_TRASH_PREFIX}{secrets.token_hex(6)}")
-        os.rename(checkpoint.path, trash)
+        self._rename(checkpoint.path, trash)
         threads.remove_in_background(trash)
+
+    def _rename(self, old: str, new: str) -> None:
+        """Renames `old` to `new`, both entries of this directory, inside
+        the directory as opened now: if its name was swapped for a link,
+        nothing where the link points is renamed."""
+        with self._opened() as directory:
+            os.rename(
+                _entry_of(self.directory, old),
+                _entry_of(self.directory, new),
+                src_dir_fd=directory,
+                dst_dir_fd=directory,
+            )
 
     def remove_root(self) -> None:
         """Removes the directory if nothing else is left in it."""
@@ -391,6 +403,14 @@ def _write_temporary(directory: int, name: str, data: bytes) -> str:
             os.remove(temporary, dir_fd=directory)
         raise
     return temporary
+
+
+def _entry_of(directory: str, path: str) -> str:
+    """The name of `path`, an entry of `directory`."""
+    head, name = os.path.split(path)
+    if os.path.normpath(head) != os.path.normpath(directory):
+        raise ValueError(f"{path!r} is not an entry of {directory!r}.")
+    return name
 
 
 def _probe_write(directory: int) -> None:
