@@ -520,7 +520,7 @@ class WorkerTrainingState:
         """The state now, for the writer to follow: copied on the device
         where saves snapshot there, else to be copied to host memory by
         `weights.fill()` before the next training step."""
-        on_device = self._snapshots.on_device(self._state.saved_variables())
+        on_device = self._snapshots.on_device(self._state.saved_variables)
         try:
             return self._state.snapshot(
                 epochs_completed,

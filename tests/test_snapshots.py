@@ -76,9 +76,9 @@ def test_auto_copies_to_host_memory_on_the_cpu_and_device_where_asked():
     model = make_model()
     variables = model.weights + model.optimizer.variables
     assert backend.accelerator(variables[0]) is None  # These machines.
-    assert SnapshotPlace("auto").on_device(variables) is False
-    assert SnapshotPlace("host").on_device(variables) is False
-    assert SnapshotPlace("device").on_device(variables) is True
+    assert SnapshotPlace("auto").on_device(lambda: variables) is False
+    assert SnapshotPlace("host").on_device(lambda: variables) is False
+    assert SnapshotPlace("device").on_device(lambda: variables) is True
 
 
 @pytest.mark.parametrize("bad", ["gpu", "Device", None, 1, True])
@@ -108,7 +108,7 @@ def test_a_device_without_room_for_a_snapshot_copies_to_host_memory(
     assert len(said) == 1, said  # Once, at the first save.
     assert "no room on the device" in said[0], said
     assert "(140.6 KiB needed, 16.0 KiB free)" in said[0], said  # 144,024 bytes.
-    assert state._snapshots.on_device([]) is False
+    assert state._snapshots.on_device(list) is False  # Decided: not asked again.
     restored = make_model(units=2000)
     keras_ft.load_checkpoint(str(tmp_path), restored)
     for a, b in zip(state_of(restored), state_of(model), strict=True):
@@ -120,7 +120,7 @@ def test_room_enough_keeps_the_snapshot_on_the_device(monkeypatch):
     model = make_model()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert SnapshotPlace("device").on_device(model.weights) is True
+        assert SnapshotPlace("device").on_device(lambda: model.weights) is True
 
 
 def test_an_out_of_memory_snapshot_falls_back_to_host_memory(tmp_path, monkeypatch):
@@ -148,8 +148,8 @@ def test_the_nondeterminism_notice_says_how_once(monkeypatch):
     model = make_model()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        SnapshotPlace("host").on_device(model.weights)
-        SnapshotPlace("auto").on_device(model.weights)
+        SnapshotPlace("host").on_device(lambda: model.weights)
+        SnapshotPlace("auto").on_device(lambda: model.weights)
     said = [str(w.message) for w in caught if "reproducible" in str(w.message)]
     assert len(said) == 1, said
     fix = {
@@ -175,7 +175,7 @@ def test_no_nondeterminism_notice_once_determinism_is_set(monkeypatch):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            SnapshotPlace("auto").on_device(make_model().weights)
+            SnapshotPlace("auto").on_device(lambda: make_model().weights)
     finally:
         if keras.backend.backend() == "torch":
             import torch

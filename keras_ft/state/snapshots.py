@@ -16,6 +16,7 @@ host memory, and say so once.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -61,10 +62,11 @@ class SnapshotPlace:
         self.mode = validate_snapshot(mode)
         self._on_device: bool | None = None
 
-    def on_device(self, variables: list) -> bool:
-        """Whether to snapshot `variables` (the saved ones) on their device."""
+    def on_device(self, variables: Callable[[], list]) -> bool:
+        """Whether to snapshot the saved variables (`variables()` gives
+        them, asked once) on their device."""
         if self._on_device is None:
-            self._on_device = self._decide(variables)
+            self._on_device = self._decide(variables())
         return self._on_device
 
     def out_of_memory(self, error: BaseException) -> bool:
