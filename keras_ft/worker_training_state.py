@@ -201,6 +201,7 @@ class WorkerTrainingState:
             )
         self._state.check_extra = check_extra
         self._snapshots = SnapshotPlace(snapshot)
+        self._moving: futures.Future | None = None  # The last snapshot's move.
         # A disk (rename commit, flock) or a bucket (manifest-last commit,
         # lease): one protocol, and nothing here asks which.
         self._chief_store = open_store(
@@ -504,7 +505,8 @@ class WorkerTrainingState:
             snapshot.release()  # Never written: the next copy must not wait.
             raise
         if snapshot.weights.from_device:
-            threads.submit(threads.mover, _move_to_host, snapshot.weights)
+            move = threads.submit(threads.mover, _move_to_host, snapshot.weights)
+            self._moving = move
         else:
             snapshot.weights.fill()  # On failure, the write sees it and calls off.
         # Checked during the copy. A check that follows the copy is the
@@ -521,6 +523,11 @@ class WorkerTrainingState:
         where saves snapshot there, else to be copied to host memory by
         `weights.fill()` before the next training step."""
         on_device = self._snapshots.on_device(self._state.saved_variables)
+        if on_device and self._moving is not None:
+            # One snapshot on the device at a time: the last one's move ends
+            # (and frees it) before the next is made.
+            self._moving.result()
+            self._moving = None
         try:
             return self._state.snapshot(
                 epochs_completed,

@@ -3,6 +3,7 @@ beside the next steps), or in host memory (`state/snapshots.py`)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import textwrap
 import threading
 import warnings
+import weakref
 
 import keras
 import numpy as np
@@ -228,3 +230,26 @@ def test_a_kill_during_the_move_to_host_memory_leaves_the_last_backup(tmp_path):
         and point.epoch == 1
         and point.checkpoint.endswith("ckpt-00000001")
     )
+
+
+def test_one_snapshot_on_the_device_at_a_time(tmp_path, monkeypatch):
+    """Saving every batch, the next snapshot is made only once the last one
+    was moved to host memory and let go: the device holds at most one copy
+    of the state beyond training's."""
+    made_by_device = backend.device_snapshot
+    alive: list[weakref.ref] = []
+    counts = []
+
+    def counted(values):
+        gc.collect()
+        counts.append(sum(ref() is not None for ref in alive))
+        copies, made = made_by_device(values)
+        alive.extend(weakref.ref(c) for c in copies)
+        return copies, made
+
+    monkeypatch.setattr(backend, "device_snapshot", counted)
+    x, y = make_data()
+    model = make_model(units=256)
+    save = keras_ft.BackupAndRestore(str(tmp_path), save_freq=1, snapshot="device")
+    model.fit(x, y, epochs=2, batch_size=16, verbose=0, callbacks=[save])
+    assert len(counts) == 8 and counts == [0] * 8, counts
