@@ -315,6 +315,13 @@ def replace_array(newest, reference: dict, value: np.ndarray) -> None:
     reseal(newest)
 
 
+def history_a_string(newest, outside):
+    edit_metadata(
+        newest,
+        lambda m: m["state"].update(callbacks={"History:0": {"history": "oops"}}),
+    )
+
+
 def short_python_rng(newest, outside):
     with open(os.path.join(newest, "metadata.json")) as f:
         python = json.load(f)["state"]["rng"]["python"]
@@ -342,6 +349,7 @@ CASES = {
     "state nested 400 levels deep": (deep_state, "nested more than"),
     "saved_at of 1e300": (far_saved_at, "saved_at"),
     "Python generator state of the wrong size": (short_python_rng, "random"),
+    "History.history a string": (history_a_string, "History:0.history"),
 }
 
 

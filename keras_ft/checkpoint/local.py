@@ -14,7 +14,7 @@ spare was renamed away from its committed name first. A reader that opened a
 file before that holds a shared `flock` on it while it reads (verification,
 and the weights loader for as long as its mapping lives), and a file so held
 is not recycled, nor is one with a second hard link, nor any file this
-store's own saves did not write (`files.WrittenFiles`).
+process's saves into the directory did not write (`files.WrittenFiles`).
 
 A backup directory is untrusted input: a checkpoint directory or file that is
 a symlink, a FIFO or a device is never followed or opened.
@@ -74,8 +74,9 @@ class LocalStorage:
     ):
         self.directory = os.fspath(directory)
         self._arrived = arrived
-        # The files this storage's saves wrote: only those are recycled.
-        self._written = file_io.WrittenFiles()
+        # The files this process's saves into this directory wrote: only
+        # those are recycled.
+        self._written = _written_files(self.identity)
 
     @property
     def location(self) -> str:
@@ -388,6 +389,19 @@ class LocalStorage:
                 f"{self.directory!r} ({e.strerror or e}). Choose a directory "
                 "this process can create and write."
             ) from e
+
+
+# The big files this process wrote, per directory (its real path). Shared on
+# purpose by every store of a directory in this process: a second fit() (a
+# notebook cell run again) recycles what the first one wrote. A handful of
+# directories per process, each bounded (`WrittenFiles`).
+_WRITTEN: dict[str, file_io.WrittenFiles] = {}
+_WRITTEN_LOCK = threading.Lock()
+
+
+def _written_files(identity: str) -> file_io.WrittenFiles:
+    with _WRITTEN_LOCK:
+        return _WRITTEN.setdefault(identity, file_io.WrittenFiles())
 
 
 def _write_temporary(directory: int, name: str, data: bytes) -> str:

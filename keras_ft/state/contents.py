@@ -14,7 +14,7 @@ from typing import IO, Any
 import h5py
 
 from keras_ft.checkpoint.errors import CorruptCheckpointError
-from keras_ft.state import arrays, generators, hdf5
+from keras_ft.state import arrays, hdf5, saved_state
 
 STATE_FORMAT_VERSION = 1
 # A checkpoint's weights file: the name `model.save_weights()` takes.
@@ -36,7 +36,7 @@ def inspect(metadata: Any, open_file: Callable[[str], IO[bytes]], where: str) ->
     with open_file(arrays.ARRAYS_FILE) as f:
         held = arrays.read(f, os.path.join(where, arrays.ARRAYS_FILE))
     try:
-        check_generators(arrays.join(metadata.get("state", {}), held))
+        saved_state.check(arrays.join(metadata.get("state", {}), held))
     except ValueError as e:
         raise CorruptCheckpointError(
             where, f"its saved state is malformed: {e}"
@@ -56,18 +56,6 @@ MAX_DEPTH = 100
 _MAX_COUNT = 1 << 62  # Epochs, batches, steps, dimensions.
 # Seconds since the epoch: up to the year 9999, which `datetime` can show.
 _MAX_TIME = 253402300799.0
-
-
-def check_generators(state: dict) -> None:
-    """Raises `ValueError` unless the data side's generator states that a
-    saved state holds (see `generators`) are ones their generators take."""
-    saved_input = state.get("input", {})
-    for saved in (
-        state.get("rng", {}),
-        state.get("epoch_begin_rng", {}),
-        saved_input.get("rng", {}) if isinstance(saved_input, dict) else {},
-    ):
-        generators.check(saved)
 
 
 def check_metadata(metadata: Any, directory: str) -> None:

@@ -33,7 +33,14 @@ from keras_ft.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from keras_ft.checkpoint.files import ReadProgress
 from keras_ft.checkpoint.store import METADATA_FILE
 from keras_ft.distribute import sharded
-from keras_ft.state import arrays, configuration, contents, rng, weights_load
+from keras_ft.state import (
+    arrays,
+    configuration,
+    contents,
+    rng,
+    saved_state,
+    weights_load,
+)
 from keras_ft.state.weights_copy import CapturedWeights
 from keras_ft.state.weights_layout import WEIGHTS_FILE, WeightsLayout, saved_variables
 
@@ -417,6 +424,7 @@ class TrainingState:
         whole before any of it is set: a malformed one is damage."""
         extra = _extra(directory, metadata)
         try:
+            saved_state.check(extra)
             _check_values(extra.get("seed_generators", []), _seed_states(self.model))
             _check_values(extra.get("metrics", []), self.model.metrics_variables)
             rng.check(extra.get("rng", {}))

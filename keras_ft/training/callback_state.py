@@ -24,75 +24,17 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import keras
-import numpy as np
 
+from keras_ft.state import saved_state
 
-def _is_count(value: Any, callback: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _is_best(value: Any, callback: Any) -> bool:
-    return value is None or _is_number(value)
-
-
-def _is_weights(value: Any, callback: Any) -> bool:
-    if value is None:
-        return True
-    model = getattr(callback, "model", None)
-    return (
-        isinstance(value, list)
-        # An HDF5 scalar dataset reads back as a NumPy scalar.
-        and all(isinstance(v, (np.ndarray, np.generic)) for v in value)
-        and (model is None or [np.shape(v) for v in value] == _shapes(model.weights))
-    )
-
-
-def _is_epochs(value: Any, callback: Any) -> bool:
-    return isinstance(value, list) and all(_is_count(v, None) for v in value)
-
-
-def _is_history(value: Any, callback: Any) -> bool:
-    return isinstance(value, dict) and all(
-        isinstance(v, list) and all(x is None or _is_number(x) for x in v)
-        for v in value.values()
-    )
-
-
-def _shapes(variables: list) -> list[tuple]:
-    return [tuple(v.shape) for v in variables]
-
-
-# How a saved value must look (a backup is untrusted input): a check of it
-# (given the value and its callback), and what it is, for the error.
-_Field = tuple[Callable[[Any, Any], bool], str]
-_COUNT: _Field = (_is_count, "a count")
-_BEST: _Field = (_is_best, "a number or null")
-
-# Keras keeps these in attributes, resetting them in `on_train_begin`.
-STOCK_FIELDS: dict[type, dict[str, _Field]] = {
-    keras.callbacks.EarlyStopping: {
-        "wait": _COUNT,
-        "stopped_epoch": _COUNT,
-        "best": _BEST,
-        "best_weights": (_is_weights, "null or the model's weights"),
-        "best_epoch": _COUNT,
-    },
-    keras.callbacks.ReduceLROnPlateau: {
-        "wait": _COUNT,
-        "best": _BEST,
-        "cooldown_counter": _COUNT,
-    },
-    keras.callbacks.ModelCheckpoint: {"best": _BEST},
-    keras.callbacks.History: {
-        "epoch": (_is_epochs, "a list of epoch numbers"),
-        "history": (_is_history, "an object of lists of numbers"),
-    },
+# Keras keeps these in attributes, resetting them in `on_train_begin`; the
+# fields, and how a saved value of each must look, are `saved_state`'s.
+_STOCK_KINDS: dict[type, str] = {
+    keras.callbacks.EarlyStopping: "EarlyStopping",
+    keras.callbacks.ReduceLROnPlateau: "ReduceLROnPlateau",
+    keras.callbacks.ModelCheckpoint: "ModelCheckpoint",
+    keras.callbacks.History: "History",
 }
-STOCK_ATTRIBUTES = {cls: tuple(fields) for cls, fields in STOCK_FIELDS.items()}
 
 
 def capture(callbacks: Iterable[keras.callbacks.Callback]) -> dict[str, Any]:
@@ -114,22 +56,19 @@ def capture(callbacks: Iterable[keras.callbacks.Callback]) -> dict[str, Any]:
 
 def check(callbacks: Iterable[keras.callbacks.Callback], states: Any) -> None:
     """Raises `ValueError` unless each stock callback's saved state has the
-    fields Keras keeps, of their types (a backup is untrusted input: a
-    `History.history` that is a string would break training later).
-    Callbacks with `get_state()` / `set_state()` check their own.
+    fields Keras keeps, of their types (`saved_state.check_callback()`;
+    `EarlyStopping.best_weights` of the model's shapes). Callbacks with
+    `get_state()` / `set_state()` check their own.
     """
     if not isinstance(states, dict):
         raise ValueError("the callbacks' state is not an object")
     for key, callback in keyed(callbacks):
-        if key not in states or _has_protocol(callback):
+        kind = _stock_kind(callback)
+        if key not in states or kind is None or _has_protocol(callback):
             continue
-        state = states[key]
-        fields = _stock_fields(callback)
-        if fields and not isinstance(state, dict):
-            raise ValueError(f"the state of {key} is not an object")
-        for name, (valid, what) in fields.items():
-            if name in state and not valid(state[name], callback):
-                raise ValueError(f"{key}.{name} is not {what}")
+        model = getattr(callback, "model", None)
+        shapes = None if model is None else [tuple(w.shape) for w in model.weights]
+        saved_state.check_callback(kind, key, states[key], shapes)
 
 
 def apply(callbacks: Iterable[keras.callbacks.Callback], states: dict) -> None:
@@ -165,14 +104,15 @@ def _has_protocol(callback: Any) -> bool:
 
 
 def _stock_attributes(callback: Any) -> tuple[str, ...]:
-    return tuple(_stock_fields(callback))
+    kind = _stock_kind(callback)
+    return () if kind is None else tuple(saved_state.CALLBACK_FIELDS[kind])
 
 
-def _stock_fields(callback: Any) -> dict[str, _Field]:
-    for cls, fields in STOCK_FIELDS.items():
+def _stock_kind(callback: Any) -> str | None:
+    for cls, kind in _STOCK_KINDS.items():
         if isinstance(callback, cls):
-            return fields
-    return {}
+            return kind
+    return None
 
 
 def is_stateful(callback: keras.callbacks.Callback) -> bool:

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 import keras
-import numpy as np
 
 from keras_ft import backend, compat
 from keras_ft.state import ResumePoint, rng
@@ -237,34 +236,18 @@ class Resumption:
 
 def check_saved(extra: dict, callbacks: list) -> None:
     """Raises `ValueError` unless what `BackupAndRestore` saved beside the
-    variables has the shape a resume uses: checked before anything is
-    restored, so that a malformed checkpoint is damage (the restore falls
-    back) rather than an error mid-training.
+    variables has the shape a resume uses, beyond what the restore checks
+    of any checkpoint (`saved_state.check()`): the epoch's first generator
+    states (PyTorch's and Keras' too), and this fit()'s stock callbacks'
+    state by what each callback is. Checked before anything is restored, so
+    that a malformed checkpoint is damage (the restore falls back) rather
+    than an error mid-training.
 
     Args:
         extra: A checkpoint's `ResumePoint.extra`.
         callbacks: This fit()'s other callbacks.
     """
-    logs = extra.get("logs", {})
-    if not isinstance(logs, dict) or not all(
-        v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
-        for v in logs.values()
-    ):
-        raise ValueError("the logs are not an object of numbers")
-    pending = extra.get("callbacks_pending", [])
-    if not isinstance(pending, list) or not all(isinstance(k, str) for k in pending):
-        raise ValueError("callbacks_pending is not a list of names")
     rng.check(extra.get("epoch_begin_rng", {}))
-    saved_input = extra.get("input", {})
-    if not isinstance(saved_input, dict):
-        raise ValueError("the input's position is not an object")
-    for name in ("tf_iterator", "grain"):
-        value = saved_input.get(name)
-        if value is not None and not (
-            isinstance(value, np.ndarray) and value.dtype == np.uint8
-        ):
-            raise ValueError(f"the input's {name} state is not bytes")
-    rng.check(saved_input.get("rng", {}))
     callback_state.check(callbacks, extra.get("callbacks", {}))
 
 
