@@ -664,3 +664,28 @@ def test_a_preemption_backs_up_to_the_local_tier_first(tmp_path, data):
     assert tier.unverified_metadata(tier.checkpoints()[-1])["step"] == step
     with open(os.path.join(tier.directory, "uploaded.json")) as f:
         assert json.load(f) == {"sequence": 1, "position": [0, 4, step]}
+
+
+def test_check_extra_makes_a_checkpoint_whose_extra_it_refuses_damaged(
+    backup_dir, data
+):
+    """A custom loop's own `extra`, checked before anything is restored: a
+    checkpoint it refuses is damaged, and the restore falls back."""
+    x, y = data
+    model = make_model()
+    state = WorkerTrainingState(model, backup_dir, keep=3)
+    for epoch, schedule in enumerate(["cosine", ["not", "a", "name"]]):
+        model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+        state.back_up(epoch, extra={"schedule": schedule})
+    state.wait()
+
+    def check(extra):
+        if not isinstance(extra.get("schedule"), str):
+            raise ValueError("schedule is not a name")
+
+    fresh = make_model()
+    with pytest.warns(UserWarning, match="ckpt-00000002.*schedule is not a name"):
+        point = WorkerTrainingState(fresh, backup_dir, check_extra=check).restore()
+    assert point.epoch == 1 and point.extra["schedule"] == "cosine"
+    with pytest.raises(ValueError, match="`check_extra`.*Received: check_extra='x'"):
+        WorkerTrainingState(make_model(), backup_dir, check_extra="x")
