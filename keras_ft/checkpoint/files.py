@@ -82,7 +82,8 @@ class ReadProgress:
 
 
 class WrittenFiles:
-    """The identities (device, inode) of the last big files a store wrote.
+    """The identities (device, inode) of the last big files this process
+    wrote into one directory.
 
     A spare's file is overwritten in place only if it is one of these: a
     file that someone else put in a backup directory (moved in, or the one
@@ -125,8 +126,8 @@ class Staging(os.PathLike):
             place of new ones, taking them by name. Defaults to `None`.
         sync: Whether `write_file()` fsyncs each file. Defaults to `True`;
             a store's save syncs all of a checkpoint's files together.
-        written: The identities (device, inode) of files this process
-            wrote, kept by the store across saves: only such a file of the
+        written: The identities (device, inode) of the files this process
+            wrote into the directory, across saves: only such a file of the
             spare is overwritten in place (one put there by anyone else,
             however it looks, may be seen from outside the backup), and
             `write_file()` adds each file it writes. Defaults to `None`.

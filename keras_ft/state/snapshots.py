@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
 
 import keras
-import ml_dtypes
-import numpy as np
 
 from keras_ft import backend as host
+from keras_ft.state.training_state import nbytes
 
 SNAPSHOT_MODES = ("auto", "device", "host")
 # The share of the device's free memory a snapshot may take: the rest is
@@ -94,7 +92,10 @@ class SnapshotPlace:
             return False
         if self.mode == "auto" and kind is None:
             return False  # On the CPU, the snapshot is the host copy itself.
-        needed = sum(_nbytes(v) for v in variables)
+        needed = sum(
+            nbytes(tuple(v.shape), keras.backend.standardize_dtype(v.dtype))
+            for v in variables
+        )
         free = host.device_free_bytes(variables[0])
         if free is not None and needed > free * _ROOM:
             warnings.warn(
@@ -115,12 +116,6 @@ def _size(nbytes: int) -> str:
             return f"{nbytes:.0f} {unit}" if unit == "bytes" else f"{nbytes:.1f} {unit}"
         nbytes /= 1024
     return f"{nbytes:.1f} GiB"
-
-
-def _nbytes(variable: Any) -> int:
-    name = keras.backend.standardize_dtype(variable.dtype)
-    itemsize = np.dtype(getattr(ml_dtypes, name, name)).itemsize
-    return int(np.prod(variable.shape, dtype=np.int64)) * itemsize
 
 
 def _tell_nondeterminism(kind: str) -> None:

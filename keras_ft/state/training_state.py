@@ -486,7 +486,7 @@ class TrainingState:
         if planned is None:
             _warn_unchecked_build(self.model)
             return
-        needed = sum(_nbytes(shape, dtype) for shape, dtype in planned)
+        needed = sum(nbytes(shape, dtype) for shape, dtype in planned)
         held = _files_size(directory)
         if needed > held:
             raise CorruptCheckpointError(
@@ -638,7 +638,8 @@ def _extra(directory: str, metadata: Any) -> dict:
         raise CorruptCheckpointError(directory, str(e)) from None
 
 
-def _nbytes(shape: tuple, dtype: str) -> int:
+def nbytes(shape: tuple, dtype: str) -> int:
+    """Bytes of a value of `shape` and `dtype` (a Keras dtype name)."""
     try:
         itemsize = np.dtype(getattr(ml_dtypes, dtype, dtype)).itemsize
     except TypeError:

@@ -130,9 +130,11 @@ class WeightsLayout:
                 `backend.device_snapshot()`), and `fill()` then moves that
                 copy to the buffer: it may run in any thread while training
                 goes on, and the NaN/infinity check follows it there.
-                Defaults to `False`: `fill()` reads the variables themselves.
+                Without both, ignored. Defaults to `False`: `fill()` reads
+                the variables themselves.
         """
         self._ensure_laid_out()
+        on_device = on_device and copy and not fill  # Else: read in place.
         read = functools.partial(self._read_values, raw=on_device)
         values = read() if self._fast else None
         if self._fast and values is None:  # Other keys or shapes than planned.
@@ -149,7 +151,7 @@ class WeightsLayout:
             )
         if not copy:
             return CapturedWeights(self._chunks_around(values))
-        if on_device and not fill:
+        if on_device:
             copies, made = host.device_snapshot(values)
 
             def moved() -> list[np.ndarray]:
@@ -159,8 +161,6 @@ class WeightsLayout:
             captured = self._copy_buffer().capture(moved, fill, check_later=True)
             captured.from_device = True
             return captured
-        if on_device:
-            values = [host.view(v) for v in values]
         return self._copy_buffer().capture(values, fill, check_later)
 
     def dataset_names(self) -> list[str]:
