@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 KERAS_HUB := keras-hub>=0.32,<0.33
 TORCH_CPU := torch==2.13.0+cpu
 
-.PHONY: venv demo test test-compat lint bench fuzz clean
+.PHONY: venv demo test test-compat lint bench fuzz clean slurm
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,16 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
+# Debian's SLURM and munge for tests/test_slurm.py (a real controller and node
+# on 127.0.0.1), where this machine can install them (root, apt-get); the
+# tests say why they are skipped where it cannot.
+slurm:
+	@command -v slurmctld >/dev/null || test -x /usr/sbin/slurmctld || { \
+	  test "$$(id -u)" = 0 && command -v apt-get >/dev/null && \
+	  apt-get update -qq >/dev/null && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge \
+	    >/dev/null; } || echo "SLURM not installed: tests/test_slurm.py is skipped"
+
 demo: venv
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m keras_ft.demo
 
@@ -47,7 +57,7 @@ lint: venv
 # test-compat in a lane too (CI does).
 LANES ?= 2
 EXTRA_JOBS ?=
-test: venv lint
+test: venv lint slurm
 	PY=$(PY) JOBS="$(BACKENDS) $(EXTRA_JOBS)" LANES=$(LANES) \
 		PYTEST_ARGS="$(PYTEST_ARGS)" bash .ci/suites
 
@@ -76,4 +86,4 @@ fuzz: venv
 	$(PY) benchmarks/kill_fuzz.py --trials 200 --keras-trials 40 --backend $(BACKEND)
 
 clean:
-	rm -rf $(VENV) .venv-keras-* build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-keras-* .venv-lowest-* build *.egg-info .pytest_cache .ruff_cache

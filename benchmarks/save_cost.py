@@ -666,6 +666,31 @@ def rows_of(r: dict) -> list[tuple[str, str, str, str]]:
         )
     )
 
+    # Saving every batch, what a save must add at least: the copy training
+    # waits for, and the part of the write that the step does not hide
+    # (write beside training, per round, minus the step without a save).
+    floor_ms = [
+        (c + max(0.0, w - n / steps)) * 1000
+        for c, w, n in zip(blocking["copy"], beside, eb["none"], strict=True)
+    ]
+    rows.append(
+        (
+            "every batch: copy + max(0, write beside training - step), ms",
+            spread(floor_ms, "{:.0f}"),
+            "",
+            "",
+        )
+    )
+    ratios = paired(per_save, floor_ms, lambda a, f: a / f)
+    rows.append(
+        (
+            "  keras-ft async added per save / that",
+            spread(ratios, "{:.2f}"),
+            "<= 1.50",
+            "yes" if med(ratios) <= 1.5 else "no",
+        )
+    )
+
     auto = r["auto"]
     ratios = paired(auto["auto"], auto["none"], lambda a, n: a / n)
     rows.append(

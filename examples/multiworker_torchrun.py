@@ -1,7 +1,11 @@
-"""A multi-worker training that torchrun brings back after a worker dies.
+"""A multi-worker training that torchrun (or SLURM) brings back after a worker dies.
 
     torchrun --standalone --nproc-per-node=2 --max-restarts=3 \\
         examples/multiworker_torchrun.py --backup-dir /tmp/torchrun-backup
+
+or in an `sbatch --requeue` script (docs/cluster.md): `srun
+--kill-on-bad-exit=1 python examples/multiworker_torchrun.py --backup-dir
+/shared/backup || scontrol requeue $SLURM_JOB_ID`.
 
 torchrun (TorchElastic, installed with the PyTorch backend) launches any
 Python script: here two processes of a TensorFlow (`MultiWorkerMirroredStrategy`)
@@ -76,7 +80,8 @@ def main() -> None:
     else:
         data = {"x": x, "y": y, "batch_size": GLOBAL_BATCH, "shuffle": False}
 
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    restarts = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+    first_attempt = all(os.environ.get(name, "0") == "0" for name in restarts)
 
     class KillAt(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):

@@ -281,6 +281,107 @@ def _nothing() -> None:
     pass
 
 
+def move_to_host(copies: list, destinations: list[np.ndarray]) -> None:
+    """Moves each of `copies` (from `device_snapshot()`) into its place in
+    host memory, `destinations` (arrays of the same shapes and dtypes), all
+    transfers started before any is waited for.
+
+    PyTorch copies straight into the destinations (a DMA where they are
+    page-locked, see `pin_host()`); JAX starts every transfer at once
+    (`copy_to_host_async()`) and copies each into place as it lands;
+    TensorFlow reads each tensor.
+    """
+    backend = keras.backend.backend()
+    if backend == "torch":
+        import torch
+
+        cuda = False
+        for copy, destination in zip(copies, destinations, strict=True):
+            if not isinstance(copy, torch.Tensor):
+                _bytes_of(destination)[:] = _bytes_of(np.asarray(copy))
+                continue
+            target = torch.from_numpy(_bytes_of(destination))
+            source = copy.detach().reshape(-1).contiguous().view(torch.uint8)
+            cuda = cuda or source.device.type == "cuda"
+            target.copy_(source, non_blocking=source.device.type == "cuda")
+        if cuda:
+            torch.cuda.synchronize()
+        return
+    if backend == "jax":
+        for copy in copies:
+            start = getattr(copy, "copy_to_host_async", None)
+            if start is not None:
+                start()
+    for copy, destination in zip(copies, destinations, strict=True):
+        _bytes_of(destination)[:] = _bytes_of(np.asarray(view(copy)))
+
+
+def _bytes_of(array: np.ndarray) -> np.ndarray:
+    """`array`'s bytes as a flat uint8 array (a view: no copy)."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+
+def pin_host(buffer: np.ndarray, device: Any) -> Callable[[], None] | None:
+    """Page-locks `buffer` (host memory a save's snapshot is moved into and
+    a restore's files are read into) for DMA to and from `device` (from
+    `staging_device()`): moves then run at the bus's speed rather than
+    through the driver's staging copies.
+
+    Returns:
+        The function that unlocks it, or `None` where the buffer stays as it
+        is (over the locked-memory limit, say).
+    """
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return None
+    cudart = torch.cuda.cudart()
+    address, size = buffer.ctypes.data, buffer.nbytes
+    if not size or int(cudart.cudaHostRegister(address, size, 0)) != 0:
+        return None
+
+    def unpin() -> None:
+        cudart.cudaHostUnregister(address)
+
+    return unpin
+
+
+def staging_device(value: Any) -> Any:
+    """The accelerator holding `value`, where host memory can be page-locked
+    for it (`pin_host()`) and values moved there from it (`to_device()`);
+    else `None`: host memory (no accelerator), or a backend with no public
+    way to lock memory it did not allocate (JAX and TensorFlow stage their
+    transfers through page-locked buffers of their own)."""
+    value = raw_value(value)
+    if keras.backend.backend() != "torch":
+        return None
+    import torch
+
+    if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+        return value.device
+    return None
+
+
+def to_device(array: np.ndarray, device: Any) -> Any:
+    """`array` (in page-locked memory) on `device` (from `staging_device()`),
+    moved without waiting: `transfers_done()` waits for every such move."""
+    import torch
+
+    if array.dtype.name == "bfloat16":  # NumPy's bfloat16 is not PyTorch's.
+        tensor = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    else:
+        tensor = torch.from_numpy(array)
+    return tensor.to(device, non_blocking=True)
+
+
+def transfers_done(device: Any) -> None:
+    """Returns once every `to_device()` move to `device` has landed."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 _jitted: dict[str, Any] = {}  # One compiled copy per backend, reused.
 
 

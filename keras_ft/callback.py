@@ -5,18 +5,18 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import logging
 import math
 import os
 import signal
 import time
-import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import keras
 
-from keras_ft import compat
+from keras_ft import compat, events
 from keras_ft.checkpoint.format import is_url, signing_key
 from keras_ft.checkpoint.lock import check_platform
 from keras_ft.checkpoint.remote import filesystem
@@ -415,8 +415,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._pending_epoch_end = None
         self._skipped_non_finite = None
         self._nothing_to_train = self._finished(point)
-        if warmed and self.verbose:
-            compat.print_msg(f"BackupAndRestore: no backup to resume from; {warmed}.")
+        if warmed:
+            events.say(
+                "restore",
+                f"BackupAndRestore: no backup to resume from; {warmed}.",
+                verbose=self.verbose,
+                write=compat.print_msg,
+            )
         if point is not None:
             self._resume(point)
         self._schedule.start(time.monotonic())
@@ -525,21 +530,22 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._resumption = resume.Resumption(
             model, start, self._state.apply_metrics, jumped, self._inputs
         )
-        if self.verbose:
-            saved = datetime.datetime.fromtimestamp(point.saved_at)
-            where = (
-                f"resuming at {resume.position(point, self.params)}, optimizer "
-                f"step {point.step}"
-            )
-            if self._nothing_to_train:
-                where = f"{self._nothing_to_train}: fit() ends without training"
-            message = (
-                f"BackupAndRestore: restored {point.checkpoint} (saved "
-                f"{saved:%Y-%m-%d %H:%M:%S}); {where}"
-            )
-            if self.warm_start is not None:
-                message += f"; warm start from {self.warm_start.path} not applied"
-            compat.print_msg(message + ".")
+        saved = datetime.datetime.fromtimestamp(point.saved_at)
+        where = (
+            f"resuming at {resume.position(point, self.params)}, optimizer "
+            f"step {point.step}"
+        )
+        if self._nothing_to_train:
+            where = f"{self._nothing_to_train}: fit() ends without training"
+        message = (
+            f"BackupAndRestore: restored {point.checkpoint} (saved "
+            f"{saved:%Y-%m-%d %H:%M:%S}); {where}"
+        )
+        if self.warm_start is not None:
+            message += f"; warm start from {self.warm_start.path} not applied"
+        events.say(
+            "restore", message + ".", verbose=self.verbose, write=compat.print_msg
+        )
 
     def _bind_services(self) -> None:
         self._services = [
@@ -677,7 +683,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._state is not None:
             if self.delete_checkpoint and completed and not self.preempted_by:
                 if self._skipped_non_finite:
-                    warnings.warn(
+                    events.warn(
+                        "save",
                         f"BackupAndRestore: fit() ran every epoch, but "
                         f"{self._skipped_non_finite}, so it was not backed up. "
                         "The backup of the last finite state is deleted, as "
@@ -738,7 +745,12 @@ class BackupAndRestore(keras.callbacks.Callback):
                 saved = f"{where} is not finite and was not backed up"
         self.preempted_by = signum.name
         self.model.stop_training = True
-        compat.print_msg(self._preemption.report(signum, saved))
+        events.say(
+            "preemption",
+            self._preemption.report(signum, saved),
+            level=logging.WARNING,
+            write=compat.print_msg,
+        )
 
     def _save(
         self,
@@ -811,7 +823,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _skip_non_finite(self, what: str) -> None:
         self._skipped_non_finite = what
-        warnings.warn(
+        events.warn(
+            "stop",
             f"BackupAndRestore: {what}; not backing up a diverged model. The "
             "last good backup is kept.",
             stacklevel=3,
@@ -819,16 +832,19 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _report_interval(self) -> None:
         budget = policy.budget_of(self._schedule)
-        if budget is None or budget.interval is None or not self.verbose:
+        if budget is None or budget.interval is None:
             return
         reported = self._reported_interval
         if reported is None or not reported / 2 <= budget.interval <= reported * 2:
             self._reported_interval = budget.interval
-            compat.print_msg(
+            events.say(
+                "save",
                 f"BackupAndRestore: saving every {budget.interval} steps (a save "
                 f"holds training up {budget.save_cost * 1000:.0f} ms, a step "
                 f"takes {budget.step_time * 1000:.1f} ms; budget "
-                f"{budget.budget:.1%})."
+                f"{budget.budget:.1%}).",
+                verbose=self.verbose,
+                write=compat.print_msg,
             )
 
     def _raise_write_errors(self, step: Any) -> Any:
@@ -846,7 +862,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             return None
         except CheckpointWriteError as e:
             if self.on_save_error == "warn":
-                warnings.warn(f"BackupAndRestore: {e.strerror}", stacklevel=3)
+                events.warn("save", f"BackupAndRestore: {e.strerror}", stacklevel=3)
                 return None
             # fit() ends here without calling on_train_end.
             self._stop_deadline()

@@ -25,7 +25,7 @@ import keras_ft
 from keras_ft.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from keras_ft.checkpoint.format import is_url, local_path
 from keras_ft.checkpoint.lock import DirectoryInUseError
-from keras_ft.checkpoint.store import CheckpointStore, checkpoints_dir
+from keras_ft.checkpoint.store import CheckpointStore, checkpoints_dir, open_storage
 
 
 class UsageError(Exception):
@@ -289,13 +289,23 @@ def _export(args: argparse.Namespace) -> int:
 def _goodput(args: argparse.Namespace) -> int:
     from keras_ft import goodput
 
-    store = _store(args.backup_dir)
-    attempts = goodput.load_attempts(store)
+    # A running (or interrupted) run's record lies beside its checkpoints;
+    # a finished one's, kept when they were deleted, in `backup_dir`.
+    attempts, where = [], args.backup_dir
+    try:
+        store = _store(args.backup_dir)
+        attempts, where = goodput.load_attempts(store), store.directory
+    except UsageError:
+        if is_url(args.backup_dir) or not os.path.isdir(local_path(args.backup_dir)):
+            raise
+    if not attempts:
+        try:
+            attempts = goodput.load_kept(open_storage(args.backup_dir))
+        except (ImportError, ValueError) as e:
+            raise UsageError(str(e)) from None
     if not attempts:
         print(
-            f"keras-ft goodput: {store.directory} holds no record of a run "
-            "(a finished run's backup, and its record, are deleted unless "
-            "`delete_checkpoint=False`).",
+            f"keras-ft goodput: {where} holds no record of a run.",
             file=sys.stderr,
         )
         return 1

@@ -22,7 +22,7 @@ import dataclasses
 import json
 from typing import Any
 
-from keras_ft.training.goodput import PREFIX
+from keras_ft.training.goodput import PREFIX, kept
 
 CATEGORIES = ("productive", "startup", "restore", "checkpointing", "lost", "down")
 
@@ -57,6 +57,13 @@ def load_attempts(store: Any) -> list[dict[str, Any]]:
             continue
         if _valid(record):
             attempts.append(record)
+    return sorted(attempts, key=lambda a: a["process_start"])
+
+
+def load_kept(root: Any) -> list[dict[str, Any]]:
+    """The attempts of a finished run, kept in its `backup_dir` (`root`, a
+    storage) when its checkpoints were deleted, oldest first."""
+    attempts = [a for a in kept(root) if _valid(a)]
     return sorted(attempts, key=lambda a: a["process_start"])
 
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from keras_ft import events
 from keras_ft.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from keras_ft.checkpoint.format import is_url, local_path
 from keras_ft.checkpoint.store import (
@@ -123,7 +123,9 @@ def watch(
                 metadata = store.verify(checkpoint)
             except CorruptCheckpointError as e:
                 if checkpoint in store.checkpoints():
-                    warnings.warn(f"keras_ft.watch: skipping {e}.", stacklevel=2)
+                    events.warn(
+                        "restore", f"keras_ft.watch: skipping {e}.", stacklevel=2
+                    )
                 continue  # Else deleted by retention while it was checked.
             yield _committed(checkpoint, metadata)
             if timeout is not None:

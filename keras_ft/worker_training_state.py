@@ -11,7 +11,6 @@ import re
 import shutil
 import sys
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import TYPE_CHECKING, Any
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 
 from keras_ft import backend as host
-from keras_ft import threads
+from keras_ft import events, threads
 from keras_ft.checkpoint.errors import (
     CheckpointWriteError,
     CorruptCheckpointError,
@@ -56,6 +55,7 @@ from keras_ft.state.snapshots import SnapshotPlace
 from keras_ft.state.training_state import optimizer_step, progress_text
 from keras_ft.state.weights_copy import CapturedWeights
 from keras_ft.threads import BackgroundWriter, PendingWrite, wait_for_removals
+from keras_ft.training import goodput
 from keras_ft.training.listeners import CheckpointListener, check_listeners, notify
 from keras_ft.training.policy import KeepLast
 
@@ -208,7 +208,7 @@ class WorkerTrainingState:
             chief_dir(self.backup_dir),
             self._retention,
             storage_options,
-            progress=_print if verbose else None,
+            progress=sys.stdout if verbose else None,
             manifest_key=manifest_key,
         )
         self._root = open_storage(self.backup_dir, storage_options)
@@ -288,7 +288,9 @@ class WorkerTrainingState:
         try:
             self._writer.wait()
         except CheckpointWriteError as e:
-            warnings.warn(f"A backup from an earlier fit() failed: {e}", stacklevel=3)
+            events.warn(
+                "save", f"A backup from an earlier fit() failed: {e}", stacklevel=3
+            )
 
     def lock(self) -> None:
         """Claims the backup for this process: one writer per directory.
@@ -877,7 +879,8 @@ class WorkerTrainingState:
         self._state.configuration()  # As set up, before anything is loaded.
         point = self._load_newest(variables_only=False)
         if point is not None and point.config_changes:
-            warnings.warn(
+            events.warn(
+                "restore",
                 f"keras-ft: the backup {point.checkpoint} was written by a "
                 "training configured otherwise: "
                 f"{configuration.summary(point.config_changes)}. Its state is "
@@ -997,7 +1000,8 @@ class WorkerTrainingState:
             self._warn_damaged_tier(checkpoint, e)
             return False
         if gap is not None:
-            warnings.warn(
+            events.warn(
+                "tier",
                 f"keras-ft: the local tier's checkpoint {checkpoint.name} holds "
                 "this process's pieces of the layout it was saved in, and "
                 f"this layout needs others (of {gap}); every process "
@@ -1018,7 +1022,8 @@ class WorkerTrainingState:
             return None
 
     def _warn_damaged_tier(self, checkpoint: Checkpoint, error: Exception) -> None:
-        warnings.warn(
+        events.warn(
+            "tier",
             f"keras-ft: the local tier's checkpoint {checkpoint.name} is damaged "
             f"({error}); every process restores from "
             f"{self._chief_store.directory} instead.",
@@ -1091,10 +1096,13 @@ class WorkerTrainingState:
         """Deletes what this backup wrote; other files in `backup_dir` stay."""
         self._writer.wait()
         if self.task.is_chief:
+            # What the run's time went to outlives its checkpoints.
+            goodput.keep(self._chief_store, self._root)
             try:
                 self._chief_store.clear()
             except Exception as e:  # A bucket out of reach: say so, go on.
-                warnings.warn(
+                events.warn(
+                    "save",
                     f"keras-ft: fit() is over, but its backup in "
                     f"{self._chief_store.directory} could not be deleted "
                     f"({type(e).__name__}: {e}). Delete it yourself, or "
@@ -1113,14 +1121,6 @@ class WorkerTrainingState:
             self._local_store.storage.remove_root()
         self._root.remove_root()  # `backup_dir` itself, if nothing else is in it.
         self._let_go()
-
-
-def _print(line: str) -> None:
-    # One write: printed from the writer thread, a line must not run into
-    # one the training thread prints at the same time (print() writes the
-    # text and the newline separately).
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
 
 
 def _move_to_host(captured: CapturedWeights) -> None:

@@ -351,6 +351,14 @@ def fill_filesystem(directory: str) -> str:
 BUCKET = "keras-ft-test"
 
 
+def backup_deleted(backup_dir: str) -> bool:
+    """Whether a finished run deleted its backup: no checkpoint is left, and
+    at most the run's goodput record, kept for `keras-ft goodput`."""
+    if not os.path.exists(backup_dir):
+        return True
+    return os.listdir(backup_dir) == ["goodput.json"]
+
+
 def free_port() -> int:
     """A port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
@@ -361,7 +369,11 @@ def free_port() -> int:
 def start_moto() -> tuple[subprocess.Popen, int]:
     """A moto S3 server on a free loopback port, once it accepts connections."""
     port = free_port()
-    moto = shutil.which("moto_server", path=os.path.dirname(sys.executable))
+    # Beside this Python, or on the PATH (a lane's venv that borrows the
+    # test venv's packages, .ci/compat).
+    moto = shutil.which(
+        "moto_server", path=os.path.dirname(sys.executable)
+    ) or shutil.which("moto_server")
     # Its request recorder (when a test starts it) writes here, not in the
     # working directory; removed when this process ends.
     scratch = tempfile.mkdtemp(prefix="keras-ft-moto-")

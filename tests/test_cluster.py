@@ -33,6 +33,23 @@ def test_workers_are_not_chief_when_a_chief_exists():
     assert spec == TaskSpec("worker", 0, 3, False)
 
 
+def test_a_tfjob_tf_config_names_the_chief_and_the_workers():
+    """`TF_CONFIG` as Kubeflow's TFJob operator writes it in each pod."""
+    cluster = {
+        "chief": ["run-chief-0.team.svc:2222"],
+        "worker": ["run-worker-0.team.svc:2222", "run-worker-1.team.svc:2222"],
+    }
+
+    def pod(task_type, index):
+        return json.dumps({
+            "cluster": cluster, "task": {"type": task_type, "index": index},
+            "environment": "cloud",
+        })  # fmt: skip
+
+    assert TaskSpec.from_tf_config(pod("chief", 0)) == TaskSpec("chief", 0, 3, True)
+    assert TaskSpec.from_tf_config(pod("worker", 1)) == TaskSpec("worker", 1, 3, False)
+
+
 def test_worker_zero_is_chief_without_a_chief_task():
     cluster = {"worker": ["h:1", "h:2"]}
     assert TaskSpec.from_tf_config(tf_config(cluster, "worker", 0)).is_chief

@@ -42,7 +42,8 @@ def test_torchrun_and_slurm_environments_are_read():
     assert launch_from_environment(TORCHRUN) == Launch(
         "torchrun", 1, 2, "127.0.0.1", 29500, True, 3
     )
-    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2",
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4",
+             "SLURM_JOB_ID": "7", "SLURM_STEP_NUM_NODES": "2",
              "MASTER_ADDR": "node1", "MASTER_PORT": "6000"}  # fmt: skip
     assert launch_from_environment(slurm) == Launch(
         "slurm", 0, 4, "node1", 6000, False, 0

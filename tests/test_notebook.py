@@ -11,7 +11,7 @@ import time
 import keras
 import nbformat
 import pytest
-from conftest import subprocess_env
+from conftest import backup_deleted, subprocess_env
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, DeadKernelError
 
@@ -108,7 +108,7 @@ def test_a_killed_kernel_resumes_at_the_saved_step(tmp_path):
     assert restored, text
     assert int(restored.group(1)) == saved  # Not epoch 0: the saved step.
     assert f"optimizer steps: {STEPS} " in text  # As an uninterrupted run.
-    assert not os.path.exists(backup_dir)  # Finished: deleted.
+    assert backup_deleted(backup_dir)  # Finished: deleted.
 
 
 def test_interrupt_ends_the_cell_and_running_it_again_continues(tmp_path):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import (
     STEPS_PER_EPOCH,
+    backup_deleted,
     iterations,
     make_model,
     run_once_on,
@@ -95,7 +95,7 @@ def test_stop_at_step_backs_up_the_step_and_a_finished_run_trains_nothing(
         ],
     )  # fmt: skip
     assert iterations(further) == STEPS_PER_EPOCH * 5
-    assert not os.path.exists(backup_dir)  # Every epoch ran: deleted.
+    assert backup_deleted(backup_dir)  # Every epoch ran: deleted.
 
 
 def test_stop_at_time_stops_at_the_first_batch_past_the_budget(backup_dir, data):

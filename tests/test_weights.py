@@ -218,6 +218,52 @@ def test_values_read_ahead_load_only_when_asked(tmp_path, data):
     assert iterations(fresh) == iterations(model)
 
 
+@pytest.mark.skipif(
+    keras.backend.backend() != "torch",
+    reason="staged restores are PyTorch's: JAX and TensorFlow have no public "
+    "call to move a value from host memory they did not allocate without a "
+    "staging copy of their own",
+)
+def test_a_staged_restore_moves_each_value_from_the_copy_buffer(tmp_path, data):
+    """The path a model on a GPU takes (there the buffer is page-locked):
+    the file is read into the layout's copy buffer, each value moved to the
+    device from it, and the buffer is the next save's again, whole."""
+    import torch
+
+    model, path, fresh = saved_and_clone(tmp_path, data)
+    layout = weights_layout.WeightsLayout(fresh)
+    asked = []
+    values = weights_load._read_staged(
+        fresh, path, layout, torch.device("cpu"), asked.append
+    )
+    assert values is not None and values.mapped is None
+    assert asked == [os.path.getsize(path)]  # The whole file, then read.
+    weights_load.load(fresh, path, layout, values)
+    for a, b in zip(weights_of(model), weights_of(fresh), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert iterations(fresh) == iterations(model)
+    # A file of this size with other bytes between the values (here, its
+    # signature) is not this layout's; nor is a file of another size.
+    with open(path, "rb") as f:
+        contents = bytearray(f.read())
+    contents[0] ^= 0xFF
+    other = str(tmp_path / "other.weights.h5")
+    for changed in (bytes(contents), bytes(contents[1:])):
+        with open(other, "wb") as f:
+            f.write(changed)
+        cpu = torch.device("cpu")
+        assert weights_load._read_staged(fresh, other, layout, cpu, None) is None
+    # The buffer the files were read into makes the next save's file, whole:
+    # the bytes between the values are the layout's own again.
+    fresh.fit(*data, epochs=1, verbose=0)
+    again = str(tmp_path / "again.weights.h5")
+    write(again, layout.capture())
+    reference = str(tmp_path / "reference.weights.h5")
+    write(reference, weights_layout.capture(fresh))
+    with open(again, "rb") as a, open(reference, "rb") as b:
+        assert a.read() == b.read()
+
+
 def test_values_read_for_other_variables_are_not_used(tmp_path, data):
     model, path, fresh = saved_and_clone(tmp_path, data, build_optimizer=False)
     # Read before the optimizer has variables: the file does not fit yet.

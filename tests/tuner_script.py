@@ -1,6 +1,6 @@
 """A Keras Tuner search with keras-ft, for tests/test_tuner.py.
 
-RandomSearch over units and learning rate, each trial stopped early by
+RandomSearch (or `--tuner`) over units and learning rate, each trial stopped early by
 EarlyStopping after its second epoch (so its backup is kept). With
 `--kill-at TRIAL:EPOCH:BATCHES_DONE`, the process SIGKILLs itself there once
 the backup is committed; run again, the search goes on (`overwrite=False`).
@@ -27,6 +27,11 @@ def main() -> None:
     parser.add_argument("--project-dir", required=True)
     parser.add_argument("--backup-dir")
     parser.add_argument("--kill-at", help="TRIAL:EPOCH:BATCHES_DONE")
+    parser.add_argument(
+        "--tuner",
+        default="RandomSearch",
+        choices=("RandomSearch", "BayesianOptimization", "GridSearch", "Hyperband"),
+    )
     args = parser.parse_args()
     kill_at = args.kill_at.split(":") if args.kill_at else None
     rng = np.random.default_rng(0)
@@ -49,7 +54,7 @@ def main() -> None:
 
     running = {}
 
-    class Tuner(keras_tuner.RandomSearch):
+    class Tuner(getattr(keras_tuner, args.tuner)):
         def run_trial(self, trial, *fit_args, **fit_kwargs):
             running["trial"] = trial.trial_id
             return super().run_trial(trial, *fit_args, **fit_kwargs)
@@ -64,10 +69,11 @@ def main() -> None:
                 keras_ft.wait_for_backups()
                 os.kill(os.getpid(), signal.SIGKILL)
 
+    budget = {"max_epochs": 4} if args.tuner == "Hyperband" else {"max_trials": 3}
     tuner = Tuner(
         build,
         objective="loss",
-        max_trials=3,
+        **budget,
         seed=1,
         directory=args.project_dir,
         project_name="search",

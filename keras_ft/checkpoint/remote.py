@@ -40,18 +40,18 @@ import errno
 import functools
 import hashlib
 import json
+import logging
 import os
 import secrets
 import socket
 import tempfile
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import IO, Any, TypeVar
 
-from keras_ft import threads
+from keras_ft import events, threads
 from keras_ft.checkpoint import files as file_io
 from keras_ft.checkpoint import scratch
 from keras_ft.checkpoint.errors import (
@@ -161,10 +161,12 @@ class ObjectStorage:
     Args:
         url: Where committed checkpoints live (`s3://bucket/run/chief`).
         storage_options: Passed to fsspec. Defaults to `None`.
-        progress: If set, called with a line of text at each quarter of an
-            upload of at least `progress_bytes`. Defaults to `None`.
-        progress_bytes: Uploads this large or larger report progress.
-            Defaults to 256 MiB.
+        progress: If set, the stream (standard output) an upload or download
+            that lasts `progress_after` seconds or more draws its progress
+            on, where it is a terminal (`events.Progress`). Defaults to
+            `None`: none shown.
+        progress_after: Seconds before a transfer's progress shows.
+            Defaults to 2.
     """
 
     write_error_fix = "Check that the bucket is reachable and the credentials valid"
@@ -176,8 +178,8 @@ class ObjectStorage:
         self,
         url: str,
         storage_options: dict | None = None,
-        progress: Callable[[str], None] | None = None,
-        progress_bytes: int = 256 << 20,
+        progress: Any = None,
+        progress_after: float = 2.0,
     ):
         self.location = url.rstrip("/")
         self.fs, root = filesystem(self.location, storage_options)
@@ -185,7 +187,7 @@ class ObjectStorage:
         self.server = server_of(self.location, storage_options)
         self.root = root.rstrip("/")
         self.progress = progress
-        self.progress_bytes = progress_bytes
+        self.progress_after = progress_after
         # Downloads still arriving, by local copy.
         self._arriving: dict[str, dict[str, _RangedDownload]] = {}
 
@@ -285,18 +287,27 @@ class ObjectStorage:
             sequence = self.next_sequence()
         committed = Checkpoint(sequence, self._path(sequence))
         local = functools.partial(os.path.join, staging.path)
+        paths = {
+            n: staging.from_paths.get(n) or local(n)
+            for n in names
+            if n != MANIFEST_FILE and n not in staging.in_place
+        }
+        shown = self._progress_of(
+            "save", f"uploading {committed.name}",
+            sum(os.path.getsize(p) for p in paths.values()),
+        )  # fmt: skip
         try:
             uploads = [
                 threads.submit(
-                    threads.transfer, self._upload,
-                    staging.from_paths.get(n) or local(n),
-                    self._key(committed, n), staging.cancel,
+                    threads.transfer, self._upload, path,
+                    self._key(committed, n), staging.cancel, shown,
                 )
-                for n in names
-                if n != MANIFEST_FILE and n not in staging.in_place
+                for n, path in paths.items()
             ]  # fmt: skip
             for upload in uploads:
                 upload.result()
+            if shown is not None:
+                shown.close()
             staging.check_cancelled()
             self._commit_manifest(local(MANIFEST_FILE), committed)
         except _Refused:
@@ -370,22 +381,27 @@ class ObjectStorage:
         scratch.remove(staging.path)
 
     def _upload(
-        self, path: str, key: str, cancel: threading.Event | None = None
+        self,
+        path: str,
+        key: str,
+        cancel: threading.Event | None = None,
+        shown: events.Progress | None = None,
     ) -> None:
         if cancel is not None and cancel.is_set():
             raise SaveCancelled()
-        size = os.path.getsize(path)
-        report = self.progress is not None and size >= self.progress_bytes
+        callback = _moves(shown)
+        _as_os_error(
+            lambda: self.fs.put_file(path, key, callback=callback),
+            f"upload of {key}",
+        )
 
-        def put() -> None:
-            if report:
-                self.fs.put_file(
-                    path, key, callback=_progress(key, size, self.progress)
-                )
-            else:
-                self.fs.put_file(path, key)
-
-        _as_os_error(put, f"upload of {key}")
+    def _progress_of(self, kind: str, what: str, total: int) -> events.Progress | None:
+        """The progress line of a checkpoint's transfer (see `progress`)."""
+        if self.progress is None:
+            return None
+        return events.Progress(
+            kind, f"keras-ft: {what}", total, self.progress_after, self.progress
+        )
 
     def retire(self, checkpoint: Checkpoint) -> None:
         self.delete(checkpoint)
@@ -484,14 +500,20 @@ class ObjectStorage:
                 name for name, size in sizes.items()
                 if name in stream and size >= STREAM_MIN
             }  # fmt: skip
+            moved = [name for name in sizes if name not in ranged]
+            # One line for the checkpoint, ended when its last byte is here.
+            shown = self._progress_of(
+                "restore", f"downloading {checkpoint.name}",
+                sum(sizes[name] for name in moved),
+            )  # fmt: skip
             # The small files first: the transfer threads take work in order.
             downloads = [
                 threads.submit(
                     threads.transfer, self._download, checkpoint, name,
-                    local.file(name),
+                    local.file(name), shown,
                 )
-                for name in sizes
-                if name not in streamed and name not in ranged
+                for name in moved
+                if name not in streamed
             ]  # fmt: skip
             if ranged:
                 with _RANGED_LOCK:
@@ -500,7 +522,7 @@ class ObjectStorage:
                     )
             self._arriving[local.path] = {
                 name: _RangedDownload(
-                    self, checkpoint, name, local.file(name), sizes[name]
+                    self, checkpoint, name, local.file(name), sizes[name], shown
                 )
                 for name in sorted(streamed)
             }
@@ -535,9 +557,16 @@ class ObjectStorage:
             f"download of {key} (bytes {offset} to {offset + size})",
         )
 
-    def _download(self, checkpoint: Checkpoint, name: str, path: str) -> None:
+    def _download(
+        self,
+        checkpoint: Checkpoint,
+        name: str,
+        path: str,
+        shown: events.Progress | None = None,
+    ) -> None:
+        key = self._key(checkpoint, name)
         with contextlib.suppress(FileNotFoundError):  # Verification says so.
-            _retried(lambda: self.fs.get_file(self._key(checkpoint, name), path))
+            _retried(lambda: self.fs.get_file(key, path, callback=_moves(shown)))
 
     def release(self, local: Checkpoint) -> None:
         """Removes a download of `local_copy()` once it is loaded (calling
@@ -621,26 +650,24 @@ class ObjectStorage:
             ) from e
 
 
-def _progress(key: str, size: int, say: Callable[[str], None]) -> Any:
-    """An fsspec callback that reports each quarter of an upload."""
-    from fsspec.callbacks import Callback
+def _moves(shown: events.Progress | None) -> Any:
+    """An fsspec callback that adds one file's bytes to `shown` as they move
+    (fsspec's default, which does nothing, without one)."""
+    from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 
-    started = time.monotonic()
-    name = "/".join(key.rsplit("/", 2)[-2:])
+    if shown is None:
+        return DEFAULT_CALLBACK
 
-    class Quarters(Callback):
-        reported = 0
+    class Moved(Callback):
+        counted = 0
 
         def call(self, *args: Any, **kwargs: Any) -> None:
-            quarter = min(4, (self.value or 0) * 4 // max(size, 1))
-            if quarter > self.reported:
-                self.reported = quarter
-                say(
-                    f"keras-ft: uploading {name}: {quarter * 25}% of "
-                    f"{size / 2**20:.0f} MB ({time.monotonic() - started:.1f} s)"
-                )
+            value = int(self.value or 0)
+            if value > self.counted:
+                shown.add(value - self.counted)
+                self.counted = value
 
-    return Quarters(size=size)
+    return Moved()
 
 
 class RemoteLease:
@@ -740,6 +767,7 @@ class RemoteLease:
         self._stop.clear()
         self._beating = threads.start_daemon(self._heartbeat, "keras-ft-lease")
         _HELD[self._ident] = self
+        events.log("lease", f"took the lease on {self.directory}")
 
     def _yield_to_this_process(self) -> None:
         """A later lease of this process takes the prefix: this one stops
@@ -775,9 +803,21 @@ class RemoteLease:
                     self._etag = self._etag_now()
                 else:
                     self._taken = held
+                    events.log(
+                        "lease",
+                        f"the lease on {self.directory} was taken over by pid "
+                        f"{held.get('pid')} on {held.get('host')}",
+                        logging.ERROR,
+                    )
                     return
             except Exception as e:  # Retried at the next beat; see check().
                 self._failure = e
+                events.log(
+                    "lease",
+                    f"could not renew the lease on {self.directory} "
+                    f"({type(e).__name__}: {e}); retried at the next beat",
+                    logging.WARNING,
+                )
             else:
                 self._renewed, self._failure = time.monotonic(), None
 
@@ -823,6 +863,7 @@ class RemoteLease:
             held = self._read()
             if held is not None and held.get("token") == token:
                 self.fs.rm_file(self.key)
+                events.log("lease", f"gave back the lease on {self.directory}")
         except Exception:  # Out of reach: the lease expires on its own.
             pass
 
@@ -877,10 +918,11 @@ class _RangedDownload:
 
     def __init__(
         self, storage: ObjectStorage, checkpoint: Checkpoint, name: str, path: str,
-        size: int,
+        size: int, shown: events.Progress | None = None,
     ):  # fmt: skip
         self.name, self.size = name, size
         self._key = storage._key(checkpoint, name)
+        self._shown = shown  # The checkpoint's download, moved along.
         self._fs = storage.fs
         self._arrived = Watermark(size)
         self._done: set[int] = set()  # Range starts written past the watermark.
@@ -929,6 +971,8 @@ class _RangedDownload:
             while level in self._done:
                 self._done.discard(level)
                 level = min(level + self._range, self.size)
+            if self._shown is not None:
+                self._shown.add(level - self._arrived.level)
             self._arrived.advance(level)
 
     def _fail(self, error: BaseException) -> None:
@@ -959,6 +1003,8 @@ class _RangedDownload:
             with contextlib.suppress(BaseException):
                 future.result()
         os.close(self._fd)
+        if self._shown is not None:
+            self._shown.close()  # Its line ends, whole or not.
 
 
 # Readers of byte ranges of the objects a local copy left in the bucket,
@@ -1004,7 +1050,8 @@ def _warn_best_effort(fs: Any, directory: str) -> None:
     if protocol in _LOCAL_ONLY or protocol in _warned_best_effort:
         return
     _warned_best_effort.add(protocol)
-    warnings.warn(
+    events.warn(
+        "lease",
         f"keras-ft: the lease on {directory} is best effort: {protocol}:// "
         "offers keras-ft no conditional write, so two trainings started "
         "within one round trip of each other may both write. Make sure one "

@@ -28,12 +28,11 @@ import contextlib
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from concurrent import futures
 from typing import IO, Any, Protocol, TypeVar
 
-from keras_ft import threads
+from keras_ft import events, threads
 from keras_ft.checkpoint import files as file_io
 from keras_ft.checkpoint.errors import (
     CheckpointError,
@@ -230,7 +229,7 @@ class Storage(Protocol):
 def open_storage(
     location: str,
     storage_options: dict | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Any = None,
 ) -> Storage:
     """The storage at `location`: a local directory, or an fsspec URL."""
     if is_url(location):
@@ -250,8 +249,8 @@ class CheckpointStore:
             `None` to keep everything. Defaults to `None`.
         storage_options: With a URL, options for its fsspec filesystem.
             Defaults to `None`.
-        progress: With a URL, called with a line of text as large uploads
-            go. Defaults to `None`.
+        progress: With a URL, the stream long uploads and downloads draw
+            their progress on, where it is a terminal. Defaults to `None`.
         storage: The `Storage` to use instead of the one `directory` names.
             Defaults to `None`.
         inspect: Called by `verify()` as `inspect(metadata, open_file,
@@ -272,7 +271,7 @@ class CheckpointStore:
         retention: RetentionPolicy | None = None,
         *,
         storage_options: dict | None = None,
-        progress: Callable[[str], None] | None = None,
+        progress: Any = None,
         storage: Storage | None = None,
         manifest_key: str | bytes | None = None,
         inspect: Callable[[dict, Callable[[str], IO[bytes]], str], None] | None = None,
@@ -431,8 +430,10 @@ class CheckpointStore:
                 return attempt(checkpoint)
             except CorruptCheckpointError as e:
                 problems.append(str(e))
-                warnings.warn(
-                    f"{e}. Falling back to the previous checkpoint.", stacklevel=3
+                events.warn(
+                    "restore",
+                    f"{e}. Falling back to the previous checkpoint.",
+                    stacklevel=3,
                 )
         if candidates:
             raise NoGoodCheckpointError(
@@ -644,6 +645,12 @@ class CheckpointStore:
             )
         finally:
             self.storage.unstage(staging)
+        events.log(
+            "save",
+            f"committed {committed.path} (epoch {metadata.get('epochs_completed')}, "
+            f"batch {metadata.get('batches_completed')}, "
+            f"step {metadata.get('step')})",
+        )
         try:  # Committed: a failed clean-up is retried after the next commit.
             replaced = supersedes() if supersedes is not None else None
             if replaced is not None:
@@ -652,7 +659,8 @@ class CheckpointStore:
                     self.storage.delete(replaced)
             self.prune()
         except Exception as e:  # Any storage's error.
-            warnings.warn(
+            events.warn(
+                "save",
                 f"keras-ft: {committed.path} is committed, but deleting older "
                 f"checkpoints failed ({type(e).__name__}: {e}); retried later.",
                 stacklevel=2,
@@ -698,7 +706,7 @@ def open_store(
     path: str,
     retention: RetentionPolicy | None = None,
     storage_options: dict | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Any = None,
     manifest_key: str | bytes | None = None,
 ) -> CheckpointStore:
     """The store of checkpoints at `path`: a local directory or a URL

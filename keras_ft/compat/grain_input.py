@@ -12,10 +12,10 @@ state before it yields anything.
 from __future__ import annotations
 
 import sys
-import warnings
 from collections.abc import Callable
 from typing import Any
 
+from keras_ft import events
 from keras_ft.compat.registry import fail, register, usable
 from keras_ft.compat.training import _code_names
 
@@ -145,7 +145,8 @@ class GrainView:
         try:
             iterator.set_state(state)
         except Exception as e:
-            warnings.warn(
+            events.warn(
+                "restore",
                 "BackupAndRestore: Grain could not take the saved state of "
                 f"the dataset's iterator ({type(e).__name__}: {e}); the "
                 f"{count} batches of this epoch trained before the restart "

@@ -16,10 +16,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import warnings
 from collections.abc import Callable, Iterator
 
 import keras
+
+from keras_ft import events
 
 DISABLE_ENV = "KERAS_FT_COMPAT_DISABLE"
 
@@ -105,7 +106,8 @@ def warn_lost(name: str) -> None:
         why = f"using it raised {_failed[name]}"
     else:
         why = "its internals moved"
-    warnings.warn(
+    events.warn(
+        "compat",
         f"keras-ft: {capability.lost} (Keras {keras.__version__}: {why}; "
         f"capability {name!r}). Backups and resumes still work.",
         CompatibilityWarning,

@@ -1,14 +1,15 @@
 """Starting a training cluster from what its launcher put in the environment.
 
-A launcher that restarts a failed job (torchrun's TorchElastic, SLURM with
-`--requeue`) tells each process its rank, the number of processes and a
-coordinator's address. `initialize_cluster()` reads them, as TensorLayer's
-`TaskSpec` read `TF_CONFIG`, and starts the backend's cluster with bounds a
-restart needs: JAX's coordination service with a 10 s heartbeat (its default,
-100 s, keeps every survivor of a dead peer waiting for over a minute) and a
-bounded shutdown barrier; TensorFlow's `TF_CONFIG` for
-`MultiWorkerMirroredStrategy`. Framework differences are the point of this
-module, as of `cluster.py`.
+A launcher that restarts a failed job (torchrun's TorchElastic, a SLURM job
+requeued) tells each process its rank, the number of processes and a
+coordinator's address (SLURM: its node list and job number, which JAX and
+TensorFlow's `SlurmClusterResolver` read themselves). `initialize_cluster()`
+reads them, as TensorLayer's `TaskSpec` read `TF_CONFIG`, and starts the
+backend's cluster with bounds a restart needs: JAX's coordination service
+with a 10 s heartbeat (its default, 100 s, keeps every survivor of a dead
+peer waiting for over a minute) and a bounded shutdown barrier; TensorFlow's
+`TF_CONFIG` for `MultiWorkerMirroredStrategy`. Framework differences are the
+point of this module, as of `cluster.py`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import warnings
 from collections.abc import Mapping
 
+from keras_ft import events
 from keras_ft.distribute.cluster import TaskSpec, current_task
 
 _jax_started_here = False  # By initialize_cluster(), with short timeouts.
@@ -51,37 +52,48 @@ class Launch:
 
 def launch_from_environment(environ: Mapping[str, str] | None = None) -> Launch | None:
     """The launcher's description of this process, or `None` if no launcher
-    (torchrun, or SLURM with `MASTER_ADDR` and `MASTER_PORT`) set one."""
+    set one: torchrun, or a SLURM job step (`srun`, also inside `sbatch`)."""
     env = os.environ if environ is None else environ
-    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
-        return None
     if "RANK" in env and "WORLD_SIZE" in env:
+        if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+            return None
         launcher, rank, size = "torchrun", env["RANK"], env["WORLD_SIZE"]
         local = env.get("LOCAL_WORLD_SIZE", size)
         restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        launcher, rank, size = "slurm", env["SLURM_PROCID"], env["SLURM_NTASKS"]
-        local = env.get("SLURM_NTASKS_PER_NODE", "0")
+        address, port = env["MASTER_ADDR"], env["MASTER_PORT"]
+    elif "SLURM_PROCID" in env and "SLURM_JOB_ID" in env:
+        # A step's own variables: a batch script outside `srun` is one
+        # process, whatever the job's task count.
+        size = env.get("SLURM_STEP_NUM_TASKS")
+        if size is None:
+            return None
+        launcher, rank = "slurm", env["SLURM_PROCID"]
+        nodes = env.get("SLURM_STEP_NODELIST", env.get("SLURM_NODELIST", ""))
+        address = env.get("MASTER_ADDR") or first_host(nodes)
+        # Every process computes the same ports from the job's number.
+        port = env.get("MASTER_PORT") or str(slurm_port(env["SLURM_JOB_ID"]))
+        local = size if env.get("SLURM_STEP_NUM_NODES", "1") == "1" else "0"
         restart = env.get("SLURM_RESTART_COUNT", "0")
     else:
         return None
     try:
         launch = Launch(
-            launcher, int(rank), int(size), env["MASTER_ADDR"],
-            int(env["MASTER_PORT"]), int(local) == int(size), int(restart),
+            launcher, int(rank), int(size), address, int(port),
+            int(local) == int(size), int(restart),
         )  # fmt: skip
     except ValueError:
         raise ValueError(
             f"keras-ft cannot read the {launcher} environment: RANK/WORLD_SIZE "
-            "(or SLURM_PROCID/SLURM_NTASKS), MASTER_PORT and the restart count "
-            "must be integers. Received: "
+            "(or SLURM_PROCID/SLURM_STEP_NUM_TASKS/SLURM_JOB_ID), MASTER_PORT "
+            "and the restart count must be integers. Received: "
             + ", ".join(
                 f"{k}={env.get(k)!r}"
                 for k in (
                     "RANK",
                     "WORLD_SIZE",
                     "SLURM_PROCID",
-                    "SLURM_NTASKS",
+                    "SLURM_STEP_NUM_TASKS",
+                    "SLURM_JOB_ID",
                     "MASTER_ADDR",
                     "MASTER_PORT",
                 )
@@ -96,6 +108,23 @@ def launch_from_environment(environ: Mapping[str, str] | None = None) -> Launch 
     return launch
 
 
+def first_host(nodes: str) -> str:
+    """The first host of a SLURM node list (`"node[003-005,9],gpu1"` gives
+    `"node003"`), as JAX reads it."""
+    head = nodes.split(",", 1)[0] if "[" not in nodes.split(",", 1)[0] else None
+    if head is not None:
+        return head
+    prefix, _, ranges = nodes.partition("[")
+    return prefix + ranges.split(",", 1)[0].split("-", 1)[0].rstrip("]")
+
+
+def slurm_port(job_id: str) -> int:
+    """The port a SLURM job's keras-ft services start from, the same in
+    every process of the job (and of its requeues): below JAX's own range
+    for SLURM (61440 and up), four ports a job."""
+    return 40000 + int(job_id) % 2**12 * 4
+
+
 def initialize_cluster(
     heartbeat_seconds: int = 10,
     shutdown_seconds: int = 60,
@@ -107,16 +136,19 @@ def initialize_cluster(
     """Starts this process's part of a training cluster from its launcher.
 
     Call it first thing in a script run by `torchrun --nproc-per-node=N
-    --max-restarts=K train.py` (or SLURM with `MASTER_ADDR`/`MASTER_PORT`
-    exported), before any other JAX or TensorFlow call:
+    --max-restarts=K train.py` or by SLURM's `srun` (in an `sbatch` script or
+    not), before any other JAX or TensorFlow call:
 
-    - JAX: `jax.distributed.initialize()` with rank 0 as coordinator (on
-      `MASTER_PORT + 1`), a `heartbeat_seconds` heartbeat and a
-      `shutdown_seconds` shutdown barrier, and gloo collectives on CPU. Then
+    - JAX: `jax.distributed.initialize()` with a `heartbeat_seconds`
+      heartbeat and a `shutdown_seconds` shutdown barrier, and gloo
+      collectives on CPU: under torchrun with rank 0 as coordinator (on
+      `MASTER_PORT + 1`); under SLURM as JAX finds the job itself. Then
       `keras.distribution.set_distribution(keras.distribution.DataParallel())`.
-    - TensorFlow: `TF_CONFIG` for `tf.distribute.MultiWorkerMirroredStrategy`,
-      worker `i` on `MASTER_PORT + 1 + i` (one host; on several, set
-      `TF_CONFIG` yourself). Then create the strategy.
+    - TensorFlow: `TF_CONFIG` for `tf.distribute.MultiWorkerMirroredStrategy`:
+      under torchrun, worker `i` on `MASTER_PORT + 1 + i` (one host; on
+      several, set `TF_CONFIG` yourself); under SLURM, every task of the step
+      on every host, from TensorFlow's `SlurmClusterResolver`. Then create the
+      strategy.
     - PyTorch: nothing (Keras trains one process on this backend).
 
     Without a launcher in the environment it does nothing, unless the JAX
@@ -163,19 +195,31 @@ def initialize_cluster(
             return current_task()
         coordinator = f"{launch.address}:{launch.port + 1}"
         world_size, rank = launch.world_size, launch.rank
+    native_slurm = (
+        launch is not None
+        and launch.launcher == "slurm"
+        and "MASTER_ADDR" not in os.environ
+    )
     if backend == "jax":
         import jax
 
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        where = {
+            "coordinator_address": coordinator,
+            "num_processes": world_size,
+            "process_id": rank,
+        }
+        if native_slurm:
+            where = {}  # JAX reads SLURM's variables itself.
         jax.distributed.initialize(
-            coordinator_address=coordinator,
-            num_processes=world_size,
-            process_id=rank,
+            **where,
             heartbeat_timeout_seconds=heartbeat_seconds,
             shutdown_timeout_seconds=shutdown_seconds,
         )
         global _jax_started_here
         _jax_started_here = True
+    elif native_slurm and backend == "tensorflow" and not os.environ.get("TF_CONFIG"):
+        os.environ["TF_CONFIG"] = _tf_config_from_slurm(launch)
     elif (
         launch is not None
         and backend == "tensorflow"
@@ -197,6 +241,37 @@ def initialize_cluster(
     return current_task()
 
 
+def _tf_config_from_slurm(launch: Launch) -> str:
+    """`TF_CONFIG` for this task of a SLURM step, from TensorFlow's own
+    `SlurmClusterResolver` (every host of the step, by `scontrol`), on the
+    job's ports (`slurm_port()`).
+
+    The resolver pairs each task of a node with its GPUs and drops the tasks
+    it has none for: on nodes without GPUs (SLURM's count, 0 without
+    `--gpus`) it is told of one per task, and not to hide any (else it would
+    run `nvidia-smi` and give an empty cluster).
+    """
+    import tensorflow as tf
+
+    gpus = int(os.environ.get("SLURM_GPUS_ON_NODE", "0") or 0)
+    per_node = max(
+        int(count.split("(")[0])
+        for count in os.environ.get("SLURM_STEP_TASKS_PER_NODE", "1").split(",")
+    )
+    resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(
+        port_base=launch.port + 1,
+        gpus_per_node=gpus or per_node,
+        gpus_per_task=None if gpus else 1,
+        auto_set_gpu=gpus > 0,
+    )
+    return json.dumps(
+        {
+            "cluster": resolver.cluster_spec().as_dict(),
+            "task": {"type": resolver.task_type, "index": resolver.task_id},
+        }
+    )
+
+
 def warn_of_jax_default_timeouts(num_workers: int) -> None:
     """Warns once in a multi-process JAX run that `initialize_cluster()` did
     not start: JAX does not say which timeouts it was given, and its
@@ -209,7 +284,8 @@ def warn_of_jax_default_timeouts(num_workers: int) -> None:
     if keras.backend.backend() != "jax":
         return
     _jax_warned = True
-    warnings.warn(
+    events.warn(
+        "cluster",
         "keras-ft: jax.distributed was not started by "
         "keras_ft.initialize_cluster(). If it runs with JAX's defaults "
         "(heartbeat_timeout_seconds=100, shutdown_timeout_seconds=300), a dead "

@@ -15,12 +15,12 @@ host memory, and say so once.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import keras
 
 from keras_ft import backend as host
+from keras_ft import events
 from keras_ft.state.training_state import nbytes
 
 SNAPSHOT_MODES = ("auto", "device", "host")
@@ -75,7 +75,8 @@ class SnapshotPlace:
         if not any(sign in text for sign in _OUT_OF_MEMORY):
             return False
         self._on_device = False
-        warnings.warn(
+        events.warn(
+            "fallback",
             "keras-ft: the device ran out of memory for a snapshot of the "
             f"training state ({text.splitlines()[0][:200]}); saves copy it to "
             "host memory from now on, and training waits for that copy. Pass "
@@ -98,7 +99,8 @@ class SnapshotPlace:
         )
         free = host.device_free_bytes(variables[0])
         if free is not None and needed > free * _ROOM:
-            warnings.warn(
+            events.warn(
+                "fallback",
                 f"keras-ft: no room on the {kind or 'device'} for a snapshot of "
                 f"the training state ({_size(needed)} needed, {_size(free)} "
                 "free): saves copy it to host memory "
@@ -128,7 +130,8 @@ def _tell_nondeterminism(kind: str) -> None:
     advice = host.nondeterminism()
     if advice is None:
         return
-    warnings.warn(
+    events.warn(
+        "save",
         f"keras-ft: training on a {kind.upper()} with {backend}'s default, "
         "nondeterministic kernels: no run here is bitwise reproducible, resumed "
         "or not (two uninterrupted runs differ too). A resumed run continues "

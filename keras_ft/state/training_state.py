@@ -18,7 +18,6 @@ import json
 import os
 import stat
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +26,7 @@ import ml_dtypes
 import numpy as np
 
 from keras_ft import backend as host
-from keras_ft import compat
+from keras_ft import compat, events
 from keras_ft.checkpoint import files as file_io
 from keras_ft.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from keras_ft.checkpoint.files import ReadProgress
@@ -439,7 +438,8 @@ class TrainingState:
     def _apply_seed_generators(self, values: list) -> None:
         states = _seed_states(self.model)
         if len(values) != len(states):
-            warnings.warn(
+            events.warn(
+                "restore",
                 f"BackupAndRestore: the backup holds {len(values)} random seed "
                 f"generator states, the model has {len(states)}; random "
                 "layers will not continue the saved random stream.",
@@ -666,7 +666,8 @@ def _warn_unchecked_build(model: keras.Model) -> None:
     if kind in _warned_unchecked:
         return
     _warned_unchecked.add(kind)
-    warnings.warn(
+    events.warn(
+        "restore",
         f"keras-ft: model {model.name!r} ({kind}) cannot be copied from its "
         "config, so the build_config of a backup is not checked before the "
         "model is built from it. Build the model before `fit()` (call it on a "

@@ -16,17 +16,18 @@ it copies.)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import mmap
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from keras_ft import threads
-from keras_ft.backend import all_finite
+from keras_ft.backend import all_finite, pin_host
 from keras_ft.threads import Watermark
 
 
@@ -113,6 +114,11 @@ class CopyBuffer:
         self._copy_batches: list[tuple[int, list[_Piece], int]] = []
         self._written: Watermark | None = None  # Of the last copy's write.
         self._allocating: threading.Thread | None = None
+        self._views: list[np.ndarray] = []  # Each slot's place in the image.
+        # The device the buffer is page-locked for (see `pin()`), and what
+        # unlocks it.
+        self._pin_for: Any = None
+        self._unpin: Callable[[], None] | None = None
 
     def prepare(self) -> None:
         """Starts allocating the buffer in the background, so that the
@@ -122,14 +128,31 @@ class CopyBuffer:
         if self._image is None and self._allocating is None:
             self._allocating = threads.start_daemon(self._allocate, "keras-ft-allocate")
 
+    def pin(self, device: Any) -> None:
+        """Page-locks the buffer for `device` (`backend.staging_device()`;
+        `None`: never), now and whenever it is allocated again: a snapshot on
+        the device is moved into it, and a restore reads into it, at the
+        bus's speed."""
+        self._pin_for = device
+        if self._image is not None and self._unpin is None and device is not None:
+            self._unpin = pin_host(np.frombuffer(self._image, np.uint8), device)
+
+    @property
+    def pinned(self) -> bool:
+        return self._unpin is not None
+
     def capture(
         self,
         values: list[np.ndarray] | Callable[[], list[np.ndarray]],
         fill: bool,
         check_later: bool = False,
+        move: Callable[[list[np.ndarray]], None] | None = None,
     ) -> CapturedWeights:
         """A copy of `values` in the buffer (see `WeightsLayout.capture()`);
-        `values` may be a function that gives them, called by `fill()`."""
+        `values` may be a function that gives them, called by `fill()`.
+        With `move`, `values` is ignored: `fill()` calls `move(views)` to
+        put every value into its place (`views`, in `slots` order) itself,
+        once the last write is over, and the check follows it."""
         self._allocate()
         previous, filled = self._written, Watermark(self.size)
         if previous is not None and previous.level < previous.total:
@@ -146,15 +169,21 @@ class CopyBuffer:
             previous,
             checked_later=check_later,
         )
-        captured._fill = functools.partial(
-            self._fill,
-            self._copy_batches,
-            values,
-            previous,
-            filled,
-            captured.non_finite,
-            check_later,
-        )
+        if move is not None:
+            captured.checked_later = True
+            captured._fill = functools.partial(
+                self._move, move, previous, filled, captured.non_finite
+            )
+        else:
+            captured._fill = functools.partial(
+                self._fill,
+                self._copy_batches,
+                values,
+                previous,
+                filled,
+                captured.non_finite,
+                check_later,
+            )
         if fill:
             captured.fill()
         return captured
@@ -204,6 +233,42 @@ class CopyBuffer:
         else:
             self._finish(filled, non_finite, bad)
 
+    @contextlib.contextmanager
+    def staged(self, read: Callable[[memoryview], None]) -> Iterator[memoryview]:
+        """The buffer, once the last write from it is over, holding what
+        `read(buffer)` put there (a weights file, for a restore to move to
+        the device from page-locked memory). The bytes between the values
+        are the layout's own again on exit: the next save's copy only fills
+        in the values."""
+        self._allocate()
+        if self._written is not None:
+            self._written.wait_for(self._written.total)
+        image = memoryview(self._image)[: self.size]
+        try:
+            read(image)
+            yield image
+        finally:
+            for offset, gap in self._gaps:
+                image[offset : offset + len(gap)] = gap
+
+    def _move(
+        self,
+        move: Callable[[list[np.ndarray]], None],
+        previous: Watermark | None,
+        filled: Watermark,
+        non_finite: list[str],
+    ) -> None:
+        """`move()` into the buffer, then the check in a thread of its own."""
+        try:
+            if previous is not None:  # A move lands anywhere in the buffer.
+                previous.wait_for(previous.total)
+            move(self._views)
+        except BaseException as e:
+            filled.abandon(e)
+            raise
+        batches = self._copy_batches
+        threads.submit(threads.checker, self._check, batches, filled, non_finite)
+
     def _check(
         self,
         batches: list[tuple[int, list[_Piece], int]],
@@ -245,6 +310,9 @@ class CopyBuffer:
         for offset, gap in self._gaps:
             image[offset : offset + len(gap)] = gap
         self._copy_batches = _copy_batches(self._slots, buffer, self.size)
+        self._views = [slot_view(buffer, slot) for slot in self._slots]
+        if self._pin_for is not None:
+            self._unpin = pin_host(buffer, self._pin_for)
         self._image, self._written = image, None
 
     def release(self) -> None:
@@ -255,7 +323,13 @@ class CopyBuffer:
         if self._allocating is not None:
             self._allocating.join()
             self._allocating = None
+        if self._unpin is not None:
+            # A save's move is over (it is waited for before the next
+            # snapshot and at close): nothing is in flight into it.
+            self._unpin()
+            self._unpin = None
         self._image, self._copy_batches, self._written = None, [], None
+        self._views = []
 
 
 # A piece of a value to copy: (index in `_data_slots()`, first and last

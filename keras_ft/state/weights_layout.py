@@ -33,7 +33,7 @@ import functools
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import h5py
@@ -154,11 +154,14 @@ class WeightsLayout:
         if on_device:
             copies, made = host.device_snapshot(values)
 
-            def moved() -> list[np.ndarray]:
+            def move(destinations: list[np.ndarray]) -> None:
                 made()
-                return [host.view(c) for c in copies]
+                host.move_to_host(copies, destinations)
 
-            captured = self._copy_buffer().capture(moved, fill, check_later=True)
+            buffer = self._copy_buffer()
+            if values:
+                buffer.pin(host.staging_device(values[0]))
+            captured = buffer.capture([], fill, move=move)
             captured.from_device = True
             return captured
         return self._copy_buffer().capture(values, fill, check_later)
@@ -206,8 +209,36 @@ class WeightsLayout:
             )
         return self._buffer
 
+    @property
+    def size(self) -> int:
+        """The weights file's size in bytes, as laid out (0 when the file is
+        Keras' own)."""
+        self._ensure_laid_out()
+        return self._size
+
+    def staging_device(self) -> Any:
+        """The accelerator a restore moves this model's values to from
+        page-locked memory (`backend.staging_device()`), or `None`."""
+        self._ensure_laid_out()
+        values = self._read_values(raw=True) if self._fast else None
+        return host.staging_device(values[0]) if values else None
+
+    @contextlib.contextmanager
+    def staged(
+        self, read: Callable[[memoryview], None], device: Any
+    ) -> Iterator[memoryview]:
+        """The copy buffer, page-locked for `device`, holding what `read()`
+        put there (see `CopyBuffer.staged()`)."""
+        buffer = self._copy_buffer()
+        buffer.pin(device)
+        with buffer.staged(read) as image:
+            yield image
+
     def values_in(
-        self, contents: Any, ready: Callable[[int], None] | None = None
+        self,
+        contents: Any,
+        ready: Callable[[int], None] | None = None,
+        device: Any = None,
     ) -> list[tuple[Any, dict]] | None:
         """A weights file's values, for each object's `load_own_variables()`.
 
@@ -220,6 +251,9 @@ class WeightsLayout:
             contents: The file's bytes.
             ready: Called with an offset, returns once the bytes before it
                 are in memory. The file is read in order of offsets.
+            device: Where `contents` is page-locked memory, the device
+                (`staging_device()`) each value is moved to, without
+                waiting (`backend.transfers_done()` waits).
 
         Returns:
             `(object, store)` pairs, or `None` for a file laid out otherwise.
@@ -231,6 +265,12 @@ class WeightsLayout:
         parts: list[tuple[int, bytes | Slot]] = [*self._gaps]
         parts += [(s.offset, s) for s in self._data_slots()]
         values: dict[Slot, Any] = {}
+
+        def for_assign(array: np.ndarray) -> Any:
+            if device is None:
+                return host.for_assign(array)
+            return host.to_device(array, device)
+
         for offset, part in sorted(parts, key=lambda p: p[0]):
             size = len(part) if isinstance(part, bytes) else part.nbytes
             if ready is not None:
@@ -239,14 +279,14 @@ class WeightsLayout:
                 if contents[offset : offset + size] != part:
                     return None
             else:
-                values[part] = host.for_assign(slot_view(buffer, part))
+                values[part] = for_assign(slot_view(buffer, part))
         return [
             (
                 group.saveable,
                 {
                     slot.key: values[slot]
                     if slot.offset is not None
-                    else host.for_assign(np.zeros(slot.shape, slot.dtype))
+                    else for_assign(np.zeros(slot.shape, slot.dtype))
                     for slot in group.slots
                 },
             )

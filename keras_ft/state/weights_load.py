@@ -74,6 +74,9 @@ def read(
     """
     if layout.model is not model:
         return None
+    device = layout.staging_device()
+    if device is not None:
+        return _read_staged(model, path, layout, device, ready)
     try:
         mapped = _map(path)
     except (OSError, ValueError):  # `check()` then names what is wrong.
@@ -84,6 +87,42 @@ def read(
     if stores is None:
         return None
     return ReadWeights(path, fingerprint(model), stores, mapped)
+
+
+def _read_staged(
+    model: keras.Model,
+    path: str,
+    layout: WeightsLayout,
+    device: Any,
+    ready: Callable[[int], None] | None,
+) -> ReadWeights | None:
+    """`read()` for a model on an accelerator that takes page-locked host
+    memory: the file is read into the layout's page-locked copy buffer and
+    each value moved to the device in one transfer from there, rather than
+    staged by the driver through pageable memory."""
+    fd = file_io.open_regular(path, depth=file_io.CHECKPOINT_FILE)
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if not size or size != layout.size:
+            return None  # Not this layout's file: `load()` reads it otherwise.
+        if ready is not None:
+            ready(size)
+
+        def read_file(image: memoryview) -> None:
+            done = 0
+            while done < size:
+                got = f.readinto(image[done:size])
+                if not got:
+                    raise CorruptCheckpointError(f"{path} ended while being read")
+                done += got
+
+        with layout.staged(read_file, device) as image:
+            stores = layout.values_in(image, device=device)
+            # The buffer is the next save's: every move out of it first.
+            host.transfers_done(device)
+    if stores is None:
+        return None
+    return ReadWeights(path, fingerprint(model), stores, None)
 
 
 def _map(path: str) -> mmap.mmap | None:

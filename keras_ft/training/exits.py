@@ -16,10 +16,12 @@ without waiting for the dead peer in the shutdown barrier.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 from types import TracebackType
 
+from keras_ft import events
 from keras_ft.training.watchdog import RETRYABLE_EXIT_CODE
 
 __all__ = ["exit_retryably_on_lost_peer", "lost_peer"]
@@ -68,12 +70,15 @@ def _hook(
     why = lost_peer(value)
     if why is None:
         return
-    sys.stderr.write(
+    events.say(
+        "cluster",
         f"keras-ft: {why} says a peer of this cluster is gone. Exiting with "
         f"status {RETRYABLE_EXIT_CODE} (retryable) without waiting for it in "
         "the framework's shutdown barrier; relaunch the job (torchrun "
         "--max-restarts, a Kubernetes podFailurePolicy, SLURM --requeue) and "
-        "it resumes from its last backup.\n"
+        "it resumes from its last backup.",
+        level=logging.ERROR,
+        write=lambda line: sys.stderr.write(line + "\n"),
     )
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError, AttributeError):

@@ -42,12 +42,11 @@ from __future__ import annotations
 
 import collections
 import json
-import warnings
 from typing import Any
 
 import numpy as np
 
-from keras_ft import backend, compat
+from keras_ft import backend, compat, events
 from keras_ft.state import ResumePoint, rng
 
 # The loads before the training position whose random state is kept (of a
@@ -157,7 +156,8 @@ class InputPosition:
         """Says so where the input can only replay the `count` batches of the
         resumed epoch trained before the restart (a Python generator)."""
         if compat.input_kind(self.epoch_iterator) == "GeneratorDataAdapter":
-            warnings.warn(
+            events.warn(
+                "restore",
                 "BackupAndRestore: a Python generator cannot skip what it "
                 f"yielded: the {count} batches of this epoch trained before "
                 "the restart are drawn from it again (not trained). A "

@@ -9,8 +9,9 @@ the same, and training goes on.
 from __future__ import annotations
 
 import traceback
-import warnings
 from collections.abc import Sequence
+
+from keras_ft import events
 
 
 class CheckpointListener:
@@ -80,7 +81,8 @@ def notify(listeners: Sequence[CheckpointListener], method: str, *args: object) 
         try:
             getattr(listener, method)(*args)
         except Exception:  # The checkpoint must not depend on user code.
-            warnings.warn(
+            events.warn(
+                "save",
                 f"keras_ft: {type(listener).__name__}.{method}{args!r} raised; "
                 "the backup is not affected and training goes on.\n"
                 + traceback.format_exc(),

@@ -7,12 +7,12 @@ learning rate and past the batch that blew it up, and keep going.
 
 from __future__ import annotations
 
+import logging
 import math
-import warnings
 
 import keras
 
-from keras_ft import backend
+from keras_ft import backend, events
 from keras_ft.compat import print_msg
 from keras_ft.training.resume import FastForward
 from keras_ft.training.services import BackupService
@@ -151,8 +151,7 @@ class NanGuard(BackupService):
         if self.backup is not None:
             reason += " The backup of the last good state is kept."
         self._stop(reason)
-        if self.verbose:
-            print_msg(reason)
+        events.say("stop", reason, verbose=self.verbose, write=print_msg)
 
     def _roll_back(self, where: str, logs: dict | None) -> None:
         point = self.backup.roll_back()
@@ -179,8 +178,13 @@ class NanGuard(BackupService):
                 point.extra.get("logs") or _finite_logs(logs),
                 on_done=self._skipped,
             )
-        if self.verbose:
-            print_msg(message + ".")
+        events.say(
+            "stop",
+            message + ".",
+            verbose=self.verbose,
+            level=logging.WARNING,
+            write=print_msg,
+        )
 
     def _skipped(self) -> None:
         self._skipping = None
@@ -193,7 +197,8 @@ class NanGuard(BackupService):
             rate = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
             optimizer.learning_rate = rate * factor
         except TypeError:  # A LearningRateSchedule: not ours to change.
-            warnings.warn(
+            events.warn(
+                "stop",
                 "NanGuard: the optimizer's learning rate is a schedule; "
                 "`lr_factor` is not applied.",
                 stacklevel=3,

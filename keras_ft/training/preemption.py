@@ -22,17 +22,17 @@ import _thread
 import contextlib
 import functools
 import json
+import logging
 import os
 import signal
 import sys
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from keras_ft import compat, threads
+from keras_ft import compat, events, threads
 from keras_ft.training.watchdog import SignalSentinel, forget_in_child
 
 
@@ -96,7 +96,8 @@ class PreemptionWatcher:
         if not self.signals:
             return False
         if threading.current_thread() is not threading.main_thread():
-            warnings.warn(
+            events.warn(
+                "preemption",
                 "BackupAndRestore: fit() is not running in the main thread, so "
                 "it cannot handle preemption signals; a SIGTERM will end "
                 "training without a final backup.",
@@ -218,30 +219,33 @@ class PreemptionWatcher:
         signum = self.received or self._seen
         if not self.handled and signum is not None:
             if self.received is None:
-                print(
+                events.say(
+                    "preemption",
                     f"BackupAndRestore: {signum.name} arrived while the training "
                     "thread was blocked (a collective, a stalled read, a "
                     "deadlock), and it did not come back within the grace "
                     f"period ({self.grace_period:g} s).",
-                    flush=True,
+                    level=logging.WARNING,
                 )
             self.received = signum
             if interrupted_interactively(self.received):
                 # A notebook kernel is not ours to end: interrupt the cell.
-                print(
+                events.say(
+                    "preemption",
                     f"BackupAndRestore: no batch ended within the grace period "
                     f"({self.grace_period:g} s) after the interrupt; stopping "
                     "without a final backup. The last committed backup is "
                     "intact: run the cell again to resume from it.",
-                    flush=True,
+                    level=logging.WARNING,
                 )
                 _thread.interrupt_main()
                 return
-            print(
+            events.say(
+                "preemption",
                 f"BackupAndRestore: no batch ended within the grace period "
                 f"({self.grace_period:g} s) after {self.received.name}; exiting "
                 "without a final backup. The last committed backup is intact.",
-                flush=True,
+                level=logging.WARNING,
             )
             os._exit(128 + int(self.received))
 
@@ -474,7 +478,8 @@ class Preemption:
             name = f"{name} (worker {self._stop_at['worker']})"
         seconds = watcher.seconds_since_signal if watcher.received else 0.0
         if seconds > watcher.grace_period:
-            warnings.warn(
+            events.warn(
+                "preemption",
                 f"BackupAndRestore: the final backup took {seconds:.1f} s, more "
                 f"than the grace period of {watcher.grace_period:g} s.",
                 stacklevel=3,

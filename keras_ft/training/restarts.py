@@ -10,8 +10,9 @@ it did says so, instead of looping silently.
 from __future__ import annotations
 
 import json
-import warnings
 from typing import Any
+
+from keras_ft import events
 
 NOTICE = "restarts.json"
 
@@ -47,7 +48,7 @@ def check_progress(store: Any, restart: int, step: int) -> str | None:
                 "in between. It fails (or is stopped) before its first backup; "
                 "look at the previous attempt's log instead of restarting again."
             )
-            warnings.warn(said, stacklevel=2)
+            events.warn("restore", said, stacklevel=2)
     store.remove_notice(NOTICE)
     store.create_notice(NOTICE, json.dumps({"restart": restart, "step": step}).encode())
     return said

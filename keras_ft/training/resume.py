@@ -13,13 +13,12 @@ draws advance exactly as before.
 from __future__ import annotations
 
 import sys
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import keras
 
-from keras_ft import backend, compat
+from keras_ft import backend, compat, events
 from keras_ft.state import ResumePoint, rng
 from keras_ft.training import callback_state
 from keras_ft.training.inputs import InputPosition
@@ -84,7 +83,8 @@ class FastForward:
         if batches and self.on_first_batch is not None:
             first, self.on_first_batch = self.on_first_batch, None
             if compat.tf_dataset_reshuffles(iterator):
-                warnings.warn(
+                events.warn(
+                    "restore",
                     "BackupAndRestore: the tf.data pipeline reshuffles at every "
                     "iteration (`Dataset.shuffle()`), and a new process cannot "
                     "replay the interrupted epoch's order: the rest of this "
@@ -196,7 +196,8 @@ class Resumption:
             if batch is not None and not compat.is_placeholder(batch):
                 compat.build_metrics(model, batch)
             if not self.apply_metrics(metrics):
-                warnings.warn(
+                events.warn(
+                    "restore",
                     f"BackupAndRestore: the backup holds {len(metrics)} metric "
                     f"variables, the model {len(model.metrics_variables)}; the "
                     "metrics of the resumed epoch start afresh.",
@@ -266,7 +267,8 @@ def position(point: ResumePoint, params: dict) -> str:
 def _warn_if_callbacks_pending(point: ResumePoint) -> None:
     pending = point.extra.get("callbacks_pending")
     if pending:
-        warnings.warn(
+        events.warn(
+            "restore",
             f"BackupAndRestore: {point.checkpoint} was backed up before the "
             f"on_epoch_end of {', '.join(pending)} ran (training stopped "
             "there, e.g. a later callback raised). Their state is restored as "

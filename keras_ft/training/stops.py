@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from keras_ft import events
 from keras_ft.compat import print_msg
 from keras_ft.state.training_state import optimizer_step
 from keras_ft.training.policy import check_seconds
@@ -69,8 +70,7 @@ class StopAtStep(BackupService):
                 f"StopAtStep: reached optimizer step {step} (last_step="
                 f"{self.last_step}); stopping."
             )
-            if self.verbose:
-                print_msg(self.stopped)
+            events.say("stop", self.stopped, verbose=self.verbose, write=print_msg)
 
     def finished(self, step: int, saved_state: dict | None) -> str | None:
         if step >= self.last_step:
@@ -135,8 +135,7 @@ class StopAtTime(BackupService):
                 f"StopAtTime: {used:.1f} s used of {spent} of {self.seconds:g} s; "
                 "stopping."
             )
-            if self.verbose:
-                print_msg(self.stopped)
+            events.say("stop", self.stopped, verbose=self.verbose, write=print_msg)
 
     def get_state(self) -> dict:
         return {"used": self.used}

@@ -24,16 +24,16 @@ model, the data or the arguments: do not retry blindly.
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import signal
-import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable
 
-from keras_ft import threads
+from keras_ft import events, threads
 
 # sysexits.h's EX_TEMPFAIL: "a temporary failure; the user is invited to retry".
 RETRYABLE_EXIT_CODE = 75
@@ -326,15 +326,16 @@ class ProgressDeadline:
             if waited > bound:
                 if not self.running():
                     return  # That fit() raised long ago: not a stall.
-                sys.stdout.write(
+                events.say(
+                    "stall",
                     f"BackupAndRestore: no batch ended for {waited:.0f} s (the "
                     f"bound is {bound:.0f} s) while waiting for "
                     f"{self.describe()}: the training is stuck (a peer that "
                     "died or froze, a deadlock, a stalled read). Exiting with "
                     f"status {RETRYABLE_EXIT_CODE} so the job can be restarted "
-                    "from its last backup, which is intact.\n"
+                    "from its last backup, which is intact.",
+                    level=logging.ERROR,
                 )
-                sys.stdout.flush()
                 if self.peers_first:
                     time.sleep(self.linger_seconds())
                 self._exit(RETRYABLE_EXIT_CODE)
