@@ -361,6 +361,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         backup_dir = tuner.trial_backup_dir(
             self.backup_dir, callback_list.callbacks if callback_list else []
         )
+        self._close_stale_state()
         self._state = WorkerTrainingState(
             model,
             backup_dir,
@@ -435,6 +436,20 @@ class BackupAndRestore(keras.callbacks.Callback):
         if launch is not None and task.is_chief:
             restarts.check_progress(
                 self._state.store, launch.restart, point.step if point else 0
+            )
+
+    def _close_stale_state(self) -> None:
+        """Closes the state a `fit()` that raised left (Keras calls no
+        `on_train_end` then): its writes are committed, its lock goes, and
+        the process's thread pools close once no training holds them."""
+        stale, self._state = self._state, None
+        if stale is None:
+            return
+        try:
+            stale.close()
+        except CheckpointWriteError as e:
+            events.warn(
+                "save", f"BackupAndRestore: a backup of the last fit() failed: {e}"
             )
 
     def _start_deadline(self, callback_list: Any, task: Any) -> None:

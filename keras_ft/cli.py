@@ -45,6 +45,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.run(args)
+    except BrokenPipeError:
+        # The reader went away (`keras-ft ls ... | head`): as other tools,
+        # quietly; standard output is pointed at /dev/null so that Python's
+        # own flush at exit does not complain again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports it.
     except UsageError as e:
         print(f"keras-ft {args.command}: {_shown(str(e))}", file=sys.stderr)
         return 2

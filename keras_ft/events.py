@@ -49,6 +49,8 @@ KINDS = (
 )
 
 logging.getLogger(ROOT).addHandler(logging.NullHandler())
+# Seconds a transfer lasts before its progress line shows (`Progress`).
+PROGRESS_AFTER = 2.0
 
 
 def logger(kind: str) -> logging.Logger:
@@ -155,7 +157,8 @@ class Progress:
         kind: The kind of event (`"save"`, `"restore"`).
         what: What moves, for the line (`"uploading ckpt-00000003/model.weights.h5"`).
         total: Its size in bytes.
-        after: Seconds before the line first shows. Defaults to `2.0`.
+        after: Seconds before the line first shows. Defaults to
+            `PROGRESS_AFTER` (2).
         stream: Where the line is drawn. Defaults to standard output.
     """
 
@@ -164,10 +167,11 @@ class Progress:
         kind: str,
         what: str,
         total: int,
-        after: float = 2.0,
+        after: float | None = None,
         stream: Any = None,
     ):
-        self.kind, self.what, self.total, self.after = kind, what, total, after
+        self.kind, self.what, self.total = kind, what, total
+        self.after = PROGRESS_AFTER if after is None else after
         self.stream = stream if stream is not None else sys.stdout
         self.started = time.monotonic()
         self.done = 0

@@ -88,8 +88,12 @@ def summarize(attempts: list[dict[str, Any]]) -> Report:
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     if not attempts:
         return Report(0.0, seconds, 0)
+    previous_end = attempts[0]["process_start"]
     for i, attempt in enumerate(attempts):
-        start = attempt["process_start"]
+        # A process that started before the last one's last sample (clocks
+        # of two hosts, a launcher that starts the next before the last is
+        # reaped): the overlap is not counted twice.
+        start = max(attempt["process_start"], previous_end)
         restore_begin = attempt.get("restore_begin") or attempt["train_begin"]
         restore_end = attempt.get("restore_end") or restore_begin
         first_t = attempt["samples"][0][0]
@@ -103,11 +107,12 @@ def summarize(attempts: list[dict[str, Any]]) -> Report:
             resumed = attempts[i + 1].get("resumed_step", 0)
             if resumed < last_step:
                 lost = last_t - _time_at(attempt["samples"], resumed)
-            seconds["down"] += attempts[i + 1]["process_start"] - last_t
+            seconds["down"] += max(0.0, attempts[i + 1]["process_start"] - last_t)
         lost = min(max(lost, 0.0), span - saving)
         seconds["checkpointing"] += saving
         seconds["lost"] += lost
         seconds["productive"] += span - saving - lost
+        previous_end = last_t
     wall = attempts[-1]["samples"][-1][0] - attempts[0]["process_start"]
     return Report(wall, seconds, len(attempts))
 

@@ -11,6 +11,7 @@ import re
 import shutil
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import TYPE_CHECKING, Any
@@ -66,6 +67,10 @@ if TYPE_CHECKING:  # fsspec is optional.
 # WorkerTrainingState on it: a fit() that raised may leave a write in flight,
 # and the next fit() on the same directory must wait for it.
 _writers: dict[str, BackgroundWriter] = {}
+# The training of this process that holds each chief directory's lock (and
+# the thread pools): a later one on the same directory closes it, since Keras
+# calls no `on_train_end` for a fit() that raised.
+_holders: dict[str, weakref.ref] = {}
 
 
 def wait_for_backups() -> None:
@@ -413,11 +418,30 @@ class WorkerTrainingState:
             self.unlock()
 
     def _hold(self) -> None:
+        identity = self._chief_store.identity
+        earlier = _holders.get(identity)
+        earlier = earlier() if earlier is not None else None
+        if earlier is not None and earlier is not self:
+            # Left by a fit() that raised: its writes commit, then its lock
+            # and its hold on the pools go.
+            try:
+                earlier.wait()
+            except (CheckpointWriteError, NonFiniteStateError) as e:
+                events.warn(
+                    "save", f"A backup from an earlier fit() failed: {e}", stacklevel=4
+                )
+            finally:
+                earlier.unlock()
+        _holders[identity] = weakref.ref(self)
         if not self._holds_pools:
             self._holds_pools = True
             threads.hold()
 
     def _let_go(self) -> None:
+        identity = self._chief_store.identity
+        held = _holders.get(identity)
+        if held is not None and held() is self:
+            del _holders[identity]
         if self._holds_pools:
             self._holds_pools = False
             threads.let_go()
@@ -902,7 +926,14 @@ class WorkerTrainingState:
         found = self._local_newest(read)
         if found is not None:
             store = self._local_store
+            events.log("tier", f"restoring from the local tier {store.directory}")
         else:
+            if self._local_store is not None:
+                events.log(
+                    "tier",
+                    f"restoring from {self._chief_store.directory}: the local tier "
+                    f"{self._local_store.directory} holds nothing newer that verifies",
+                )
             found = self._chief_store.latest_good_read(read)
         if found is None:
             return None

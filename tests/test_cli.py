@@ -197,3 +197,22 @@ def test_version_is_the_installed_distributions():
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"keras-ft {keras_ft.__version__}"
     assert metadata.version("keras-ft") == keras_ft.__version__
+
+
+def test_a_reader_that_goes_away_ends_the_listing_quietly(backup):
+    """`keras-ft ls BACKUP | head -1`: the pipe closes before the listing is
+    printed; no traceback, no error line, the status a shell reports."""
+    backup_dir, _ = backup
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # Gone before anything is written.
+    command = (
+        [KERAS_FT] if os.path.exists(KERAS_FT) else [sys.executable, "-m", "keras_ft"]
+    )
+    try:
+        result = subprocess.run(
+            [*command, "ls", backup_dir], stdout=write_end, stderr=subprocess.PIPE,
+            text=True, env=subprocess_env(), timeout=300,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert result.returncode == 141 and result.stderr == ""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import logging
+import os
+import time
 import warnings
 
 import keras
@@ -106,7 +108,9 @@ def test_a_handler_on_keras_ft_takes_the_events_and_the_lines(tmp_path, capsys, 
     capsys.readouterr()
     kept.records.clear()
     resume(str(tmp_path), x, y)
-    restored = kept.of("restore")
+    restored = [
+        r for r in kept.of("restore") if "BackupAndRestore: restored" in r.getMessage()
+    ]
     assert len(restored) == 1 and restored[0].levelno == logging.INFO
     assert "resuming at epoch 3/3" in restored[0].getMessage()
     # Routed: not printed as well.
@@ -210,3 +214,49 @@ def test_a_short_transfer_draws_nothing_and_is_logged_at_its_end(kept):
     assert terminal.getvalue() == ""
     (record,) = kept.of("restore")
     assert record.getMessage().startswith("keras-ft: downloading x: 4 MB in ")
+
+
+def test_where_a_tiered_restore_reads_from_is_logged(tmp_path, kept):
+    bucket = f"memory://events-tier-{os.getpid()}-{time.monotonic_ns()}"
+    local = str(tmp_path / "ssd")
+    x, y = make_data()
+
+    class Stop(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise KeyboardInterrupt
+
+    def fit(*callbacks):
+        backup = keras_ft.BackupAndRestore(
+            bucket, local_dir=local, local_save_freq=3, verbose=0
+        )
+        make_model().fit(x, y, epochs=3, batch_size=16, verbose=0,
+                         callbacks=[backup, *callbacks])  # fmt: skip
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(Stop())
+    keras_ft.wait_for_backups()
+    kept.records.clear()
+    fit()
+    (record,) = kept.of("tier")
+    assert record.getMessage().startswith(f"restoring from the local tier {local}")
+
+
+def test_a_long_restore_from_disk_draws_its_progress(tmp_path, monkeypatch):
+    from keras_ft.checkpoint.store import CheckpointStore
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(events, "PROGRESS_AFTER", 0.0)  # Long enough here.
+    terminal = Terminal()
+    store = CheckpointStore(str(tmp_path / "chief"), progress=terminal)
+    big = os.urandom(3 << 20)
+    store.save(lambda staging: staging.write_file("big.bin", [big]), {"step": 1})
+    _, metadata, _ = store.latest_good_read(lambda checkpoint, progress: None)
+    assert metadata["step"] == 1
+    (line,) = [ln for ln in terminal.getvalue().split("\n") if ln]
+    last = line.split("\r")[-1]
+    assert last.startswith("keras-ft: reading ckpt-00000001 [")
+    assert "] 3 MB/3 MB" in last

@@ -142,3 +142,16 @@ def test_the_kept_record_is_bounded_and_replaces_an_earlier_runs(tmp_path):
         attempt(5, (6, 7), 8, [[8, 0], [9, 1]])).encode())  # fmt: skip
     goodput_record.keep(chief, root)
     assert [a["process_start"] for a in goodput.load_kept(root)] == [5]
+
+
+def test_an_attempt_that_seems_to_start_before_the_last_ended_adds_up():
+    """Two hosts' clocks, or a launcher that starts the next process before
+    the last is reaped: the overlap is counted once, and nothing is
+    negative."""
+    first = attempt(0, (1, 2), 3, [[3, 0], [10, 70]])
+    second = attempt(9.5, (11, 12), 13, [[13, 70], [20, 140]], 0, 70, "ended")
+    report = goodput.summarize([first, second])
+    assert report.wall == 20
+    assert sum(report.seconds.values()) == pytest.approx(report.wall)
+    assert min(report.seconds.values()) >= 0 and report.seconds["down"] == 0
+    assert report.seconds["startup"] == pytest.approx((1 + 1) + (1 + 1))

@@ -167,8 +167,17 @@ def test_a_writes_value_never_waits_or_raises():
     assert done.value == "committed"
 
 
+# Kept for the life of the process on purpose, idle between fits: the one
+# reader of the interpreter's signal wakeup descriptor (training/watchdog.py).
+SHARED = {"keras-ft-signals"}
+
+
 def keras_ft_threads():
-    return {t for t in threading.enumerate() if t.name.startswith("keras-ft")}
+    return {
+        t
+        for t in threading.enumerate()
+        if t.name.startswith("keras-ft") and t.name not in SHARED
+    }
 
 
 @pytest.mark.parametrize("where", ["disk", "bucket"])
@@ -195,3 +204,37 @@ def test_a_fit_leaves_no_thread_behind(tmp_path, where, monkeypatch):
         make_model().fit(x, y, epochs=2, batch_size=16, verbose=0, callbacks=[callback])
         left = sorted(t.name for t in keras_ft_threads() - before)
         assert left == [], keep
+
+
+@pytest.mark.parametrize("same_callback", [True, False])
+def test_a_fit_that_raised_leaves_no_thread_once_the_next_one_ends(
+    tmp_path, monkeypatch, same_callback
+):
+    """Keras calls no `on_train_end` for a fit() that raised: the next fit()
+    on the backup (with the same callback or a new one) closes what the
+    first left, and once it ends no keras-ft thread is left but the
+    documented shared one (`keras-ft-signals`, idle)."""
+    import keras
+    from conftest import make_data, make_model
+
+    import keras_ft
+    from keras_ft import threads
+
+    monkeypatch.setattr(threads, "_holders", 0)  # Earlier tests' trainings.
+    threads.let_go()
+    before = keras_ft_threads()
+
+    class Boom(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            raise RuntimeError("boom")
+
+    x, y = make_data()
+    callback = keras_ft.BackupAndRestore(str(tmp_path), save_freq=1)
+    with pytest.raises(RuntimeError, match="boom"):
+        make_model().fit(x, y, epochs=2, batch_size=16, verbose=0,
+                         callbacks=[callback, Boom()])  # fmt: skip
+    assert keras_ft_threads() - before  # The raised fit()'s pools, idle.
+    if not same_callback:
+        callback = keras_ft.BackupAndRestore(str(tmp_path), save_freq=1)
+    make_model().fit(x, y, epochs=2, batch_size=16, verbose=0, callbacks=[callback])
+    assert sorted(t.name for t in keras_ft_threads() - before) == []

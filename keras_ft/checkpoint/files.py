@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from keras_ft import threads
+from keras_ft import events, threads
 from keras_ft.checkpoint.errors import SaveCancelled
 from keras_ft.threads import Watermark
 
@@ -58,21 +58,27 @@ class ReadProgress:
     page cache instead of reading the disk in competition with the checksum.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, shown: events.Progress | None = None) -> None:
         self._levels: dict[str, int] = {}
         self._done = False
         self._condition = threading.Condition()
+        self._shown = shown  # A restore's progress line, moved along.
 
     def advance(self, name: str, level: int) -> None:
         with self._condition:
+            read = level - self._levels.get(name, 0)
             self._levels[name] = level
             self._condition.notify_all()
+        if self._shown is not None and read > 0:
+            self._shown.add(read)
 
     def finish(self) -> None:
         """Verification is over (whatever its outcome): nobody need wait."""
         with self._condition:
             self._done = True
             self._condition.notify_all()
+        if self._shown is not None:
+            self._shown.close()
 
     def wait_for(self, name: str, level: int) -> None:
         """Waits until `name`'s first `level` bytes were read, or the end."""

@@ -166,7 +166,7 @@ class ObjectStorage:
             on, where it is a terminal (`events.Progress`). Defaults to
             `None`: none shown.
         progress_after: Seconds before a transfer's progress shows.
-            Defaults to 2.
+            Defaults to `events.PROGRESS_AFTER` (2).
     """
 
     write_error_fix = "Check that the bucket is reachable and the credentials valid"
@@ -179,7 +179,7 @@ class ObjectStorage:
         url: str,
         storage_options: dict | None = None,
         progress: Any = None,
-        progress_after: float = 2.0,
+        progress_after: float | None = None,
     ):
         self.location = url.rstrip("/")
         self.fs, root = filesystem(self.location, storage_options)

@@ -249,8 +249,9 @@ class CheckpointStore:
             `None` to keep everything. Defaults to `None`.
         storage_options: With a URL, options for its fsspec filesystem.
             Defaults to `None`.
-        progress: With a URL, the stream long uploads and downloads draw
-            their progress on, where it is a terminal. Defaults to `None`.
+        progress: The stream long transfers draw their progress on, where
+            it is a terminal: a bucket's uploads and downloads, a disk's
+            restores. Defaults to `None`.
         storage: The `Storage` to use instead of the one `directory` names.
             Defaults to `None`.
         inspect: Called by `verify()` as `inspect(metadata, open_file,
@@ -278,6 +279,7 @@ class CheckpointStore:
     ):
         self._key = signing_key(manifest_key)
         self._inspect = inspect
+        self.progress = progress
         self.storage = storage or open_storage(
             os.fspath(directory), storage_options, progress
         )
@@ -499,7 +501,16 @@ class CheckpointStore:
         except BaseException:
             self.storage.release(local)
             raise
-        progress = ReadProgress()
+        # On a disk, the checksums' pass is the restore's read; a bucket's
+        # download shows its own progress.
+        shown = None
+        if self.progress is not None and not self.storage.ranged_reads:
+            shown = events.Progress(
+                "restore", f"keras-ft: reading {checkpoint.name}",
+                sum(_size(entry) for entry in downloaded.values()),
+                stream=self.progress,
+            )  # fmt: skip
+        progress = ReadProgress(shown)
 
         def verify() -> dict[str, Any]:
             try:

@@ -35,10 +35,13 @@ def process_start_time() -> float:
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(x.split()[1]) for x in f if x.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        # Seconds since boot to 10 ms (the boot time in /proc/stat is in
+        # whole seconds: a restart within one could seem to start before
+        # the attempt it follows ended).
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return _IMPORTED_AT
 
 
