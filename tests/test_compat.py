@@ -297,3 +297,33 @@ def test_a_torch_distributed_group_agrees_through_its_collectives():
     for result in run_two_processes(_TORCH_AGREEMENTS, env):
         assert result["alone"] is False and result["group"] is True
         assert result["found"] == _AGREED
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow", reason="TensorFlow's TF_CONFIG"
+)
+@pytest.mark.parametrize(
+    "tf_config, several",
+    [
+        ('{"cluster": {"worker": ["h:1", "h:2"]}, "task": {"type": "worker", '
+         '"index": 1}}', True),
+        ('{"cluster": {"chief": ["h:0"], "worker": ["h:1"]}, "task": {"type": '
+         '"chief", "index": 0}}', True),
+        ('{"cluster": {"worker": ["h:1"]}, "task": {"type": "worker", "index": 0}}',
+         False),
+        ("not json", False),
+        ("", False),
+    ],
+)  # fmt: skip
+def test_the_multi_worker_fixes_apply_where_tf_config_lists_several(
+    monkeypatch, tf_config, several
+):
+    """Read by compat itself, as `current_task()` reads it (compat does not
+    import `distribute`, which is above it)."""
+    from keras_ft.compat import multi_worker
+    from keras_ft.distribute.cluster import current_task
+
+    monkeypatch.setenv("TF_CONFIG", tf_config)
+    assert multi_worker._multi_worker_here() is several
+    if tf_config.startswith("{"):
+        assert (current_task().num_workers > 1) is several

@@ -26,6 +26,7 @@ or `0` (run Keras as it is).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Any
@@ -55,11 +56,22 @@ def _tensorflow_trainer() -> tuple[type, Any] | None:
 
 
 def _multi_worker_here() -> bool:
+    """Whether this TensorFlow process is one of several workers: the
+    strategy in scope says so, or `TF_CONFIG` lists several chiefs and
+    workers (as `distribute.cluster.current_task()` reads them; asked here,
+    below it, without importing it)."""
     if keras.backend.backend() != "tensorflow":
         return False
-    from keras_ft.distribute.cluster import current_task
-
-    return current_task().num_workers > 1
+    if strategy_cluster() is not None:
+        return True
+    try:
+        cluster = json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster")
+    except (ValueError, AttributeError):
+        return False  # Malformed: `current_task()` names what is wrong.
+    if not isinstance(cluster, dict):
+        return False
+    members = [cluster.get(kind) for kind in ("chief", "worker")]
+    return sum(len(m) for m in members if isinstance(m, list)) > 1
 
 
 @register(

@@ -1,0 +1,86 @@
+"""The import graph docs/design.md draws: no cycle between keras-ft's
+packages and top modules, and the lowest layers import only what is below
+them. Read from the source (function-level imports included), not from what
+one run happened to import."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+from conftest import TESTS_DIR, run_once_on
+
+PACKAGE = os.path.join(os.path.dirname(TESTS_DIR), "keras_ft")
+ONCE = run_once_on("torch", "source text; the backend does not matter")
+
+
+def modules() -> dict[str, str]:
+    found = {}
+    for directory, _, names in os.walk(PACKAGE):
+        for name in names:
+            if name.endswith(".py"):
+                path = os.path.join(directory, name)
+                module = os.path.relpath(path[:-3], os.path.dirname(PACKAGE))
+                module = module.replace(os.sep, ".").removesuffix(".__init__")
+                found[module] = path
+    return found
+
+
+def unit(module: str) -> str:
+    """A subpackage (`keras_ft.state`) or a top module (`keras_ft.backend`)."""
+    return ".".join(module.split(".")[:2])
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    edges: dict[str, set[str]] = {unit(m): set() for m in found}
+    for module, path in found.items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "keras_ft"
+            ):
+                subs = [f"{node.module}.{a.name}" for a in node.names]
+                names = [s for s in subs if s in found] or [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.startswith("keras_ft")]
+            for name in names:
+                if name in found and name != "keras_ft":
+                    edges[unit(module)].add(unit(name))
+    for source, targets in edges.items():
+        targets.discard(source)
+    return edges
+
+
+@ONCE
+def test_no_cycle_between_packages_and_modules():
+    edges = graph()
+    state = dict.fromkeys(edges, 0)  # 0 new, 1 on the path, 2 done.
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for target in sorted(edges.get(node, ())):
+            if state.get(target) == 1:
+                cycle = path[path.index(target) :] + [target]
+                raise AssertionError(" -> ".join(cycle))
+            if state.get(target) == 0:
+                visit(target, [*path, target])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if state[node] == 0:
+            visit(node, [node])
+
+
+@ONCE
+def test_the_lowest_layers_import_only_what_is_below_them():
+    edges = graph()
+    assert edges["keras_ft.events"] == set()
+    assert edges["keras_ft.compat"] <= {"keras_ft.events"}
+    assert edges["keras_ft.checkpoint"] <= {"keras_ft.events", "keras_ft.threads"}
+    # The callback sits on top: nothing but the package's public names
+    # (keras_ft/__init__.py) imports it.
+    importers = [u for u, targets in edges.items() if "keras_ft.callback" in targets]
+    assert importers == ["keras_ft"]
