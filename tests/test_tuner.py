@@ -56,19 +56,28 @@ def test_a_search_killed_mid_trial_ends_as_an_uninterrupted_one(tmp_path):
     assert sorted(os.listdir(backup)) == ["trial_0", "trial_1", "trial_2"]
 
 
+def killed_and_run_again(tmp_path, backup, tuner_class, kill_at):
+    """A `tuner_class` search SIGKILLed at `kill_at`, then run again: the
+    second run, its output file, and the restore lines it printed."""
+    killed, _ = search(tmp_path, "search", "--tuner", tuner_class,
+                       "--backup-dir", backup, "--kill-at", kill_at)  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed, out = search(
+        tmp_path, "search", "--tuner", tuner_class, "--backup-dir", backup
+    )
+    restores = [line for line in resumed.stdout.splitlines() if "restored" in line]
+    return resumed, out, restores
+
+
 @run_once_on("jax", "Keras Tuner's oracles; the backend does not matter")
 def test_a_hyperband_search_killed_mid_trial_ends_as_an_uninterrupted_one(tmp_path):
     reference, reference_out = search(tmp_path, "reference", "--tuner", "Hyperband")
     assert reference.returncode == 0, reference.stderr
     backup = str(tmp_path / "backup")
-    killed, _ = search(tmp_path, "search", "--tuner", "Hyperband",
-                       "--backup-dir", backup, "--kill-at", "0001:1:2")  # fmt: skip
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    resumed, resumed_out = search(
-        tmp_path, "search", "--tuner", "Hyperband", "--backup-dir", backup
+    resumed, resumed_out, restores = killed_and_run_again(
+        tmp_path, backup, "Hyperband", "0001:1:2"
     )
     assert resumed.returncode == 0, resumed.stderr
-    restores = [line for line in resumed.stdout.splitlines() if "restored" in line]
     assert len(restores) == 1, resumed.stdout
     assert os.path.join(backup, "trial_0001", "chief") in restores[0]
     assert "resuming at epoch 2/2, batch 3, optimizer step 6" in restores[0]
@@ -83,13 +92,7 @@ def test_a_killed_grid_search_resumes_its_trial_then_keras_tuner_stops(tmp_path)
     make the next trial (it does not save the order it walks the grid in).
     If this starts to pass, Keras Tuner has fixed it: say so in the README."""
     backup = str(tmp_path / "backup")
-    killed, _ = search(tmp_path, "search", "--tuner", "GridSearch",
-                       "--backup-dir", backup, "--kill-at", "1:1:2")  # fmt: skip
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    resumed, _ = search(
-        tmp_path, "search", "--tuner", "GridSearch", "--backup-dir", backup
-    )
-    restores = [line for line in resumed.stdout.splitlines() if "restored" in line]
+    resumed, _, restores = killed_and_run_again(tmp_path, backup, "GridSearch", "1:1:2")
     assert len(restores) == 1 and "trial_1" in restores[0], resumed.stdout
     assert "resuming at epoch 2/4, batch 3" in restores[0]
     assert resumed.returncode == 1
