@@ -17,6 +17,7 @@ on TensorFlow.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -574,6 +575,27 @@ def sharding_text(value: Any) -> str:
         return "whole"
     axes = ", ".join(f"{n}={s}" for n, s in dict(mesh.shape).items())
     return f"{spec} over mesh({axes})"
+
+
+def collectives_scope(model: Any) -> contextlib.AbstractContextManager:
+    """Where the processes' agreements about `model` run: the scope of the
+    `tf.distribute.MultiWorkerMirroredStrategy` it was built under on
+    TensorFlow (`fit()` may be called outside it), nothing to enter
+    elsewhere."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        strategy = getattr(model, "distribute_strategy", None)
+        if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+            return strategy.scope()
+    return contextlib.nullcontext()
+
+
+def coordinator_in_process_zero() -> bool:
+    """Whether the cluster's coordination service runs inside process 0, so
+    that the other processes abort once it is gone (JAX's); TensorFlow's
+    workers coordinate among themselves."""
+    return keras.backend.backend() == "jax"
 
 
 def all_processes_agree(flag: bool) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 
 import keras
 
+from keras_ft import backend as host
 from keras_ft import compat, events
 from keras_ft.checkpoint.format import is_url, signing_key
 from keras_ft.checkpoint.lock import check_platform
@@ -484,12 +485,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             describe,
             running if fit_calls is not None else (lambda: True),
             loads_in_processes=loads_in_processes,
-            # JAX's coordination service lives in process 0; the others abort
-            # (SIGABRT, not the retryable 75) as soon as it is gone.
+            # Where the coordination service lives in process 0, the others
+            # abort (SIGABRT, not the retryable 75) as soon as it is gone.
             peers_first=(
                 task.num_workers > 1
                 and task.task_index == 0
-                and keras.backend.backend() == "jax"
+                and host.coordinator_in_process_zero()
             ),
         )
 

@@ -357,17 +357,8 @@ class WorkerTrainingState:
         )
 
     def _collectives(self) -> contextlib.AbstractContextManager:
-        """Where the processes' agreements run: the scope of the model's
-        `tf.distribute` strategy on TensorFlow (`fit()` may be called
-        outside it), nothing to enter elsewhere."""
-        if keras.backend.backend() == "tensorflow":
-            import tensorflow as tf
-
-            # The strategy the model was built under (or the one in scope).
-            strategy = getattr(self.model, "distribute_strategy", None)
-            if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-                return strategy.scope()
-        return contextlib.nullcontext()
+        """Where the processes' agreements run (`backend.collectives_scope()`)."""
+        return host.collectives_scope(self.model)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[WorkerTrainingState]:

@@ -84,3 +84,21 @@ def test_the_lowest_layers_import_only_what_is_below_them():
     # (keras_ft/__init__.py) imports it.
     importers = [u for u, targets in edges.items() if "keras_ft.callback" in targets]
     assert importers == ["keras_ft"]
+
+
+@ONCE
+def test_backend_branches_live_in_backend_py():
+    """`if backend == ...` only where backend differences are the module's
+    job: `backend.py`, `compat/` (each framework's private names) and
+    `distribute/` (each framework's cluster)."""
+    allowed = ("keras_ft/backend.py", "keras_ft/compat/", "keras_ft/distribute/")
+    found = []
+    for path in modules().values():
+        relative = os.path.relpath(path, os.path.dirname(PACKAGE))
+        if relative.startswith(allowed):
+            continue
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if "backend.backend() ==" in line or "backend.backend() !=" in line:
+                    found.append(f"{relative}:{number}")
+    assert found == []
