@@ -17,17 +17,17 @@ __version__ = "0.1.0"
 _WHERE = {
     "BackupAndRestore": "keras_ft.callback",
     "Checkpoint": "keras_ft.checkpoint.store",
-    "CheckpointError": "keras_ft.checkpoint.errors",
+    "CheckpointError": "keras_ft.errors",
     "CheckpointListener": "keras_ft.training.listeners",
-    "CheckpointWriteError": "keras_ft.checkpoint.errors",
+    "CheckpointWriteError": "keras_ft.errors",
     "CommittedCheckpoint": "keras_ft.watching",
-    "CompatibilityWarning": "keras_ft.compat",
-    "ConfigurationChangedError": "keras_ft.state",
-    "CorruptCheckpointError": "keras_ft.checkpoint.errors",
-    "DirectoryInUseError": "keras_ft.checkpoint.errors",
+    "CompatibilityWarning": "keras_ft.errors",
+    "ConfigurationChangedError": "keras_ft.errors",
+    "CorruptCheckpointError": "keras_ft.errors",
+    "DirectoryInUseError": "keras_ft.errors",
     "NanGuard": "keras_ft.training.nan_guard",
-    "NoGoodCheckpointError": "keras_ft.checkpoint.errors",
-    "NonFiniteStateError": "keras_ft.state",
+    "NoGoodCheckpointError": "keras_ft.errors",
+    "NonFiniteStateError": "keras_ft.errors",
     "RETRYABLE_EXIT_CODE": "keras_ft.training.watchdog",
     "ResumePoint": "keras_ft.state",
     "StepRate": "keras_ft.training.step_rate",
@@ -89,22 +89,21 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from keras_ft.callback import BackupAndRestore
-    from keras_ft.checkpoint.errors import (
+    from keras_ft.checkpoint.store import Checkpoint
+    from keras_ft.compat import install_multi_worker_fixes
+    from keras_ft.distribute.cluster import TaskSpec, current_task
+    from keras_ft.distribute.launch import initialize_cluster
+    from keras_ft.errors import (
         CheckpointError,
         CheckpointWriteError,
+        CompatibilityWarning,
+        ConfigurationChangedError,
         CorruptCheckpointError,
         DirectoryInUseError,
         NoGoodCheckpointError,
-    )
-    from keras_ft.checkpoint.store import Checkpoint
-    from keras_ft.compat import CompatibilityWarning, install_multi_worker_fixes
-    from keras_ft.distribute.cluster import TaskSpec, current_task
-    from keras_ft.distribute.launch import initialize_cluster
-    from keras_ft.state import (
-        ConfigurationChangedError,
         NonFiniteStateError,
-        ResumePoint,
     )
+    from keras_ft.state import ResumePoint
     from keras_ft.training.listeners import CheckpointListener
     from keras_ft.training.nan_guard import NanGuard
     from keras_ft.training.step_rate import StepRate

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import keras
 
 from keras_ft import backend as host
-from keras_ft import events, threads
+from keras_ft import errors, events, threads
 from keras_ft.checkpoint.errors import (
     CheckpointWriteError,
     CorruptCheckpointError,
@@ -50,7 +50,6 @@ from keras_ft.state import (
     Snapshot,
     TrainingState,
     arrays,
-    configuration,
 )
 from keras_ft.state.snapshots import SnapshotPlace
 from keras_ft.state.training_state import optimizer_step, progress_text
@@ -898,7 +897,7 @@ class WorkerTrainingState:
                 "restore",
                 f"keras-ft: the backup {point.checkpoint} was written by a "
                 "training configured otherwise: "
-                f"{configuration.summary(point.config_changes)}. Its state is "
+                f"{errors.summary(point.config_changes)}. Its state is "
                 "restored and training continues with this configuration; use "
                 "another `backup_dir` to start afresh, or "
                 "`on_config_change='raise'` to refuse such a backup.",

@@ -78,12 +78,34 @@ def test_no_cycle_between_packages_and_modules():
 def test_the_lowest_layers_import_only_what_is_below_them():
     edges = graph()
     assert edges["keras_ft.events"] == set()
-    assert edges["keras_ft.compat"] <= {"keras_ft.events"}
-    assert edges["keras_ft.checkpoint"] <= {"keras_ft.events", "keras_ft.threads"}
+    assert edges["keras_ft.errors"] <= {"keras_ft.threads"}
+    assert edges["keras_ft.compat"] <= {"keras_ft.events", "keras_ft.errors"}
+    assert edges["keras_ft.checkpoint"] <= {
+        "keras_ft.events", "keras_ft.errors", "keras_ft.threads"
+    }  # fmt: skip
     # The callback sits on top: nothing but the package's public names
     # (keras_ft/__init__.py) imports it.
     importers = [u for u, targets in edges.items() if "keras_ft.callback" in targets]
     assert importers == ["keras_ft"]
+
+
+@ONCE
+def test_every_error_is_defined_in_errors_py():
+    """One module holds keras-ft's errors and warnings (the command line's
+    own `UsageError`, never raised to a caller, aside)."""
+    found = []
+    for path in modules().values():
+        relative = os.path.relpath(path, os.path.dirname(PACKAGE))
+        if relative in ("keras_ft/errors.py", "keras_ft/cli.py"):
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name.endswith(
+                ("Error", "Warning")
+            ):
+                found.append(f"{relative}: {node.name}")
+    assert found == []
 
 
 @ONCE

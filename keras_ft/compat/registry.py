@@ -21,12 +21,9 @@ from collections.abc import Callable, Iterator
 import keras
 
 from keras_ft import events
+from keras_ft.errors import CompatibilityWarning
 
 DISABLE_ENV = "KERAS_FT_COMPAT_DISABLE"
-
-
-class CompatibilityWarning(UserWarning):
-    """This Keras lacks an internal keras-ft uses; a public fallback is used."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,6 @@ from keras_ft import compat
 
 # Keys that name things or wire layers by name, not what is trained.
 _WIRING = ("inbound_nodes", "input_layers", "output_layers", "build_config")
-_SHOWN = 5
 
 
 def describe(model: keras.Model) -> dict[str, Any]:
@@ -64,12 +63,6 @@ def differences(saved: Any, current: dict[str, Any]) -> list[str]:
         if saved.get(part) is not None and current.get(part) is not None:
             _compare(part, saved[part], current[part], found)
     return found
-
-
-def summary(changes: list[str]) -> str:
-    shown = "; ".join(changes[:_SHOWN])
-    more = len(changes) - _SHOWN
-    return shown + (f"; and {more} more" if more > 0 else "")
 
 
 def _compare(path: str, saved: Any, current: Any, found: list[str]) -> None:

@@ -28,10 +28,13 @@ import numpy as np
 from keras_ft import backend as host
 from keras_ft import compat, events
 from keras_ft.checkpoint import files as file_io
-from keras_ft.checkpoint.errors import CheckpointError, CorruptCheckpointError
+from keras_ft.checkpoint.errors import CorruptCheckpointError
 from keras_ft.checkpoint.files import ReadProgress
 from keras_ft.checkpoint.store import METADATA_FILE
 from keras_ft.distribute import sharded
+
+# Raised here; `keras_ft.state` names them too.
+from keras_ft.errors import ConfigurationChangedError, NonFiniteStateError  # noqa: F401
 from keras_ft.state import (
     arrays,
     configuration,
@@ -46,53 +49,12 @@ from keras_ft.state.weights_layout import WEIGHTS_FILE, WeightsLayout, saved_var
 _MAX_METADATA_BYTES = 64 * 1024 * 1024
 
 
-class NonFiniteStateError(CheckpointError):
-    """The state to back up holds a NaN or an infinity; nothing was saved.
-
-    Attributes:
-        variables: The weights-file paths of the values that are not finite.
-        at: Where in training the state was taken ("epoch 2, batch 30"),
-            when the error is raised after the save that took it returned
-            (a save in the background); else `None`.
-    """
-
-    def __init__(self, variables: list[str], at: str | None = None):
-        self.variables = list(variables)
-        self.at = at
-        shown = ", ".join(self.variables[:3])
-        more = f" and {len(self.variables) - 3} more" if len(variables) > 3 else ""
-        state = "this state" if at is None else f"the state at {at}"
-        super().__init__(
-            f"The model's variables are not finite ({shown}{more} hold NaN or "
-            f"infinity), so {state} was not backed up; the previous backup "
-            "is kept."
-        )
-
-
 def progress_text(epochs_completed: int, batches_completed: int) -> str:
     """Where a save was taken, as `BackupAndRestore` says it: "epoch 2"
     (its end) or "epoch 3, batch 10" (one-based epochs)."""
     if batches_completed:
         return f"epoch {epochs_completed + 1}, batch {batches_completed}"
     return f"epoch {epochs_completed}"
-
-
-class ConfigurationChangedError(ValueError):
-    """The backup was written by a training configured otherwise.
-
-    Attributes:
-        changes: What differs, one line each.
-    """
-
-    def __init__(self, directory: str, changes: list[str]):
-        self.changes = list(changes)
-        super().__init__(
-            f"The backup in {directory} was written by a training configured "
-            f"otherwise: {configuration.summary(self.changes)}. Use another "
-            "`backup_dir` to start this training afresh, or "
-            "`on_config_change='warn'` to continue the backup's training with "
-            "this configuration."
-        )
 
 
 @dataclasses.dataclass(frozen=True)
