@@ -10,7 +10,6 @@ import math
 import os
 import signal
 import time
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -279,11 +278,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         watchdog.check_stall_timeout(stall_timeout, first_batch_timeout)
         self.stall_timeout = stall_timeout
         self.first_batch_timeout = float(first_batch_timeout)
-        self._deadline: watchdog.ProgressDeadline | None = None
-        # A deadline only the input asked for is held between epochs.
-        self._deadline_input_only = False
-        self._deadline_held = False
-        self._deadline_held_before_test = False
+        self._deadline = watchdog.FitDeadline()
         self._goodput: GoodputRecorder | None = None
         if is_url(self.backup_dir):
             filesystem(self.backup_dir, storage_options)  # Fails early if missing.
@@ -454,37 +449,19 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
 
     def _start_deadline(self, callback_list: Any, task: Any) -> None:
-        if self._deadline is not None:  # Left by a fit() that raised.
-            self._deadline.close()
-        fit_calls = weakref.ref(callback_list) if callback_list is not None else None
-
-        def running() -> bool:
-            held = fit_calls() if fit_calls is not None else None
-            return held is not None and compat.stack_holds(
-                compat.main_thread_frame(), held
-            )
-
         def describe() -> str:
             where = f"epoch {self._epoch + 1}, batch {self._batches_in_epoch + 1}"
             if task.num_workers > 1:
                 where += f" (on worker {task.task_index} of {task.num_workers})"
             return where
 
-        loads_in_processes = compat.loads_in_processes(self._inputs.epoch_iterator)
-        # On by default for the input's worker processes alone (one process):
-        # it bounds the waits for batches, not the work of other callbacks
-        # between epochs (saving a large model), which it did not use to.
-        self._deadline_input_only = (
-            loads_in_processes and task.num_workers <= 1 and self.stall_timeout is None
-        )
-        self._deadline_held = self._deadline_held_before_test = False
-        self._deadline = watchdog.start_deadline(
+        self._deadline.start(
             self.stall_timeout,
             self.first_batch_timeout,
-            task.num_workers,
+            task,
+            callback_list,
             describe,
-            running if fit_calls is not None else (lambda: True),
-            loads_in_processes=loads_in_processes,
+            loads_in_processes=compat.loads_in_processes(self._inputs.epoch_iterator),
             # Where the coordination service lives in process 0, the others
             # abort (SIGABRT, not the retryable 75) as soon as it is gone.
             peers_first=(
@@ -494,38 +471,14 @@ class BackupAndRestore(keras.callbacks.Callback):
             ),
         )
 
-    def _stop_deadline(self) -> None:
-        if self._deadline is not None:
-            self._deadline.close()
-            self._deadline = None
-
-    def _hold_deadline(self, held: bool) -> None:
-        """Holds a deadline only the input asked for (`True`), or lets it
-        run again (`False`)."""
-        if (
-            self._deadline is None
-            or not self._deadline_input_only
-            or held == self._deadline_held
-        ):
-            return
-        self._deadline_held = held
-        if held:
-            self._deadline.pause()
-        else:
-            self._deadline.resume()
-
     def on_test_begin(self, logs: dict | None = None) -> None:
-        # Validation reads its input too.
-        self._deadline_held_before_test = self._deadline_held
-        self._hold_deadline(False)
+        self._deadline.test_begin()
 
     def on_test_end(self, logs: dict | None = None) -> None:
-        if self._deadline_held_before_test:
-            self._hold_deadline(True)
+        self._deadline.test_end()
 
     def on_test_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        if self._deadline is not None:  # Validation is progress too.
-            self._deadline.batch_ended()
+        self._deadline.test_batch_ended()
 
     def _resume(self, point: ResumePoint) -> None:
         model = self.model
@@ -589,10 +542,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         return None
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
-        if self._deadline_held:
-            self._hold_deadline(False)
-        elif self._deadline is not None:  # Past validation and epoch-end saves.
-            self._deadline.progressed()
+        self._deadline.epoch_begin()
         compat.set_initial_epoch(self.model, None)
         self._epoch = epoch
         self._batches_in_epoch = 0
@@ -610,10 +560,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         # With steps_per_execution > 1, `batch` is the last of several steps.
-        if self._deadline is not None:
-            self._deadline.batch_ended()
-            if batch + 1 == self.params.get("steps"):
-                self._hold_deadline(True)  # The epoch's last batch.
+        self._deadline.batch_ended(last_of_epoch=batch + 1 == self.params.get("steps"))
         if self._goodput is not None:
             self._goodput.batch_end(self._optimizer_step, self.backup_seconds)
         steps = batch + 1 - self._batches_in_epoch
@@ -634,7 +581,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._save(logs, self._epoch, self._batches_in_epoch, to_bucket=False)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        self._hold_deadline(True)  # Where the epoch's length was not known.
+        self._deadline.epoch_end()
         skipped = self._resumption is not None and self._resumption.skips_epoch(epoch)
         if self.preempted_by or skipped:
             return  # Backed up at the exact step already, or a skipped epoch.
@@ -678,7 +625,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         return optimizer_step(self.model)
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        self._stop_deadline()
+        self._deadline.stop()
         if self._goodput is not None:
             status = "preempted" if self.preempted_by else "ended"
             self._goodput.end(self._optimizer_step(), self.backup_seconds, status)
@@ -881,7 +828,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 events.warn("save", f"BackupAndRestore: {e.strerror}", stacklevel=3)
                 return None
             # fit() ends here without calling on_train_end.
-            self._stop_deadline()
+            self._deadline.stop()
             self._preemption.stop()
             self._state.unlock()
             raise

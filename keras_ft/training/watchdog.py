@@ -31,9 +31,11 @@ import signal
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
+from typing import Any
 
-from keras_ft import events, threads
+from keras_ft import compat, events, threads
 
 # sysexits.h's EX_TEMPFAIL: "a temporary failure; the user is invited to retry".
 RETRYABLE_EXIT_CODE = 75
@@ -210,6 +212,105 @@ def start_deadline(
         running=running,
         peers_first=peers_first,
     )
+
+
+class FitDeadline:
+    """The step deadline of one `BackupAndRestore` over its `fit()` calls.
+
+    Started at train begin (`start()`), told of what counts as progress
+    (batch ends, validation batches, the start of an epoch) and closed at
+    train end (`stop()`). A deadline only the input asked for (worker
+    processes loading a `PyDataset`, in one process) bounds the waits for
+    batches, not the work of other callbacks between epochs (saving a large
+    model): it is held from an epoch's last batch to the next epoch, and
+    runs again during validation, which reads its input too.
+    """
+
+    def __init__(self) -> None:
+        self._deadline: ProgressDeadline | None = None
+        self._input_only = False
+        self._held = False
+        self._held_before_test = False
+
+    def start(
+        self,
+        stall_timeout: float | str | bool | None,
+        first_batch_timeout: float,
+        task: Any,
+        callback_list: Any,
+        describe: Callable[[], str],
+        loads_in_processes: bool,
+        peers_first: bool,
+    ) -> None:
+        """Starts the deadline `stall_timeout` asks for (`start_deadline()`),
+        for the `fit()` calling `callback_list`: once that `fit()` is no
+        longer on the main thread's stack (it raised), a silence is not a
+        stall."""
+        self.stop()  # Left by a fit() that raised.
+        fit_calls = weakref.ref(callback_list) if callback_list is not None else None
+
+        def running() -> bool:
+            held = fit_calls() if fit_calls is not None else None
+            return held is not None and compat.stack_holds(
+                compat.main_thread_frame(), held
+            )
+
+        self._input_only = (
+            loads_in_processes and task.num_workers <= 1 and stall_timeout is None
+        )
+        self._held = self._held_before_test = False
+        self._deadline = start_deadline(
+            stall_timeout,
+            first_batch_timeout,
+            task.num_workers,
+            describe,
+            running if fit_calls is not None else (lambda: True),
+            loads_in_processes=loads_in_processes,
+            peers_first=peers_first,
+        )
+
+    def stop(self) -> None:
+        if self._deadline is not None:
+            self._deadline.close()
+            self._deadline = None
+
+    def epoch_begin(self) -> None:
+        if self._held:
+            self._hold(False)
+        elif self._deadline is not None:  # Past validation and epoch-end saves.
+            self._deadline.progressed()
+
+    def batch_ended(self, last_of_epoch: bool) -> None:
+        if self._deadline is not None:
+            self._deadline.batch_ended()
+            if last_of_epoch:
+                self._hold(True)
+
+    def epoch_end(self) -> None:
+        self._hold(True)  # Where the epoch's length was not known.
+
+    def test_begin(self) -> None:
+        self._held_before_test = self._held
+        self._hold(False)
+
+    def test_batch_ended(self) -> None:
+        if self._deadline is not None:  # Validation is progress too.
+            self._deadline.batch_ended()
+
+    def test_end(self) -> None:
+        if self._held_before_test:
+            self._hold(True)
+
+    def _hold(self, held: bool) -> None:
+        """Holds a deadline only the input asked for (`True`), or lets it
+        run again (`False`)."""
+        if self._deadline is None or not self._input_only or held == self._held:
+            return
+        self._held = held
+        if held:
+            self._deadline.pause()
+        else:
+            self._deadline.resume()
 
 
 def _exit_now(code: int) -> None:
