@@ -292,7 +292,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         )
         # An epoch cut short by another callback is backed up where it stopped
         # only if the user asked for saves beyond preemption ones.
-        self._scheduled = save_freq is not False or save_every_seconds is not None
+        self._backs_up_stopped_epochs = (
+            save_freq is not False or save_every_seconds is not None
+        )
         KeepLast(keep)  # Validated now rather than at train begin.
         if on_save_error not in ("raise", "warn"):
             raise ValueError(
@@ -592,7 +594,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             batch = self._batches_in_epoch
             diverged = stopper is not None and not stop_saved
             if (
-                (self._scheduled or stop_saved)
+                (self._backs_up_stopped_epochs or stop_saved)
                 and not diverged
                 and batch > self._skip_until
                 and self._last_save != (epoch, batch)
