@@ -273,7 +273,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         signing_key(manifest_key)  # Validated now rather than at train begin.
         self.manifest_key = manifest_key
         self.local_dir = validate_local_dir(local_dir, self.backup_dir)
-        self._local_schedule = _local_schedule(local_save_freq, self.local_dir)
+        self._local_schedule = policy.local_schedule(local_save_freq, self.local_dir)
         self.local_save_freq = local_save_freq
         watchdog.check_stall_timeout(stall_timeout, first_batch_timeout)
         self.stall_timeout = stall_timeout
@@ -834,33 +834,6 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._preemption.stop()
             self._state.unlock()
             raise
-
-
-def _local_schedule(
-    local_save_freq: str | int | None, local_dir: str | None
-) -> policy.SaveSchedule:
-    """The local tier's own schedule, validated (`Never()` if it has none)."""
-    if local_save_freq is None:
-        return policy.Never()
-    if local_dir is None:
-        raise ValueError(
-            "Invalid value for argument `local_save_freq`: it is the schedule of "
-            "the local tier, and `local_dir` is None. Pass local_dir too, or "
-            f"local_save_freq=None. Received: local_save_freq={local_save_freq!r}"
-        )
-    if local_save_freq == "epoch":
-        return policy.EveryEpoch()
-    if (
-        isinstance(local_save_freq, int)
-        and not isinstance(local_save_freq, bool)
-        and local_save_freq > 0
-    ):
-        return policy.EveryNSteps(local_save_freq)
-    raise ValueError(
-        "Invalid value for argument `local_save_freq`. Expected 'epoch', a "
-        "positive integer number of batches, or None. Received: "
-        f"local_save_freq={local_save_freq!r}"
-    )
 
 
 def _non_finite_text(error: NonFiniteStateError, where: str | None = None) -> str:

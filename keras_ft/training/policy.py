@@ -397,3 +397,30 @@ def check_same_step_on_every_worker(
 def budget_of(schedule: AnyOf) -> OverheadBudget | None:
     """The `OverheadBudget` among a schedule's parts, if any."""
     return next((s for s in schedule.schedules if isinstance(s, OverheadBudget)), None)
+
+
+def local_schedule(
+    local_save_freq: str | int | None, local_dir: str | None
+) -> SaveSchedule:
+    """The local tier's own schedule, validated (`Never()` if it has none)."""
+    if local_save_freq is None:
+        return Never()
+    if local_dir is None:
+        raise ValueError(
+            "Invalid value for argument `local_save_freq`: it is the schedule of "
+            "the local tier, and `local_dir` is None. Pass local_dir too, or "
+            f"local_save_freq=None. Received: local_save_freq={local_save_freq!r}"
+        )
+    if local_save_freq == "epoch":
+        return EveryEpoch()
+    if (
+        isinstance(local_save_freq, int)
+        and not isinstance(local_save_freq, bool)
+        and local_save_freq > 0
+    ):
+        return EveryNSteps(local_save_freq)
+    raise ValueError(
+        "Invalid value for argument `local_save_freq`. Expected 'epoch', a "
+        "positive integer number of batches, or None. Received: "
+        f"local_save_freq={local_save_freq!r}"
+    )
