@@ -28,7 +28,7 @@ from conftest import (
 )
 
 import keras_ft
-from keras_ft.checkpoint import remote, scratch
+from keras_ft.checkpoint import remote, scratch, transfers
 
 ONCE = run_once_on("jax", "subprocesses against the server")
 
@@ -119,9 +119,9 @@ def test_a_restore_checksums_the_download_as_its_ranges_arrive(
     # Downloads go to a temporary directory of this test's own: another
     # suite running beside this one downloads too.
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setattr(remote, "STREAM_MIN", 4096)
-    monkeypatch.setattr(remote, "STREAM_RANGE", 1024)
-    monkeypatch.setattr(remote, "STREAM_RANGE_MAX", 1024)
+    monkeypatch.setattr(transfers, "STREAM_MIN", 4096)
+    monkeypatch.setattr(transfers, "STREAM_RANGE", 1024)
+    monkeypatch.setattr(transfers, "STREAM_RANGE_MAX", 1024)
     x, y = data
     backup = url("ranges")
     model = make_model(units=256)
@@ -500,12 +500,12 @@ def test_a_failing_upload_is_retried_then_reported_like_a_disk_error(
     import fsspec
     import s3fs
 
-    from keras_ft.checkpoint import remote
+    from keras_ft.checkpoint import transfers
 
     # The same attempts, a shorter wait between them: every transfer of the
     # epochs after the server went fails, each after its 4 attempts. (s3fs
     # retries each request 5 times itself, 1.9 s of waits: once here.)
-    monkeypatch.setattr(remote, "_BACKOFF_SECONDS", 0.02)
+    monkeypatch.setattr(transfers, "_BACKOFF_SECONDS", 0.02)
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
     x, y = data
     server, port = start_moto()

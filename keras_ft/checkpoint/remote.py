@@ -39,23 +39,17 @@ import contextlib
 import errno
 import functools
 import hashlib
-import json
-import logging
 import os
 import secrets
-import socket
 import tempfile
 import threading
-import time
-import weakref
 from collections.abc import Callable
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 
 from keras_ft import events, threads
 from keras_ft.checkpoint import files as file_io
-from keras_ft.checkpoint import scratch
+from keras_ft.checkpoint import scratch, transfers
 from keras_ft.checkpoint.errors import (
-    DirectoryInUseError,
     LeaseLapsedError,
     SaveCancelled,
 )
@@ -66,25 +60,17 @@ from keras_ft.checkpoint.format import (
     checkpoint_name,
     checkpoint_sequence,
 )
+from keras_ft.checkpoint.lease import (  # noqa: F401  (also named here, as before)
+    LEASE_FILE,
+    LEASE_SECONDS_ENV,
+    RemoteLease,
+    _put_if,
+    _Refused,
+    conditional_writes,
+)
 from keras_ft.checkpoint.local import LocalStorage
-from keras_ft.threads import Cancelled, Watermark
 
-_T = TypeVar("_T")
-LEASE_FILE = ".lease.json"
-LEASE_SECONDS_ENV = "KERAS_FT_LEASE_SECONDS"
-_RETRIES = 4  # Attempts of each upload or download, with backoff between.
-_BACKOFF_SECONDS = 0.25  # Before the second attempt; doubled for each next.
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
-# Stores whose fsspec filesystem passes S3's conditional writes on.
-_CONDITIONAL = ("s3", "s3a")
-# One process's memory: no other writer to race with.
-_LOCAL_ONLY = ("memory",)
-_warned_best_effort: set[str] = set()
-# The lease each prefix has in this process, if any. A fit() that raised
-# keeps its lease, as it keeps a flock, until a later fit() here takes it:
-# that one stops the earlier heartbeat, which would otherwise write the
-# lease again for as long as the process lives (a notebook's kernel).
-_HELD: weakref.WeakValueDictionary[str, RemoteLease] = weakref.WeakValueDictionary()
 # Options, beside any "*endpoint*", that pick the server a URL is on.
 _SERVER_KEYS = ("host", "hostname", "port", "account_name", "account_url")
 # Environment variables that point a scheme's client at another server.
@@ -189,7 +175,7 @@ class ObjectStorage:
         self.progress = progress
         self.progress_after = progress_after
         # Downloads still arriving, by local copy.
-        self._arriving: dict[str, dict[str, _RangedDownload]] = {}
+        self._arriving: dict[str, dict[str, transfers._RangedDownload]] = {}
 
     def __repr__(self) -> str:
         return f"ObjectStorage({self.location!r})"
@@ -326,7 +312,7 @@ class ObjectStorage:
     def next_sequence(self) -> int:
         """The number the next checkpoint takes: past every prefix there is,
         partial uploads included."""
-        listing = _as_os_error(self._listing, f"listing {self.location}")
+        listing = transfers._as_os_error(self._listing, f"listing {self.location}")
         return max(listing, default=0) + 1
 
     def upload_into(
@@ -360,7 +346,7 @@ class ObjectStorage:
                 return f.read(limit + 1)
 
         try:
-            data = _as_os_error(read, f"download of {key}")
+            data = transfers._as_os_error(read, f"download of {key}")
         except FileNotFoundError:
             return None
         if len(data) > limit:
@@ -375,7 +361,7 @@ class ObjectStorage:
             return
         with open(path, "rb") as f:
             data = f.read()
-        _as_os_error(lambda: _put_if(self.fs, key, data), f"upload of {key}")
+        transfers._as_os_error(lambda: _put_if(self.fs, key, data), f"upload of {key}")
 
     def unstage(self, staging: Staging) -> None:
         scratch.remove(staging.path)
@@ -390,7 +376,7 @@ class ObjectStorage:
         if cancel is not None and cancel.is_set():
             raise SaveCancelled()
         callback = _moves(shown)
-        _as_os_error(
+        transfers._as_os_error(
             lambda: self.fs.put_file(path, key, callback=callback),
             f"upload of {key}",
         )
@@ -481,7 +467,7 @@ class ObjectStorage:
         """Downloads the files of `checkpoint` (`sizes`: names and sizes in
         its manifest) into a local directory, removed by `release()`.
 
-        The files named in `stream` at least `STREAM_MIN` bytes long arrive
+        The files named in `stream` at least `transfers.STREAM_MIN` bytes long arrive
         in ranges fetched concurrently, written in place, and this returns
         once they have begun: `copy_reader()` checksums (and the loader then
         reads) each one as its bytes arrive, rather than after the whole
@@ -498,7 +484,7 @@ class ObjectStorage:
             os.mkdir(local.path)
             streamed = {
                 name for name, size in sizes.items()
-                if name in stream and size >= STREAM_MIN
+                if name in stream and size >= transfers.STREAM_MIN
             }  # fmt: skip
             moved = [name for name in sizes if name not in ranged]
             # One line for the checkpoint, ended when its last byte is here.
@@ -516,12 +502,12 @@ class ObjectStorage:
                 if name not in streamed
             ]  # fmt: skip
             if ranged:
-                with _RANGED_LOCK:
-                    _RANGED[local.path] = functools.partial(
+                with transfers._RANGED_LOCK:
+                    transfers._RANGED[local.path] = functools.partial(
                         self._read_range, checkpoint, ranged
                     )
             self._arriving[local.path] = {
-                name: _RangedDownload(
+                name: transfers._RangedDownload(
                     self, checkpoint, name, local.file(name), sizes[name], shown
                 )
                 for name in sorted(streamed)
@@ -552,7 +538,7 @@ class ObjectStorage:
         if name not in names:
             raise FileNotFoundError(errno.ENOENT, f"{name} is not read by ranges")
         key = self._key(checkpoint, name)
-        return _as_os_error(
+        return transfers._as_os_error(
             lambda: self.fs.cat_file(key, start=offset, end=offset + size),
             f"download of {key} (bytes {offset} to {offset + size})",
         )
@@ -566,7 +552,9 @@ class ObjectStorage:
     ) -> None:
         key = self._key(checkpoint, name)
         with contextlib.suppress(FileNotFoundError):  # Verification says so.
-            _retried(lambda: self.fs.get_file(key, path, callback=_moves(shown)))
+            transfers._retried(
+                lambda: self.fs.get_file(key, path, callback=_moves(shown))
+            )
 
     def release(self, local: Checkpoint) -> None:
         """Removes a download of `local_copy()` once it is loaded (calling
@@ -574,8 +562,8 @@ class ObjectStorage:
         valid: an unlinked file lives on while mapped."""
         for download in self._arriving.pop(local.path, {}).values():
             download.stop()
-        with _RANGED_LOCK:
-            _RANGED.pop(local.path, None)
+        with transfers._RANGED_LOCK:
+            transfers._RANGED.pop(local.path, None)
         root = os.path.dirname(local.path)
         if os.path.basename(root).startswith("keras-ft-download-"):
             scratch.remove(root)
@@ -591,7 +579,7 @@ class ObjectStorage:
         `mode="create"` asks for); elsewhere fsspec checks, then writes, and
         two writers within one round trip may both write."""
         try:
-            _retried(lambda: _put_if(self.fs, f"{self.root}/{name}", data))
+            transfers._retried(lambda: _put_if(self.fs, f"{self.root}/{name}", data))
         except _Refused:
             return False
         return True
@@ -610,7 +598,7 @@ class ObjectStorage:
             self.fs.rm_file(f"{self.root}/{name}")
 
     def replace(self, name: str, data: bytes) -> None:
-        _as_os_error(
+        transfers._as_os_error(
             lambda: self.fs.pipe_file(f"{self.root}/{name}", data), f"writing {name}"
         )
 
@@ -668,436 +656,3 @@ def _moves(shown: events.Progress | None) -> Any:
                 self.counted = value
 
     return Moved()
-
-
-class RemoteLease:
-    """One writer per prefix of a bucket: a lease object with a heartbeat.
-
-    Args:
-        store: The store whose prefix to hold.
-        seconds: How old a heartbeat must be before another writer may take
-            the lease over. Defaults to `KERAS_FT_LEASE_SECONDS` or 30.
-    """
-
-    def __init__(self, store: ObjectStorage, seconds: float | None = None):
-        self.fs = store.fs
-        self.directory = store.location
-        self.key = f"{store.root}/{LEASE_FILE}"
-        # Its name in this process's `_HELD`: the same path on another
-        # server is another lease.
-        self._ident = f"{store.identity}/{LEASE_FILE}"
-        self.seconds = (
-            seconds
-            if seconds is not None
-            else float(os.environ.get(LEASE_SECONDS_ENV, "30"))
-        )
-        self._token: str | None = None
-        self._stop = threading.Event()
-        self._beating: threading.Thread | None = None
-        self._renewed = 0.0  # time.monotonic() of the last heartbeat written.
-        self._failure: Exception | None = None  # Of the beats since then.
-        self._taken: dict | None = None  # Another writer's lease, found after a lapse.
-        self._conditional = conditional_writes(self.fs)
-        self._etag: str | None = None  # Of the lease as this writer last wrote it.
-
-    def _read(self) -> dict | None:
-        try:
-            with self.fs.open(self.key, "rb") as f:
-                value = json.loads(f.read(1 << 16))
-        except (FileNotFoundError, ValueError, RecursionError):
-            return None
-        return value if isinstance(value, dict) else None
-
-    def _etag_now(self) -> str | None:
-        """The lease object's ETag, or `None` if there is none."""
-        try:
-            return self.fs.info(self.key, refresh=True).get("ETag")
-        except FileNotFoundError:
-            return None
-
-    def _write(self, over: str | None = None) -> None:
-        """Writes this writer's lease. Where the store has conditional
-        writes, only over the object whose ETag is `over` (created if
-        `over` is `None`); `_Refused` if another write came first."""
-        holder = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "token": self._token,
-            "heartbeat": time.time(),
-        }
-        data = json.dumps(holder).encode()
-        if not self._conditional:
-            self.fs.pipe_file(self.key, data)
-            return
-        written = _put_if(self.fs, self.key, data, over)
-        etag = written.get("ETag") if isinstance(written, dict) else None
-        self._etag = etag or self._etag_now()
-
-    def acquire(self) -> None:
-        """Takes the lease, or raises `DirectoryInUseError` naming its holder."""
-        if self._token is not None:
-            return
-        # The ETag first: if the object changes after, the conditional
-        # write over it is refused (another writer is active).
-        seen = self._etag_now() if self._conditional else None
-        held = self._read()
-        if held is not None and not self._expired(held):
-            raise self._in_use(held)
-        earlier = _HELD.get(self._ident)
-        if earlier is not None and earlier is not self:
-            earlier._yield_to_this_process()
-        self._token, self._taken = secrets.token_hex(8), None
-        if self._conditional:
-            try:
-                self._write(over=seen)
-            except _Refused:
-                self._token = None
-                raise self._in_use(self._read() or {}) from None
-        else:
-            _warn_best_effort(self.fs, self.directory)
-            self._write()
-            # Two writers that both found it free: the last write wins; the
-            # other sees a token not its own and backs off.
-            time.sleep(0.2)
-            held = self._read()
-            if held is None or held.get("token") != self._token:
-                self._token = None
-                raise self._in_use(held or {})
-        self._renewed, self._failure = time.monotonic(), None
-        self._stop.clear()
-        self._beating = threads.start_daemon(self._heartbeat, "keras-ft-lease")
-        _HELD[self._ident] = self
-        events.log("lease", f"took the lease on {self.directory}")
-
-    def _yield_to_this_process(self) -> None:
-        """A later lease of this process takes the prefix: this one stops
-        beating, and refuses its commits (`check`) if its fit() goes on."""
-        self._taken = {"pid": os.getpid(), "host": socket.gethostname()}
-        self._stop_beating()
-
-    def _stop_beating(self) -> None:
-        self._stop.set()
-        beating, self._beating = self._beating, None
-        if beating is not None and beating is not threading.current_thread():
-            beating.join(timeout=30)  # At most one write of the lease.
-
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(max(self.seconds / 3, 0.5)):
-            if self._token is None or self._taken is not None:
-                return  # Released, or taken over: never written again.
-            try:
-                if not self._conditional and (
-                    time.monotonic() - self._renewed > self.seconds
-                ):
-                    # Lapsed: another writer may hold it now; never write
-                    # over its lease (both would then commit).
-                    held = self._read()
-                    if held is not None and held.get("token") != self._token:
-                        self._taken = held
-                        return
-                self._write(over=self._etag)
-            except _Refused:  # Written since: by another (taken over), or by
-                # this writer's own last beat whose answer was lost.
-                held = self._read() or {}
-                if held.get("token") == self._token:
-                    self._etag = self._etag_now()
-                else:
-                    self._taken = held
-                    events.log(
-                        "lease",
-                        f"the lease on {self.directory} was taken over by pid "
-                        f"{held.get('pid')} on {held.get('host')}",
-                        logging.ERROR,
-                    )
-                    return
-            except Exception as e:  # Retried at the next beat; see check().
-                self._failure = e
-                events.log(
-                    "lease",
-                    f"could not renew the lease on {self.directory} "
-                    f"({type(e).__name__}: {e}); retried at the next beat",
-                    logging.WARNING,
-                )
-            else:
-                self._renewed, self._failure = time.monotonic(), None
-
-    def check(self) -> None:
-        """Raises if the lease may have gone to another writer: its heartbeat
-        could not be written for longer than a takeover waits. A writer
-        calls it before each commit.
-
-        Raises:
-            LeaseLapsedError: naming the last heartbeat's error.
-        """
-        if self._token is None:
-            return
-        if self._taken is not None:
-            raise LeaseLapsedError(
-                errno.EBUSY,
-                f"The lease on {self.directory} lapsed and was taken over by "
-                f"another training (pid {self._taken.get('pid')} on "
-                f"{self._taken.get('host')}), so this save is not committed. "
-                "Stop one of the two trainings; the next fit() of this one "
-                "waits for the other's lease to expire.",
-            )
-        silent = time.monotonic() - self._renewed
-        if silent > self.seconds:
-            raise LeaseLapsedError(
-                errno.EBUSY,
-                f"The lease on {self.directory} was not renewed for {silent:.0f} s "
-                f"(last error: {type(self._failure).__name__}: {self._failure}); "
-                "another training may have taken the backup over, so this save "
-                "is not committed. Check that the bucket is reachable; the next "
-                "fit() takes the lease again.",
-            )
-
-    def release(self, remove: bool = False) -> None:
-        """Gives the lease back: its object is removed if it is still ours."""
-        self._stop_beating()
-        token, self._token = self._token, None
-        if _HELD.get(self._ident) is self:
-            del _HELD[self._ident]
-        if token is None:
-            return
-        try:
-            held = self._read()
-            if held is not None and held.get("token") == token:
-                self.fs.rm_file(self.key)
-                events.log("lease", f"gave back the lease on {self.directory}")
-        except Exception:  # Out of reach: the lease expires on its own.
-            pass
-
-    def _expired(self, held: dict) -> bool:
-        age = time.time() - float(held.get("heartbeat", 0))
-        if age > self.seconds:
-            return True
-        if held.get("host") == socket.gethostname():
-            pid = held.get("pid")
-            if pid == os.getpid():
-                return True  # A lease of an earlier fit() in this process.
-            try:
-                os.kill(int(pid), 0)
-            except (ProcessLookupError, ValueError, TypeError):
-                return True  # That process is gone.
-            except PermissionError:
-                return False
-        return False
-
-    def _in_use(self, held: dict) -> DirectoryInUseError:
-        age = time.time() - float(held.get("heartbeat", 0))
-        return DirectoryInUseError(
-            f"{self.directory} is in use by another training (pid "
-            f"{held.get('pid')} on {held.get('host')}, heartbeat {age:.0f} s ago): "
-            "one writer per backup. Stop it, or use another backup_dir; a lease "
-            f"whose heartbeat is older than {self.seconds:g} s "
-            f"({LEASE_SECONDS_ENV}) is taken over."
-        )
-
-
-# Files this large or larger stream into a restore in ranges fetched
-# concurrently: several connections download faster than one, and the
-# checksum starts once the first range is in. A range is an eighth of the
-# file within these bounds: each request costs a round trip and the server's
-# fixed work (against the local S3 server, 8 MiB ranges of a 72 MB file
-# downloaded slower than one GET; 16-36 MiB ones, 25-40 % faster).
-STREAM_MIN = 16 << 20
-STREAM_RANGE = 16 << 20
-STREAM_RANGE_MAX = 64 << 20
-STREAM_CONNECTIONS = 4
-_STREAM_PARTS = 8
-
-
-class _RangedDownload:
-    """One object downloaded in ranges on the transfer threads, written in
-    place into a local file of its manifest size; `wait_for(n)` returns once
-    its first n bytes are there.
-
-    An object of another size than the manifest's, a range that cannot be
-    fetched, or `stop()` end the download: waiters then get an `OSError`.
-    """
-
-    def __init__(
-        self, storage: ObjectStorage, checkpoint: Checkpoint, name: str, path: str,
-        size: int, shown: events.Progress | None = None,
-    ):  # fmt: skip
-        self.name, self.size = name, size
-        self._key = storage._key(checkpoint, name)
-        self._shown = shown  # The checkpoint's download, moved along.
-        self._fs = storage.fs
-        self._arrived = Watermark(size)
-        self._done: set[int] = set()  # Range starts written past the watermark.
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC)
-        os.ftruncate(self._fd, size)
-        share = -(-size // _STREAM_PARTS)
-        self._range = min(max(STREAM_RANGE, share), STREAM_RANGE_MAX)
-        starts = range(0, size, self._range)
-        # Each connection fetches every n-th range, in order: the file
-        # fills from its start, with at most n requests in flight.
-        n = min(STREAM_CONNECTIONS, len(starts))
-        self._futures = [
-            threads.submit(threads.transfer, self._fetch_every, starts[i::n])
-            for i in range(n)
-        ]
-
-    def _fetch_every(self, starts: range) -> None:
-        try:
-            for start in starts:
-                if self._error is not None:  # Called off, or a range failed.
-                    return
-                self._fetch(start)
-        except BaseException as e:
-            self._fail(e)
-
-    def _fetch(self, start: int) -> None:
-        end = min(start + self._range, self.size)
-        # The last range asks for one byte more: an object longer than its
-        # manifest says returns it.
-        asked = end + 1 if end == self.size else end
-        data = _retried(lambda: self._fs.cat_file(self._key, start=start, end=asked))
-        if len(data) != end - start:
-            raise OSError(
-                errno.EIO,
-                f"{self.name} is not the size its manifest says ({self.size} bytes)",
-            )
-        view, offset = memoryview(data), start
-        while view.nbytes:
-            written = os.pwrite(self._fd, view, offset)
-            view, offset = view[written:], offset + written
-        with self._lock:
-            self._done.add(start)
-            level = self._arrived.level
-            while level in self._done:
-                self._done.discard(level)
-                level = min(level + self._range, self.size)
-            if self._shown is not None:
-                self._shown.add(level - self._arrived.level)
-            self._arrived.advance(level)
-
-    def _fail(self, error: BaseException) -> None:
-        with self._lock:
-            if self._error is None:
-                self._error = error
-        self._arrived.abandon(error)
-
-    def wait_for(self, level: int) -> None:
-        """Returns once the file's first `level` bytes are written.
-
-        Raises:
-            OSError: if the download failed or was stopped first.
-        """
-        try:
-            self._arrived.wait_for(level)
-        except Cancelled:
-            error = self._error
-            if isinstance(error, OSError):
-                raise error from None
-            raise OSError(errno.EIO, f"{self.name}: {error!r}") from error
-
-    def stop(self) -> None:
-        """Calls off the ranges not yet fetched, waits for the others, and
-        closes the file."""
-        self._fail(OSError(errno.ECANCELED, "the download was called off"))
-        for future in self._futures:
-            with contextlib.suppress(BaseException):
-                future.result()
-        os.close(self._fd)
-        if self._shown is not None:
-            self._shown.close()  # Its line ends, whole or not.
-
-
-# Readers of byte ranges of the objects a local copy left in the bucket,
-# by the copy's path: `reader(name, offset, size) -> bytes`.
-_RANGED: dict[str, Callable[[str, int, int], bytes]] = {}
-_RANGED_LOCK = threading.Lock()
-
-
-def range_reader(directory: str) -> Callable[[str, int, int], bytes] | None:
-    """How to read byte ranges of the files `local_copy()` left in the
-    bucket for the local copy `directory`; `None` if it left none."""
-    with _RANGED_LOCK:
-        return _RANGED.get(os.path.normpath(directory))
-
-
-class _Refused(Exception):
-    """A conditional write found the object there, or changed since read."""
-
-
-def _put_if(fs: Any, key: str, data: bytes, over: str | None = None) -> Any:
-    """`fs.pipe_file()`, conditional: the object is created only if absent
-    (`over` is `None`), or replaced only if its ETag is `over`.
-
-    Returns:
-        The store's answer (on S3, with the new ETag).
-
-    Raises:
-        _Refused: if the condition does not hold.
-    """
-    condition = {"mode": "create"} if over is None else {"IfMatch": over}
-    try:
-        return fs.pipe_file(key, data, **condition)
-    except FileExistsError:
-        raise _Refused() from None
-    except Exception as e:  # Network and service errors differ.
-        if _precondition_failed(e):
-            raise _Refused() from None
-        raise
-
-
-def _warn_best_effort(fs: Any, directory: str) -> None:
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    if protocol in _LOCAL_ONLY or protocol in _warned_best_effort:
-        return
-    _warned_best_effort.add(protocol)
-    events.warn(
-        "lease",
-        f"keras-ft: the lease on {directory} is best effort: {protocol}:// "
-        "offers keras-ft no conditional write, so two trainings started "
-        "within one round trip of each other may both write. Make sure one "
-        "training at a time uses a backup_dir (S3 has no such gap).",
-        stacklevel=4,
-    )
-
-
-def conditional_writes(fs: Any) -> bool:
-    """Whether `fs` passes S3's conditional writes on (see the module)."""
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return protocol in _CONDITIONAL
-
-
-def _precondition_failed(error: Exception) -> bool:
-    """Whether a conditional write was refused: the object exists, or
-    changed since it was read (S3 answers 412 Precondition Failed; clients
-    raise their own types, s3fs an `OSError` with S3's message)."""
-    text = f"{type(error).__name__} {error}"
-    return any(
-        marker in text for marker in ("PreconditionFailed", "412", "pre-condition")
-    )
-
-
-def _as_os_error(action: Callable[[], _T], what: str) -> _T:
-    """`action()`, retried; a failure is an `OSError`, as a disk's would be."""
-    try:
-        return _retried(action)
-    except (FileNotFoundError, _Refused):
-        raise
-    except Exception as e:  # Any backend's error is a failed write.
-        raise OSError(
-            getattr(e, "errno", None) or errno.EIO,
-            f"{what} failed after {_RETRIES} attempts ({type(e).__name__}: {e})",
-        ) from e
-
-
-def _retried(action: Callable[[], _T]) -> _T:
-    """`action()`, tried again with backoff on an error (not a missing file)."""
-    for attempt in range(_RETRIES):
-        try:
-            return action()
-        except (FileNotFoundError, _Refused):
-            raise
-        except Exception:  # Network and service errors differ by backend.
-            if attempt == _RETRIES - 1:
-                raise
-            time.sleep(_BACKOFF_SECONDS * 2**attempt)
-    raise AssertionError("unreachable")

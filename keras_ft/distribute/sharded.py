@@ -50,7 +50,7 @@ import numpy as np
 from keras_ft import backend as host
 from keras_ft import threads
 from keras_ft.checkpoint import files as file_io
-from keras_ft.checkpoint import remote, scratch
+from keras_ft.checkpoint import scratch, transfers
 from keras_ft.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -612,7 +612,7 @@ class ShardedReader:
         self._files: dict[str, int] = {}  # Open descriptors, by name.
         self._lock = threading.Lock()
         # A bucket's checkpoint: its files' pieces are fetched by range.
-        self._ranges = remote.range_reader(directory)
+        self._ranges = transfers.range_reader(directory)
         # Runs of pieces being fetched ahead from the bucket, by piece (with
         # the piece's place in its run), and the runs to fetch next.
         self._fetching: dict[tuple[str, int, int], tuple[_Run, int]] = {}
