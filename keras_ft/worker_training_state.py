@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import os
 import re
 import shutil
@@ -22,7 +21,6 @@ from keras_ft import backend as host
 from keras_ft import errors, events, threads
 from keras_ft.checkpoint.errors import (
     CheckpointWriteError,
-    CorruptCheckpointError,
     LeaseLapsedError,
     ProcessesDisagreeError,
     SaveCancelled,
@@ -43,6 +41,7 @@ from keras_ft.distribute.cluster import (
     current_task,
     worker_temp_name,
 )
+from keras_ft.local_tier import LocalTier
 from keras_ft.state import (
     WEIGHTS_FILE,
     NonFiniteStateError,
@@ -233,6 +232,7 @@ class WorkerTrainingState:
         # The fast tier on this machine's disk, its own lock beside it.
         self._local_store: CheckpointStore | None = None
         self._local_lock: Any = None
+        self._tier: LocalTier | None = None  # Where a restore reads from.
         if self.local_dir is not None:
             # In a cluster, a kill leaves the processes' newest saves a few
             # apart: each keeps enough for a step they all hold.
@@ -246,6 +246,9 @@ class WorkerTrainingState:
             # A model split across processes: each tier holds every piece
             # its process holds, to rebuild that process's slices alone.
             self._state.every_replica = True
+            self._tier = LocalTier(
+                self._local_store, self._chief_store, self.task, self._state
+            )
         self.async_save = bool(async_save)
         self._writer = _writers.setdefault(
             self._chief_store.identity, BackgroundWriter()
@@ -807,8 +810,8 @@ class WorkerTrainingState:
                     after,
                     supersedes("bucket"),
                 )
-                if self._local_store is not None:  # A sharded save's bucket copy.
-                    self._uploaded(committed, snapshot.metadata)
+                if self._tier is not None:  # A sharded save's bucket copy.
+                    self._tier.uploaded(committed, snapshot.metadata)
             else:
                 committed = self._local_store.save(
                     write or functools.partial(write_snapshot, snapshot),
@@ -827,7 +830,7 @@ class WorkerTrainingState:
                         supersedes("bucket"),
                     )
                     self._copies[committed.path] = local
-                    self._uploaded(committed, snapshot.metadata)
+                    self._tier.uploaded(committed, snapshot.metadata)
                     while len(self._copies) > 8:  # Only the newest are asked for.
                         del self._copies[next(iter(self._copies))]
         except LeaseLapsedError:
@@ -913,7 +916,7 @@ class WorkerTrainingState:
             return self._state.read_ahead(checkpoint.path, progress)
 
         store = self._chief_store
-        found = self._local_newest(read)
+        found = self._tier.newest(read) if self._tier is not None else None
         if found is not None:
             store = self._local_store
             events.log("tier", f"restoring from the local tier {store.directory}")
@@ -944,142 +947,6 @@ class WorkerTrainingState:
             self.listeners, "after_restore", point.checkpoint, point.epoch, point.step
         )
         return point
-
-    def _local_newest(
-        self, read: Callable[[Checkpoint, ReadProgress], Any]
-    ) -> tuple[Checkpoint, dict, Any] | None:
-        """The local tier's newest checkpoint, read, if it is at least as new
-        as the bucket's and verifies; else `None` (the bucket is read)."""
-        if self._local_store is None:
-            return None
-        # The chief asks the bucket how far its newest save went while the
-        # tier is listed and read: the round trips to the bucket then cost a
-        # restore from the tier nothing.
-        bucket = None
-        if self.task.is_chief:
-            bucket = threads.submit(threads.transfer, self._bucket_newest)
-        try:
-            with self._collectives():
-                return self._tier_or_none(read, bucket)
-        finally:
-            # Done before the restore reads the bucket itself: two reads of
-            # one object at once are not safe on every filesystem (memory://
-            # hands both threads the same file object).
-            if bucket is not None:
-                futures.wait([bucket])
-
-    def _tier_or_none(
-        self,
-        read: Callable[[Checkpoint, ReadProgress], Any],
-        bucket: futures.Future | None,
-    ) -> tuple[Checkpoint, dict, Any] | None:
-        """`_local_newest()`, the chief's look at the bucket under way in
-        `bucket`."""
-        assert self._local_store is not None
-        # Each process's saves, by step: after a kill, some processes hold
-        # a save or two more than others (a write in flight, steps run on).
-        saves: dict[int, tuple[Checkpoint, tuple[int, int, int]]] = {}
-        for checkpoint in self._local_store.checkpoints():
-            position = _position(self._local_store.unverified_metadata(checkpoint))
-            if position[2] >= 0:
-                saves[position[2]] = (checkpoint, position)
-        # The newest step every process's tier holds (an empty tier, a new
-        # machine, holds none: then all restore from the bucket).
-        step = host.least_in_all_processes(max(saves, default=-1))
-        mine = saves.get(step)
-        if self._state.sharded():
-            # The read runs collectives: every process reaches it, or none.
-            # Its files but the pieces (checked as read) are checked first.
-            intact = mine is not None and self._covers_this_layout(mine[0])
-            if not host.all_processes_agree(intact):
-                return None
-        found = None if mine is None else self._fetch_local(mine[0], read)
-        # Every process restores from its tier at that step, or all from the
-        # bucket: they agree before any of them loads. (The chief's verdict
-        # on the bucket holds for all: their points are the same; it is
-        # awaited after the tier's read.)
-        usable = found is not None and not _bucket_newer(bucket, mine[1])
-        if not host.all_processes_agree(usable):
-            if found is not None:
-                self._local_store.release(found[0])
-            return None
-        return found
-
-    def _covers_this_layout(self, checkpoint: Checkpoint) -> bool:
-        """Whether a tier checkpoint of a sharded save verifies (but its
-        pieces) and holds every slice this process's devices need (said
-        if not)."""
-        assert self._local_store is not None
-        try:
-            self._local_store.verify(checkpoint, whole=False)
-            gap = sharded.missing_in(
-                checkpoint.path,
-                self._state.saved_variables(),
-                self._state.variable_specs(),
-            )
-        except CorruptCheckpointError as e:
-            self._warn_damaged_tier(checkpoint, e)
-            return False
-        if gap is not None:
-            events.warn(
-                "tier",
-                f"keras-ft: the local tier's checkpoint {checkpoint.name} holds "
-                "this process's pieces of the layout it was saved in, and "
-                f"this layout needs others (of {gap}); every process "
-                f"restores from {self._chief_store.directory} instead.",
-                stacklevel=5,
-            )
-        return gap is None
-
-    def _fetch_local(
-        self, checkpoint: Checkpoint, read: Callable[[Checkpoint, ReadProgress], Any]
-    ) -> tuple[Checkpoint, dict, Any] | None:
-        """A tier checkpoint, read and verified; `None` (said) if damaged."""
-        assert self._local_store is not None
-        try:
-            return self._local_store.fetch(checkpoint, read)
-        except CorruptCheckpointError as e:
-            self._warn_damaged_tier(checkpoint, e)
-            return None
-
-    def _warn_damaged_tier(self, checkpoint: Checkpoint, error: Exception) -> None:
-        events.warn(
-            "tier",
-            f"keras-ft: the local tier's checkpoint {checkpoint.name} is damaged "
-            f"({error}); every process restores from "
-            f"{self._chief_store.directory} instead.",
-            stacklevel=5,
-        )
-
-    def _bucket_newest(self) -> tuple[int, int, int] | None:
-        """How far training was at the bucket's newest checkpoint, or `None`
-        if the bucket holds none."""
-        bucket = self._chief_store.checkpoints()
-        return self._bucket_position(bucket[-1]) if bucket else None
-
-    def _uploaded(self, checkpoint: Checkpoint, metadata: dict) -> None:
-        """Notes in the local tier that `checkpoint` (saved at `metadata`'s
-        point) is the bucket's newest, as far as this machine knows: a
-        restore that finds it so reads nothing in the bucket but its
-        listing."""
-        assert self._local_store is not None
-        note = {"sequence": checkpoint.sequence, "position": _position(metadata)}
-        self._local_store.replace_notice(_UPLOADED_NOTICE, json.dumps(note).encode())
-
-    def _bucket_position(self, newest: Checkpoint) -> tuple[int, int, int]:
-        """How far training was at the bucket's newest checkpoint: from this
-        machine's note if it uploaded that one, else from its metadata."""
-        assert self._local_store is not None
-        data = self._local_store.read_notice(_UPLOADED_NOTICE)
-        try:
-            note = json.loads(data or b"")
-            if note["sequence"] == newest.sequence:
-                return _position(
-                    dict(zip(_POSITION_KEYS, note["position"], strict=True))
-                )
-        except (ValueError, TypeError, KeyError, RecursionError):
-            pass  # No note, or a damaged one: the bucket says.
-        return _position(self._chief_store.unverified_metadata(newest))
 
     def roll_back(self) -> ResumePoint | None:
         """Loads the newest good checkpoint's variables, in the middle of training.
@@ -1195,22 +1062,6 @@ def validate_on_config_change(value: object) -> str:
     return value
 
 
-# In a local tier: the bucket checkpoint it last copied there.
-_UPLOADED_NOTICE = "uploaded.json"
-
-
-_POSITION_KEYS = ("epochs_completed", "batches_completed", "step")
-
-
-def _position(metadata: dict) -> tuple[int, int, int]:
-    """How far training was at a save, from its (unverified) metadata;
-    `(-1, -1, -1)` if it does not say."""
-    values = [metadata.get(k) for k in _POSITION_KEYS]
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        return tuple(values)  # type: ignore[return-value]
-    return (-1, -1, -1)
-
-
 def _copy_of(store: CheckpointStore, checkpoint: Checkpoint, staging: Staging) -> None:
     """Writes nothing: names `checkpoint`'s files (on this machine's disk)
     as the files of the checkpoint `staging` becomes, entries included."""
@@ -1218,15 +1069,6 @@ def _copy_of(store: CheckpointStore, checkpoint: Checkpoint, staging: Staging) -
         if name != METADATA_FILE:  # Written by the save itself.
             staging.from_paths[name] = checkpoint.file(name)
             staging.digests[name] = entry
-
-
-def _bucket_newer(
-    bucket: futures.Future | None, position: tuple[int, int, int]
-) -> bool:
-    """Whether the chief's look at the bucket (`None` elsewhere) found a
-    save later than `position`."""
-    newest = bucket.result() if bucket is not None else None
-    return newest is not None and position < newest
 
 
 def local_tier_dir(local_dir: str, bucket: ObjectStorage, task: TaskSpec) -> str:
