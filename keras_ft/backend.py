@@ -338,7 +338,9 @@ def pin_host(buffer: np.ndarray, device: Any) -> Callable[[], None] | None:
         return None
     cudart = torch.cuda.cudart()
     address, size = buffer.ctypes.data, buffer.nbytes
-    if not size or int(cudart.cudaHostRegister(address, size, 0)) != 0:
+    # cudaHostRegisterPortable (1): page-locked for every device's context,
+    # as PyTorch's own pin_memory() registers it.
+    if not size or int(cudart.cudaHostRegister(address, size, 1)) != 0:
         return None
 
     def unpin() -> None:
