@@ -69,12 +69,13 @@ SlurmctldPort={free_port()}
 SlurmdPort={free_port()}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={home}/munge/socket
+AuthInfo=socket={home}/munge/socket,cred_expire=5
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
 ReturnToService=2
 JobRequeue=1
 MpiDefault=none
@@ -153,8 +154,10 @@ def _job(env: dict, job: str) -> dict[str, str]:
 def run_job(env: dict, out: str, *args: str, timeout: float = 420) -> dict:
     """`sbatch` examples/slurm_requeue.sh with `args`, from the repository
     (the job runs there); returns the job as `scontrol` shows it, once it
-    has ended. A requeued job may start at once (SLURM holds it for two
-    minutes otherwise)."""
+    has ended. SLURM holds a requeued job until the last attempt's
+    credential expires (`cred_expire`: 120 s by default, 5 s here), so that
+    the old attempt's late exit is never taken for the new one's (released
+    by hand earlier, it was)."""
     submitted = subprocess.run(
         ["sbatch", "--parsable", "--ntasks=2", f"--output={out}",
          "examples/slurm_requeue.sh", *args],
@@ -165,11 +168,10 @@ def run_job(env: dict, out: str, *args: str, timeout: float = 420) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         shown = _job(env, job)
-        state = shown.get("JobState")
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+        if shown.get("JobState") in (
+            "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"
+        ):  # fmt: skip
             return shown
-        if state == "PENDING" and shown.get("Reason") == "BeginTime":
-            _run(env, "scontrol", "update", f"JobId={job}", "StartTime=now")
         time.sleep(0.5)
     subprocess.run(["scancel", job], env=env, timeout=30)
     with open(out) as f:
