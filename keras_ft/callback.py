@@ -2,33 +2,29 @@
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
-import functools
 import logging
-import math
 import os
 import signal
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import keras
 
-from keras_ft import backend as host
 from keras_ft import compat, events
-from keras_ft.checkpoint.format import is_url, signing_key
+from keras_ft.checkpoint.format import signing_key
 from keras_ft.checkpoint.lock import check_platform
-from keras_ft.checkpoint.remote import filesystem
+from keras_ft.checkpoint.remote import check_storage_options
 from keras_ft.checkpoint.store import CheckpointWriteError
 from keras_ft.distribute.cluster import TaskSpec
 from keras_ft.distribute.launch import (
     launch_from_environment,
     warn_of_jax_default_timeouts,
 )
-from keras_ft.state import NonFiniteStateError, ResumePoint, rng
+from keras_ft.fit_begin import open_backup, resume_fit
+from keras_ft.fit_saves import FitSaves, check_on_save_error
+from keras_ft.state import ResumePoint, rng
 from keras_ft.state.snapshots import validate_snapshot
-from keras_ft.state.training_state import optimizer_step, progress_text
+from keras_ft.state.training_state import optimizer_step
 from keras_ft.training import (
     callback_state,
     exits,
@@ -36,7 +32,6 @@ from keras_ft.training import (
     policy,
     restarts,
     resume,
-    tuner,
     watchdog,
 )
 from keras_ft.training.goodput import GoodputRecorder
@@ -44,6 +39,7 @@ from keras_ft.training.listeners import CheckpointListener, check_listeners
 from keras_ft.training.policy import KeepLast
 from keras_ft.training.preemption import (
     Preemption,
+    check_grace_period,
     interrupted_interactively,
     parse_signals,
 )
@@ -262,13 +258,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         check_platform()
         self.snapshot = validate_snapshot(snapshot)
         self.backup_dir = validate_backup_dir(backup_dir)
-        if storage_options is not None and not isinstance(storage_options, dict):
-            raise ValueError(
-                "Invalid value for argument `storage_options`. Expected a dict of "
-                "fsspec filesystem options. Received: "
-                f"storage_options={storage_options!r}"
-            )
-        self.storage_options = storage_options
+        self.storage_options = check_storage_options(self.backup_dir, storage_options)
         self.on_config_change = validate_on_config_change(on_config_change)
         signing_key(manifest_key)  # Validated now rather than at train begin.
         self.manifest_key = manifest_key
@@ -280,8 +270,6 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.first_batch_timeout = float(first_batch_timeout)
         self._deadline = watchdog.FitDeadline()
         self._goodput: GoodputRecorder | None = None
-        if is_url(self.backup_dir):
-            filesystem(self.backup_dir, storage_options)  # Fails early if missing.
         self.warm_start = warm_start_from(warm_start)
         self.listeners = check_listeners(listeners)
         # fit() builds the model before any callback runs: fix that part of
@@ -296,20 +284,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             save_freq is not False or save_every_seconds is not None
         )
         KeepLast(keep)  # Validated now rather than at train begin.
-        if on_save_error not in ("raise", "warn"):
-            raise ValueError(
-                "Invalid value for argument `on_save_error`. Expected 'raise' or "
-                f"'warn'. Received: on_save_error={on_save_error!r}"
-            )
-        if (
-            isinstance(grace_period, bool)
-            or not isinstance(grace_period, (int, float))
-            or not grace_period > 0
-        ):
-            raise ValueError(
-                "Invalid value for argument `grace_period`. Expected a positive "
-                f"number of seconds. Received: grace_period={grace_period!r}"
-            )
+        check_on_save_error(on_save_error)
         self.save_freq = save_freq
         self.save_every_seconds = save_every_seconds
         self.double_checkpoint = bool(double_checkpoint)
@@ -320,31 +295,30 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.async_save = bool(async_save)
         self.exit_on_preemption = bool(exit_on_preemption)
         self.preempted_by: str | None = None
-        self.backup_seconds = 0.0
         self._preemption = Preemption(
-            parse_signals(preemption_signals), float(grace_period)
+            parse_signals(preemption_signals), check_grace_period(grace_period)
         )
         self._preempted_signum: signal.Signals | None = None
         self._state: WorkerTrainingState | None = None
         self._callbacks: callback_state.FitCallbacks | None = None
         self._resumption: resume.Resumption | None = None
         self._inputs = inputs.InputPosition(None)
-        self._reported_interval: int | None = None
+        self._saves: FitSaves | None = None  # The last fit()'s.
         self._pending_epoch_end: tuple[int, dict | None, bool] | None = None
-        self._epoch_begin_rng: dict = {}
         self._epoch = 0
         self._batches_in_epoch = 0
         self._skip_until = 0
         self._epochs_completed = 0
-        self._skipped_non_finite: str | None = None
         self._services: list[BackupService] = []
         self._nothing_to_train: str | None = None
-        self._last_save: tuple[int, int | None] | None = None
+
+    @property
+    def backup_seconds(self) -> float:
+        return 0.0 if self._saves is None else self._saves.backup_seconds
 
     # Keras hooks.
 
     def on_train_begin(self, logs: dict | None = None) -> None:
-        model = self.model
         if self._resumption is not None:  # Left by a fit() that raised.
             self._resumption.remove()
             self._resumption = None
@@ -355,86 +329,66 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._callbacks = callback_state.FitCallbacks(
             self, callback_list, self._on_epoch_end_after_all
         )
-        # Inside a Keras Tuner search, the trial's own directory.
-        backup_dir = tuner.trial_backup_dir(
-            self.backup_dir, callback_list.callbacks if callback_list else []
-        )
         self._close_stale_state()
-        self._state = WorkerTrainingState(
-            model,
-            backup_dir,
-            keep=self.keep,
-            async_save=self.async_save,
-            listeners=self.listeners,
-            storage_options=self.storage_options,
-            verbose=self.verbose,
-            on_config_change=self.on_config_change,
-            manifest_key=self.manifest_key,
-            local_dir=self.local_dir,
-            check_extra=functools.partial(
-                resume.check_saved, callbacks=self._callbacks.others
-            ),
-            snapshot=self.snapshot,
+        self._state, self._goodput, point = open_backup(
+            self, callback_list, self._callbacks.others, self._check_cluster
         )
-        try:
-            self._check_cluster(self._state.task)
-            self._state.check_writable()
-            with self._state.locked():  # Released if the restore fails.
-                self._goodput = (
-                    GoodputRecorder(self._state.store)
-                    if self._state.task.is_chief
-                    else None
-                )
-                if self._goodput is not None:
-                    self._goodput.restore_begin()
-                point = self._state.restore()
-                if self._goodput is not None:
-                    self._goodput.restore_end(point.step if point else 0)
-                warmed = None
-                if point is None and self.warm_start is not None:
-                    warmed = self.warm_start.apply(model)
-                self._state.prepare()
-        except BaseException:
-            self._state.unlock()  # Nothing is being written yet.
-            raise
         self._bind_services()
-        self.backup_seconds = 0.0
-        self._last_save = None
+        self._saves = FitSaves(
+            self._state,
+            self._schedule,
+            self._local_schedule,
+            self._callbacks,
+            self._inputs,
+            self.on_save_error,
+            self.verbose,
+            on_raise=self._stop_threads,
+        )
         task = self._state.task
         if task.num_workers > 1:
             # Only the chief's input state is backed up, and a Grain iterator's
             # state may differ between processes (each reads its own shard).
             self._inputs.leave_grain()
         self.preempted_by = None
+        step = point.step if point else 0
         self._preemption.start(
-            callback_list, self._state.store, task.num_workers, task.is_chief,
-            point.step if point else 0,
-        )  # fmt: skip
+            callback_list, self._state.store, task.num_workers, task.is_chief, step
+        )
         self._epochs_completed = point.epoch if point else 0
         self._pending_epoch_end = None
-        self._skipped_non_finite = None
         self._nothing_to_train = self._finished(point)
-        if warmed:
-            events.say(
-                "restore",
-                f"BackupAndRestore: no backup to resume from; {warmed}.",
-                verbose=self.verbose,
-                write=compat.print_msg,
-            )
         if point is not None:
-            self._resume(point)
+            self._resumption = resume_fit(
+                self.model,
+                point,
+                self.params,
+                self._inputs,
+                self._state.apply_metrics,
+                self._nothing_to_train,
+                self.warm_start,
+                self.verbose,
+            )
         self._schedule.start(time.monotonic())
         self._local_schedule.start(time.monotonic())
-        self._reported_interval = None
-        self._start_deadline(callback_list, task)
+        self._deadline.start(
+            self.stall_timeout,
+            self.first_batch_timeout,
+            task,
+            callback_list,
+            lambda: (self._epoch, self._batches_in_epoch),
+            self._inputs.epoch_iterator,
+        )
+        self._watch_cluster(task, step)
+
+    def _watch_cluster(self, task: TaskSpec, step: int) -> None:
+        """A lost peer ends this process retryably; a launcher's restarts
+        that make no progress are said."""
         if task.num_workers > 1:
             exits.exit_retryably_on_lost_peer()
             warn_of_jax_default_timeouts(task.num_workers)
         launch = launch_from_environment()
         if launch is not None and task.is_chief:
-            restarts.check_progress(
-                self._state.store, launch.restart, point.step if point else 0
-            )
+            restarts.check_progress(self._state.store, launch.restart, step)
 
     def _close_stale_state(self) -> None:
         """Closes the state a `fit()` that raised left (Keras calls no
@@ -450,29 +404,6 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "save", f"BackupAndRestore: a backup of the last fit() failed: {e}"
             )
 
-    def _start_deadline(self, callback_list: Any, task: Any) -> None:
-        def describe() -> str:
-            where = f"epoch {self._epoch + 1}, batch {self._batches_in_epoch + 1}"
-            if task.num_workers > 1:
-                where += f" (on worker {task.task_index} of {task.num_workers})"
-            return where
-
-        self._deadline.start(
-            self.stall_timeout,
-            self.first_batch_timeout,
-            task,
-            callback_list,
-            describe,
-            loads_in_processes=compat.loads_in_processes(self._inputs.epoch_iterator),
-            # Where the coordination service lives in process 0, the others
-            # abort (SIGABRT, not the retryable 75) as soon as it is gone.
-            peers_first=(
-                task.num_workers > 1
-                and task.task_index == 0
-                and host.coordinator_in_process_zero()
-            ),
-        )
-
     def on_test_begin(self, logs: dict | None = None) -> None:
         self._deadline.test_begin()
 
@@ -481,42 +412,6 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_test_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._deadline.test_batch_ended()
-
-    def _resume(self, point: ResumePoint) -> None:
-        model = self.model
-        epochs = self.params.get("epochs", 0)
-        start = point
-        if self._nothing_to_train and point.epoch < epochs:
-            # A stop condition is met already: fit() runs no epoch.
-            start = dataclasses.replace(point, epoch=epochs, batch=0)
-        # Read by fit() right after on_train_begin, and cleared again at the
-        # first epoch begin so that a later fit() starts where it is told to.
-        # A Keras that does not read it runs the completed epochs: they are
-        # read through without training.
-        jumped = compat.set_initial_epoch(model, start.epoch)
-        if jumped and start is point:  # Shuffles follow the adapter's epoch.
-            compat.start_data_at_epoch(self._inputs.epoch_iterator, point.epoch)
-        if not jumped and start is not point:
-            model.stop_training = True  # After the first batch, read through.
-        self._resumption = resume.Resumption(
-            model, start, self._state.apply_metrics, jumped, self._inputs
-        )
-        saved = datetime.datetime.fromtimestamp(point.saved_at)
-        where = (
-            f"resuming at {resume.position(point, self.params)}, optimizer "
-            f"step {point.step}"
-        )
-        if self._nothing_to_train:
-            where = f"{self._nothing_to_train}: fit() ends without training"
-        message = (
-            f"BackupAndRestore: restored {point.checkpoint} (saved "
-            f"{saved:%Y-%m-%d %H:%M:%S}); {where}"
-        )
-        if self.warm_start is not None:
-            message += f"; warm start from {self.warm_start.path} not applied"
-        events.say(
-            "restore", message + ".", verbose=self.verbose, write=compat.print_msg
-        )
 
     def _bind_services(self) -> None:
         self._services = [
@@ -558,7 +453,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 return
         # Before the data pipeline draws this epoch's shuffle, so that a resumed
         # run can replay it.
-        self._epoch_begin_rng = rng.capture()
+        self._saves.epoch_begin_rng = rng.capture()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         # With steps_per_execution > 1, `batch` is the last of several steps.
@@ -567,7 +462,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._goodput.batch_end(self._optimizer_step, self.backup_seconds)
         steps = batch + 1 - self._batches_in_epoch
         self._batches_in_epoch = batch + 1
-        self._raise_write_errors(self._state.raise_if_failed)
+        self._saves.run(self._state.raise_if_failed)
         signum = self._preemption.at_batch_end(self._state.task.task_index)
         if signum is not None:
             self._stop_for_preemption(logs, signum)
@@ -578,7 +473,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         now = time.monotonic()
         if self._schedule.on_batch_end(steps, now, writing):
             self._save(logs, self._epoch, self._batches_in_epoch)
-            self._report_interval()
+            self._saves.report_interval()
         elif self._local_schedule.on_batch_end(steps, now, writing):
             self._save(logs, self._epoch, self._batches_in_epoch, to_bucket=False)
 
@@ -597,7 +492,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 (self._backs_up_stopped_epochs or stop_saved)
                 and not diverged
                 and batch > self._skip_until
-                and self._last_save != (epoch, batch)
+                and self._saves.last != (epoch, batch)
             ):
                 # Stopped mid-epoch by another callback: back up where it is.
                 self._save(logs, epoch, batch)
@@ -646,22 +541,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             service.backup = None
         self._services = []
         if self._state is not None:
-            if self.delete_checkpoint and completed and not self.preempted_by:
-                if self._skipped_non_finite:
-                    events.warn(
-                        "save",
-                        f"BackupAndRestore: fit() ran every epoch, but "
-                        f"{self._skipped_non_finite}, so it was not backed up. "
-                        "The backup of the last finite state is deleted, as "
-                        "`delete_checkpoint=True` asks; pass "
-                        "`delete_checkpoint=False` to keep it.",
-                        stacklevel=2,
-                    )
-                # The backup goes: no need to finish writing the last save.
-                self._raise_write_errors(self._state.discard_pending)
-                self._state.delete_backup()
-            else:
-                self._raise_write_errors(self._state.close)
+            self._saves.end(
+                delete=self.delete_checkpoint and completed and not self.preempted_by
+            )
         self._state = None
         if self.preempted_by and self.exit_on_preemption:
             if interrupted_interactively(self._preempted_signum):
@@ -682,7 +564,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             The checkpoint loaded, or `None` if nothing is backed up yet.
         """
         self.model  # noqa: B018  On JAX, syncs: the next step reads them.
-        return self._raise_write_errors(self._state.roll_back)
+        return self._saves.run(self._state.roll_back)
 
     # What the hooks do.
 
@@ -698,16 +580,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         # already holds this point.
         saved = f"the backup already holds {where}"
         if self._batches_in_epoch > self._skip_until:
-            if self._save(logs, self._epoch, self._batches_in_epoch):
-                # The process may be gone soon: this one is committed now.
-                checkpoint = self._raise_write_errors(self._state.wait)
-                saved = f"backed up {where}"
-                if checkpoint is not None:  # None on a worker: the chief commits.
-                    saved += f" to {checkpoint.path}"
-                elif self._skipped_non_finite:  # Found by the writer's check.
-                    saved = f"{where} is not finite and was not backed up"
-            else:
-                saved = f"{where} is not finite and was not backed up"
+            saved = self._saves.save_now(
+                self.model, logs, self._epoch, self._batches_in_epoch, where
+            )
         self.preempted_by = signum.name
         self.model.stop_training = True
         events.say(
@@ -717,145 +592,11 @@ class BackupAndRestore(keras.callbacks.Callback):
             write=compat.print_msg,
         )
 
-    def _save(
-        self,
-        logs: dict | None,
-        epoch: int,
-        batch: int | None,
-        *,
-        pending: Sequence[keras.callbacks.Callback] = (),
-        replaces_last: bool = False,
-        to_bucket: bool = True,
-    ) -> bool:
-        """Backs up the state now; returns whether a save was started.
+    def _save(self, logs: dict | None, epoch: int, batch: int | None, **how) -> bool:
+        """`FitSaves.save()`: backs up the state now, if it is finite."""
+        return self._saves.save(self.model, logs, epoch, batch, **how)
 
-        `pending`: later callbacks whose epoch end has not run yet (noted
-        in the backup, so that a resume from it can say so). `to_bucket`:
-        `False` for a save to the local tier alone.
-        """
-        # As a refusal found later by the writer says it (`progress_text()`).
-        where = progress_text(epoch if batch else epoch + 1, batch or 0)
-        if not _finite_loss(logs):
-            self._skip_non_finite(f"the loss is {logs.get('loss')} at {where}")
-            return False
-        # On JAX, reading `self.model` syncs the trainer's state back into
-        # the model's variables, which fit() leaves stale mid-epoch.
-        self.model  # noqa: B018
-        # At an epoch end, the next epoch begins with the generators as now.
-        epoch_begin_rng = rng.capture() if batch is None else self._epoch_begin_rng
-        others = self._callbacks.others
-        extra = {
-            "epoch_begin_rng": epoch_begin_rng,
-            "logs": _float_logs(logs),
-            "callbacks": callback_state.capture(
-                callback_state.with_epoch_recorded(others, epoch, logs, batch)
-            ),
-        }
-        if pending:
-            extra["callbacks_pending"] = self._callbacks.keys(list(pending))
-        started = time.monotonic()
-        if batch:  # Counted in the save's cost: a tf.data state may be large.
-            position = self._inputs.state_at(batch)
-            if position is not None:
-                extra["input"] = position
-
-        how = {"replaces_last": replaces_last, "to_bucket": to_bucket}
-
-        def back_up() -> None:
-            try:
-                self._state.back_up(epoch, batch, extra, **how)
-            except NonFiniteStateError as e:
-                if e.at is None:
-                    raise  # This state's.
-                # An earlier save's, found by its writer's check, raised
-                # before this one started: reported, then this one goes on.
-                self._skip_non_finite(_non_finite_text(e))
-                self._state.back_up(epoch, batch, extra, **how)
-
-        try:
-            self._raise_write_errors(back_up)
-        except NonFiniteStateError as e:
-            self._skip_non_finite(_non_finite_text(e, where))
-            return False
-        now = time.monotonic()
-        if to_bucket:
-            self._schedule.saved(now, cost=now - started)
-        self._local_schedule.saved(now, cost=now - started)
-        self.backup_seconds += now - started
-        self._last_save = (epoch, batch)
-        self._skipped_non_finite = None
-        return True
-
-    def _skip_non_finite(self, what: str) -> None:
-        self._skipped_non_finite = what
-        events.warn(
-            "stop",
-            f"BackupAndRestore: {what}; not backing up a diverged model. The "
-            "last good backup is kept.",
-            stacklevel=3,
-        )
-
-    def _report_interval(self) -> None:
-        budget = policy.budget_of(self._schedule)
-        if budget is None or budget.interval is None:
-            return
-        reported = self._reported_interval
-        if reported is None or not reported / 2 <= budget.interval <= reported * 2:
-            self._reported_interval = budget.interval
-            events.say(
-                "save",
-                f"BackupAndRestore: saving every {budget.interval} steps (a save "
-                f"holds training up {budget.save_cost * 1000:.0f} ms, a step "
-                f"takes {budget.step_time * 1000:.1f} ms; budget "
-                f"{budget.budget:.1%}).",
-                verbose=self.verbose,
-                write=compat.print_msg,
-            )
-
-    def _raise_write_errors(self, step: Any) -> Any:
-        """Runs `step`; a failed write raises, or warns with `on_save_error`.
-
-        A save its writer refused as not finite (checked in the background)
-        warns, as one refused at once does.
-        """
-        try:
-            return step()
-        except NonFiniteStateError as e:
-            if e.at is None:
-                raise
-            self._skip_non_finite(_non_finite_text(e))
-            return None
-        except CheckpointWriteError as e:
-            if self.on_save_error == "warn":
-                events.warn("save", f"BackupAndRestore: {e.strerror}", stacklevel=3)
-                return None
-            # fit() ends here without calling on_train_end.
-            self._deadline.stop()
-            self._preemption.stop()
-            self._state.unlock()
-            raise
-
-
-def _non_finite_text(error: NonFiniteStateError, where: str | None = None) -> str:
-    shown = ", ".join(error.variables[:3])
-    return f"{shown} hold NaN or infinity at {error.at or where}"
-
-
-def _float_logs(logs: dict | None) -> dict[str, float]:
-    result = {}
-    for key, value in (logs or {}).items():
-        try:
-            result[key] = float(value)
-        except (TypeError, ValueError):
-            continue
-    return result
-
-
-def _finite_loss(logs: dict | None) -> bool:
-    loss = (logs or {}).get("loss")
-    if loss is None:
-        return True
-    try:
-        return math.isfinite(float(loss))
-    except (TypeError, ValueError):
-        return True
+    def _stop_threads(self) -> None:
+        """Before a write error ends fit() (no `on_train_end` follows)."""
+        self._deadline.stop()
+        self._preemption.stop()

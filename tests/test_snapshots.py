@@ -110,7 +110,7 @@ def test_a_device_without_room_for_a_snapshot_copies_to_host_memory(
     assert len(said) == 1, said  # Once, at the first save.
     assert "no room on the device" in said[0], said
     assert "(140.6 KiB needed, 16.0 KiB free)" in said[0], said  # 144,024 bytes.
-    assert state._snapshots.on_device(list) is False  # Decided: not asked again.
+    assert state._saver._snapshots.on_device(list) is False  # Decided: not asked again.
     restored = make_model(units=2000)
     keras_ft.load_checkpoint(str(tmp_path), restored)
     for a, b in zip(state_of(restored), state_of(model), strict=True):

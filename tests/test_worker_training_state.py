@@ -25,13 +25,13 @@ from conftest import (
 
 import keras_ft
 import keras_ft.checkpoint.store
+import keras_ft.saves.chief
 from keras_ft import (
     BackupAndRestore,
     DirectoryInUseError,
     NonFiniteStateError,
     TaskSpec,
     WorkerTrainingState,
-    worker_training_state,
 )
 
 
@@ -128,13 +128,13 @@ def test_non_chief_writes_a_temporary_directory_and_removes_it(
         worker_model, backup_dir, task=TaskSpec("worker", 1, 2, False)
     )
     written = []
-    original_write = worker_training_state.write_snapshot
+    original_write = keras_ft.saves.chief.write_snapshot
 
     def spy(snapshot, directory):
         written.append(directory)
         original_write(snapshot, directory)
 
-    monkeypatch.setattr(worker_training_state, "write_snapshot", spy)
+    monkeypatch.setattr(keras_ft.saves.chief, "write_snapshot", spy)
     assert worker.back_up(0) is None
     assert written and os.path.join(backup_dir, "workertemp_1") in written[0].path
     assert not os.path.exists(os.path.join(backup_dir, "workertemp_1"))
@@ -328,13 +328,13 @@ def test_fuzzed_newest_checkpoint_always_falls_back_to_the_previous(backup_dir, 
 def held_writes(monkeypatch):
     """Makes every snapshot write wait at a gate; returns the gate."""
     gate = threading.Event()
-    original = worker_training_state.write_snapshot
+    original = keras_ft.saves.chief.write_snapshot
 
     def write(snapshot, directory):
         assert gate.wait(timeout=60)
         original(snapshot, directory)
 
-    monkeypatch.setattr(worker_training_state, "write_snapshot", write)
+    monkeypatch.setattr(keras_ft.saves.chief, "write_snapshot", write)
     return gate
 
 
@@ -360,7 +360,7 @@ def test_a_long_run_of_async_saves_holds_only_the_saves_in_flight(backup_dir, da
     for epoch in range(6):
         state.back_up(epoch)
     # What a save in flight needs (to be called off) is not kept past it.
-    assert len(state._cancels) <= 2
+    assert len(state._queue._cancels) <= 2
     assert state.wait().sequence == 6
 
 
@@ -380,13 +380,14 @@ _EXIT_WITH_A_WRITE_IN_FLIGHT = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
 from conftest import make_model, make_data
-from keras_ft import WorkerTrainingState, worker_training_state
+from keras_ft import WorkerTrainingState
+from keras_ft.saves import chief
 
-original = worker_training_state.write_snapshot
+original = chief.write_snapshot
 def slow_write(snapshot, directory):
     time.sleep(1.0)
     original(snapshot, directory)
-worker_training_state.write_snapshot = slow_write
+chief.write_snapshot = slow_write
 
 model = make_model()
 model.fit(*make_data(), epochs=1, verbose=0)

@@ -59,6 +59,7 @@ from keras_ft.checkpoint.format import (
     Checkpoint,
     checkpoint_name,
     checkpoint_sequence,
+    is_url,
 )
 from keras_ft.checkpoint.lease import (  # noqa: F401  (also named here, as before)
     LEASE_FILE,
@@ -80,6 +81,20 @@ _ENDPOINT_ENV = {
     "gs": ("STORAGE_EMULATOR_HOST",),
     "gcs": ("STORAGE_EMULATOR_HOST",),
 }
+
+
+def check_storage_options(backup_dir: str, storage_options: object) -> dict | None:
+    """`storage_options` checked: a dict or `None`; with a URL `backup_dir`,
+    its filesystem is opened now, to fail early if it is missing."""
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise ValueError(
+            "Invalid value for argument `storage_options`. Expected a dict of "
+            "fsspec filesystem options. Received: "
+            f"storage_options={storage_options!r}"
+        )
+    if is_url(backup_dir):
+        filesystem(backup_dir, storage_options)
+    return storage_options
 
 
 def filesystem(url: str, storage_options: dict | None = None) -> tuple[Any, str]:

@@ -250,6 +250,16 @@ class PreemptionWatcher:
             os._exit(128 + int(self.received))
 
 
+def check_grace_period(value: object) -> float:
+    """`grace_period` as seconds, or a `ValueError` saying what it must be."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(
+            "Invalid value for argument `grace_period`. Expected a positive "
+            f"number of seconds. Received: grace_period={value!r}"
+        )
+    return float(value)
+
+
 def interactive() -> bool:
     """Whether this process runs an IPython shell or a Jupyter kernel."""
     ipython = sys.modules.get("IPython")

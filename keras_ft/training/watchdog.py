@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from keras_ft import compat, events, threads
+from keras_ft import backend, compat, events, threads
 
 # sysexits.h's EX_TEMPFAIL: "a temporary failure; the user is invited to retry".
 RETRYABLE_EXIT_CODE = 75
@@ -238,14 +238,30 @@ class FitDeadline:
         first_batch_timeout: float,
         task: Any,
         callback_list: Any,
-        describe: Callable[[], str],
-        loads_in_processes: bool,
-        peers_first: bool,
+        position: Callable[[], tuple[int, int]],
+        epoch_iterator: Any,
     ) -> None:
         """Starts the deadline `stall_timeout` asks for (`start_deadline()`),
-        for the `fit()` calling `callback_list`: once that `fit()` is no
-        longer on the main thread's stack (it raised), a silence is not a
-        stall."""
+        for the `fit()` calling `callback_list` and reading `epoch_iterator`:
+        once that `fit()` is no longer on the main thread's stack (it
+        raised), a silence is not a stall. `position()` is the epoch and the
+        batches trained in it, for the message."""
+
+        def describe() -> str:
+            epoch, batches = position()
+            where = f"epoch {epoch + 1}, batch {batches + 1}"
+            if task.num_workers > 1:
+                where += f" (on worker {task.task_index} of {task.num_workers})"
+            return where
+
+        loads_in_processes = compat.loads_in_processes(epoch_iterator)
+        # Where the coordination service lives in process 0, the others
+        # abort (SIGABRT, not the retryable 75) as soon as it is gone.
+        peers_first = (
+            task.num_workers > 1
+            and task.task_index == 0
+            and backend.coordinator_in_process_zero()
+        )
         self.stop()  # Left by a fit() that raised.
         fit_calls = weakref.ref(callback_list) if callback_list is not None else None
 

@@ -1,0 +1,122 @@
+"""What `BackupAndRestore` does at train begin: opens the fit()'s backup,
+locks it and restores from it (or warm starts a model with no backup), and
+sets fit() to resume where the backup was."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import keras
+
+from keras_ft import compat, events
+from keras_ft.distribute.cluster import TaskSpec
+from keras_ft.state import ResumePoint
+from keras_ft.training import inputs, resume, tuner
+from keras_ft.training.goodput import GoodputRecorder
+from keras_ft.worker_training_state import WorkerTrainingState
+
+
+def open_backup(
+    callback: Any,
+    callback_list: Any,
+    others: list[keras.callbacks.Callback],
+    check_task: Callable[[TaskSpec], None],
+) -> tuple[WorkerTrainingState, GoodputRecorder | None, ResumePoint | None]:
+    """Opens `callback`'s backup (a `BackupAndRestore`'s arguments) for
+    the fit() calling `callback_list`, locks it and restores from it, or
+    warm starts the model when there is no backup.
+
+    Returns:
+        The training's state (locked), its goodput record (on the chief),
+        and where training resumes (`None`: from the start).
+    """
+    model = callback.model
+    # Inside a Keras Tuner search, the trial's own directory.
+    backup_dir = tuner.trial_backup_dir(
+        callback.backup_dir, callback_list.callbacks if callback_list else []
+    )
+    state = WorkerTrainingState(
+        model,
+        backup_dir,
+        keep=callback.keep,
+        async_save=callback.async_save,
+        listeners=callback.listeners,
+        storage_options=callback.storage_options,
+        verbose=callback.verbose,
+        on_config_change=callback.on_config_change,
+        manifest_key=callback.manifest_key,
+        local_dir=callback.local_dir,
+        check_extra=functools.partial(resume.check_saved, callbacks=others),
+        snapshot=callback.snapshot,
+    )
+    warmed = None
+    try:
+        check_task(state.task)
+        state.check_writable()
+        with state.locked():  # Released if the restore fails.
+            goodput = GoodputRecorder(state.store) if state.task.is_chief else None
+            if goodput is not None:
+                goodput.restore_begin()
+            point = state.restore()
+            if goodput is not None:
+                goodput.restore_end(point.step if point else 0)
+            if point is None and callback.warm_start is not None:
+                warmed = callback.warm_start.apply(model)
+            state.prepare()
+    except BaseException:
+        state.unlock()  # Nothing is being written yet.
+        raise
+    if warmed:
+        events.say(
+            "restore",
+            f"BackupAndRestore: no backup to resume from; {warmed}.",
+            verbose=callback.verbose,
+            write=compat.print_msg,
+        )
+    return state, goodput, point
+
+
+def resume_fit(
+    model: keras.Model,
+    point: ResumePoint,
+    params: dict,
+    position: inputs.InputPosition,
+    apply_metrics: Callable[[list], bool],
+    nothing_to_train: str | None,
+    warm_start: Any,
+    verbose: int,
+) -> resume.Resumption:
+    """Sets fit() to go on from `point` (or to train nothing, where
+    `nothing_to_train` says why), says so, and returns what carries the
+    resume through the first epoch."""
+    epochs = params.get("epochs", 0)
+    start = point
+    if nothing_to_train and point.epoch < epochs:
+        # A stop condition is met already: fit() runs no epoch.
+        start = dataclasses.replace(point, epoch=epochs, batch=0)
+    # Read by fit() right after on_train_begin, and cleared again at the
+    # first epoch begin so that a later fit() starts where it is told to.
+    # A Keras that does not read it runs the completed epochs: they are
+    # read through without training.
+    jumped = compat.set_initial_epoch(model, start.epoch)
+    if jumped and start is point:  # Shuffles follow the adapter's epoch.
+        compat.start_data_at_epoch(position.epoch_iterator, point.epoch)
+    if not jumped and start is not point:
+        model.stop_training = True  # After the first batch, read through.
+    resumption = resume.Resumption(model, start, apply_metrics, jumped, position)
+    saved = datetime.datetime.fromtimestamp(point.saved_at)
+    where = f"resuming at {resume.position(point, params)}, optimizer step {point.step}"
+    if nothing_to_train:
+        where = f"{nothing_to_train}: fit() ends without training"
+    message = (
+        f"BackupAndRestore: restored {point.checkpoint} (saved "
+        f"{saved:%Y-%m-%d %H:%M:%S}); {where}"
+    )
+    if warm_start is not None:
+        message += f"; warm start from {warm_start.path} not applied"
+    events.say("restore", message + ".", verbose=verbose, write=compat.print_msg)
+    return resumption

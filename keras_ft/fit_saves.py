@@ -1,0 +1,262 @@
+"""The callback's saves: the state a save holds beside the variables, a
+diverged state skipped, and what a failed write does (`on_save_error`).
+
+`BackupAndRestore` decides when to save (its schedules) and calls `save()`;
+everything about the save itself, and every error a save or a wait for one
+raises, is handled here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+
+from keras_ft import compat, events
+from keras_ft.checkpoint.errors import CheckpointWriteError
+from keras_ft.state import NonFiniteStateError, rng
+from keras_ft.state.training_state import progress_text
+from keras_ft.training import callback_state, inputs, policy
+from keras_ft.worker_training_state import WorkerTrainingState
+
+
+class FitSaves:
+    """One `fit()`'s saves (see the module's docstring).
+
+    Args:
+        state: The training's `WorkerTrainingState`.
+        schedule: When to save to the backup (`policy.SaveSchedule`).
+        local_schedule: When to save to the local tier alone.
+        callbacks: The fit's other callbacks (their state is saved).
+        position: Where the input pipeline is (saved mid-epoch).
+        on_save_error: `"raise"` or `"warn"` (see `BackupAndRestore`).
+        verbose: `BackupAndRestore`'s `verbose`.
+        on_raise: What to stop before a write error ends `fit()` (Keras
+            calls no `on_train_end` then).
+    """
+
+    def __init__(
+        self,
+        state: WorkerTrainingState,
+        schedule: Any,
+        local_schedule: Any,
+        callbacks: callback_state.FitCallbacks,
+        position: inputs.InputPosition,
+        on_save_error: str,
+        verbose: int,
+        on_raise: Callable[[], None],
+    ):
+        self.state = state
+        self._schedule, self._local_schedule = schedule, local_schedule
+        self._callbacks, self._inputs = callbacks, position
+        self._on_save_error, self._verbose = on_save_error, verbose
+        self._on_raise = on_raise
+        self.backup_seconds = 0.0  # Training held up by saves, this fit().
+        self.last = None  # `(epoch, batch)` of the last save started.
+        # Why the last state was not backed up (not finite), if it was not.
+        self.skipped_non_finite: str | None = None
+        # The random generators at the epoch's begin (saved mid-epoch).
+        self.epoch_begin_rng: dict = {}
+        self._reported_interval: int | None = None
+
+    def save(
+        self,
+        model: keras.Model,
+        logs: dict | None,
+        epoch: int,
+        batch: int | None,
+        *,
+        pending: Sequence[keras.callbacks.Callback] = (),
+        replaces_last: bool = False,
+        to_bucket: bool = True,
+    ) -> bool:
+        """Backs up the state now; returns whether a save was started.
+
+        `pending`: later callbacks whose epoch end has not run yet (noted
+        in the backup, so that a resume from it can say so). `to_bucket`:
+        `False` for a save to the local tier alone.
+        """
+        # As a refusal found later by the writer says it (`progress_text()`).
+        where = progress_text(epoch if batch else epoch + 1, batch or 0)
+        if not _finite_loss(logs):
+            self.skip_non_finite(f"the loss is {logs.get('loss')} at {where}")
+            return False
+        # On JAX, reading `model` syncs the trainer's state back into the
+        # model's variables, which fit() leaves stale mid-epoch.
+        model  # noqa: B018
+        started = time.monotonic()
+        extra = self._extra(logs, epoch, batch, pending)
+        how = {"replaces_last": replaces_last, "to_bucket": to_bucket}
+
+        def back_up() -> None:
+            try:
+                self.state.back_up(epoch, batch, extra, **how)
+            except NonFiniteStateError as e:
+                if e.at is None:
+                    raise  # This state's.
+                # An earlier save's, found by its writer's check, raised
+                # before this one started: reported, then this one goes on.
+                self.skip_non_finite(_non_finite_text(e))
+                self.state.back_up(epoch, batch, extra, **how)
+
+        try:
+            self.run(back_up)
+        except NonFiniteStateError as e:
+            self.skip_non_finite(_non_finite_text(e, where))
+            return False
+        now = time.monotonic()
+        if to_bucket:
+            self._schedule.saved(now, cost=now - started)
+        self._local_schedule.saved(now, cost=now - started)
+        self.backup_seconds += now - started
+        self.last = (epoch, batch)
+        self.skipped_non_finite = None
+        return True
+
+    def save_now(
+        self,
+        model: keras.Model,
+        logs: dict | None,
+        epoch: int,
+        batch: int,
+        where: str,
+    ) -> str:
+        """Backs up the state at `where` and waits for its commit (the
+        process may be gone soon); returns what became of it, in words."""
+        if not self.save(model, logs, epoch, batch):
+            return f"{where} is not finite and was not backed up"
+        checkpoint = self.run(self.state.wait)
+        if checkpoint is not None:
+            return f"backed up {where} to {checkpoint.path}"
+        if self.skipped_non_finite:  # Found by the writer's check.
+            return f"{where} is not finite and was not backed up"
+        return f"backed up {where}"  # On a worker: the chief commits.
+
+    def end(self, delete: bool) -> None:
+        """At train end: deletes the backup (`delete`), or waits for the
+        saves in flight to commit and lets go of it."""
+        if not delete:
+            self.run(self.state.close)
+            return
+        if self.skipped_non_finite:
+            events.warn(
+                "save",
+                f"BackupAndRestore: fit() ran every epoch, but "
+                f"{self.skipped_non_finite}, so it was not backed up. The backup "
+                "of the last finite state is deleted, as `delete_checkpoint=True` "
+                "asks; pass `delete_checkpoint=False` to keep it.",
+                stacklevel=3,
+            )
+        # The backup goes: no need to finish writing the last save.
+        self.run(self.state.discard_pending)
+        self.state.delete_backup()
+
+    def _extra(
+        self,
+        logs: dict | None,
+        epoch: int,
+        batch: int | None,
+        pending: Sequence[keras.callbacks.Callback],
+    ) -> dict:
+        """What a save holds beside the variables."""
+        others = self._callbacks.others
+        extra = {
+            # At an epoch end, the next epoch begins with the generators as now.
+            "epoch_begin_rng": rng.capture() if batch is None else self.epoch_begin_rng,
+            "logs": _float_logs(logs),
+            "callbacks": callback_state.capture(
+                callback_state.with_epoch_recorded(others, epoch, logs, batch)
+            ),
+        }
+        if pending:
+            extra["callbacks_pending"] = self._callbacks.keys(list(pending))
+        if batch:  # Counted in the save's cost: a tf.data state may be large.
+            position = self._inputs.state_at(batch)
+            if position is not None:
+                extra["input"] = position
+        return extra
+
+    def skip_non_finite(self, what: str) -> None:
+        self.skipped_non_finite = what
+        events.warn(
+            "stop",
+            f"BackupAndRestore: {what}; not backing up a diverged model. The "
+            "last good backup is kept.",
+            stacklevel=4,
+        )
+
+    def report_interval(self) -> None:
+        """Says the interval `save_freq="auto"` chose, when it changes much."""
+        budget = policy.budget_of(self._schedule)
+        if budget is None or budget.interval is None:
+            return
+        reported = self._reported_interval
+        if reported is None or not reported / 2 <= budget.interval <= reported * 2:
+            self._reported_interval = budget.interval
+            events.say(
+                "save",
+                f"BackupAndRestore: saving every {budget.interval} steps (a save "
+                f"holds training up {budget.save_cost * 1000:.0f} ms, a step "
+                f"takes {budget.step_time * 1000:.1f} ms; budget "
+                f"{budget.budget:.1%}).",
+                verbose=self._verbose,
+                write=compat.print_msg,
+            )
+
+    def run(self, step: Callable[[], Any]) -> Any:
+        """Runs `step`; a failed write raises, or warns with `on_save_error`.
+
+        A save its writer refused as not finite (checked in the background)
+        warns, as one refused at once does.
+        """
+        try:
+            return step()
+        except NonFiniteStateError as e:
+            if e.at is None:
+                raise
+            self.skip_non_finite(_non_finite_text(e))
+            return None
+        except CheckpointWriteError as e:
+            if self._on_save_error == "warn":
+                events.warn("save", f"BackupAndRestore: {e.strerror}", stacklevel=3)
+                return None
+            # fit() ends here without calling on_train_end.
+            self._on_raise()
+            self.state.unlock()
+            raise
+
+
+def check_on_save_error(value: object) -> None:
+    if value not in ("raise", "warn"):
+        raise ValueError(
+            "Invalid value for argument `on_save_error`. Expected 'raise' or "
+            f"'warn'. Received: on_save_error={value!r}"
+        )
+
+
+def _non_finite_text(error: NonFiniteStateError, where: str | None = None) -> str:
+    shown = ", ".join(error.variables[:3])
+    return f"{shown} hold NaN or infinity at {error.at or where}"
+
+
+def _float_logs(logs: dict | None) -> dict[str, float]:
+    result = {}
+    for key, value in (logs or {}).items():
+        try:
+            result[key] = float(value)
+        except (TypeError, ValueError):
+            continue
+    return result
+
+
+def _finite_loss(logs: dict | None) -> bool:
+    loss = (logs or {}).get("loss")
+    if loss is None:
+        return True
+    try:
+        return math.isfinite(float(loss))
+    except (TypeError, ValueError):
+        return True

@@ -1,0 +1,236 @@
+"""The chief's save (with a local tier, every process's own): the state is
+copied (on the device, or into the host buffer), then written and committed
+by the writer thread while training goes on."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from concurrent import futures
+
+from keras_ft import threads
+from keras_ft.checkpoint.errors import (
+    LeaseLapsedError,
+    ProcessesDisagreeError,
+    SaveCancelled,
+)
+from keras_ft.checkpoint.files import Staging
+from keras_ft.checkpoint.format import Checkpoint
+from keras_ft.distribute.cluster import TaskSpec
+from keras_ft.saves.queue import SaveQueue
+from keras_ft.saves.tiers import TieredStore
+from keras_ft.state import WEIGHTS_FILE, NonFiniteStateError, Snapshot, arrays
+from keras_ft.state.snapshots import SnapshotPlace
+from keras_ft.state.training_state import TrainingState, optimizer_step, progress_text
+from keras_ft.state.weights_copy import CapturedWeights
+from keras_ft.threads import PendingWrite
+from keras_ft.training.listeners import CheckpointListener, notify
+
+
+class ChiefSaver:
+    """Saves that commit a checkpoint of their own.
+
+    Args:
+        state: The training state.
+        task: This process's role.
+        queue: The training's saves in flight.
+        tiers: Where they commit.
+        lock: The backup's writer lock (a lapsed lease stops a commit).
+        listeners: Told before a save and after its commit (on the chief).
+        snapshots: Where a save copies the state (`snapshot=`).
+    """
+
+    def __init__(
+        self,
+        state: TrainingState,
+        task: TaskSpec,
+        queue: SaveQueue,
+        tiers: TieredStore,
+        lock: object,
+        listeners: list[CheckpointListener],
+        snapshots: SnapshotPlace,
+    ):
+        self._state, self._task, self._queue, self._tiers = state, task, queue, tiers
+        self._lock, self._listeners, self._snapshots = lock, listeners, snapshots
+        self._moving: futures.Future | None = None  # The last snapshot's move.
+
+    def before_save(self, epochs_completed: int) -> None:
+        """Tells the listeners (on the chief) that a save begins."""
+        if self._task.is_chief:
+            step = optimizer_step(self._state.model)
+            notify(self._listeners, "before_save", epochs_completed, step)
+
+    def back_up(
+        self,
+        epochs_completed: int,
+        batches_completed: int,
+        extra: dict | None,
+        replaces_last: bool,
+        to_bucket: bool,
+    ) -> Checkpoint | None:
+        """`WorkerTrainingState.back_up()` of an unsharded model."""
+        self.before_save(epochs_completed)
+        # Another worker's local tier keeps its saves; only the chief uploads.
+        to_bucket = to_bucket and self._task.is_chief
+        # The copy goes into the buffer the saves in flight share: each value
+        # waits until the save before has written it out, and this save's
+        # write follows the copy, so the disk never waits for all of it. In
+        # the background, once the last write is over, the NaN/infinity check
+        # follows the copy too (the write follows the check): training then
+        # waits for the copy alone, and the writer refuses a non-finite state
+        # before its commit.
+        # On an accelerator, the copy training waits for is one on the device;
+        # its move to host memory (and the check) follow in the background.
+        snapshot = self._snapshot_to_write(epochs_completed, batches_completed, extra)
+        try:
+            cancel = self.start(snapshot, replaces_last, to_bucket=to_bucket)
+        except BaseException:
+            snapshot.release()  # Never written: the next copy must not wait.
+            raise
+        if snapshot.weights.from_device:
+            move = threads.submit(threads.mover, _move_to_host, snapshot.weights)
+            self._moving = move
+        else:
+            snapshot.weights.fill()  # On failure, the write sees it and calls off.
+        # Checked during the copy. A check that follows the copy is the
+        # writer's to report, even if it is already over.
+        if not snapshot.weights.checked_later and snapshot.weights.non_finite:
+            cancel.set()  # The write stops where it is and commits nothing.
+            raise NonFiniteStateError(snapshot.weights.non_finite)
+        return self._queue.committed()
+
+    def _snapshot_to_write(
+        self, epochs_completed: int, batches_completed: int, extra: dict | None
+    ) -> Snapshot:
+        """The state now, for the writer to follow: copied on the device
+        where saves snapshot there, else to be copied to host memory by
+        `weights.fill()` before the next training step."""
+        on_device = self._snapshots.on_device(self._state.saved_variables)
+        if on_device and self._moving is not None:
+            # One snapshot on the device at a time: the last one's move ends
+            # (and frees it) before the next is made.
+            self._moving.result()
+            self._moving = None
+        try:
+            return self._state.snapshot(
+                epochs_completed,
+                batches_completed,
+                extra,
+                copy=True,
+                fill=False,
+                check_later=self._queue.async_save or on_device,
+                on_device=on_device,
+            )
+        except Exception as e:
+            if not (on_device and self._snapshots.out_of_memory(e)):
+                raise
+        return self._snapshot_to_write(epochs_completed, batches_completed, extra)
+
+    def start(
+        self,
+        snapshot: Snapshot,
+        replaces_last: bool,
+        write: Callable[[Staging], None] | None = None,
+        to_bucket: bool = True,
+        direct: bool = False,
+    ) -> threading.Event:
+        """Hands `snapshot`'s write (`write`, else its files) and commit to
+        the writer thread (`TieredStore.commit()` says what `to_bucket` and
+        `direct` do).
+
+        Returns:
+            The event that calls this save off.
+        """
+        write = write or functools.partial(_write_snapshot, snapshot)
+        return self._queue.start(
+            lambda cancel, previous, replaced: self._commit(
+                snapshot, write, cancel, previous, replaced, to_bucket, direct
+            ),
+            replaces_last,
+        )
+
+    def _commit(
+        self,
+        snapshot: Snapshot,
+        write: Callable[[Staging], None],
+        cancel: threading.Event,
+        previous: PendingWrite | None,
+        replaced: PendingWrite | None,
+        to_bucket: bool,
+        direct: bool,
+    ) -> Checkpoint:
+        """Runs in the writer thread: writes and commits one save."""
+
+        def after() -> None:
+            # Commits keep the order of the saves: the one before goes first.
+            if previous is not None:
+                previous.join()
+            if self._task.is_chief:
+                self._lock.check()  # A lapsed lease: another writer may commit.
+
+        metadata = snapshot.metadata
+        try:
+            committed = self._tiers.commit(
+                write, metadata, cancel, after, replaced, to_bucket, direct
+            )
+        except LeaseLapsedError:
+            raise  # Says itself why nothing was committed.
+        except (OSError, ProcessesDisagreeError) as e:
+            raise self._tiers.write_failed(e) from e
+        finally:
+            snapshot.release()  # Also when it failed before writing anything.
+        notify(
+            self._listeners,
+            "after_commit",
+            committed.path,
+            metadata["epochs_completed"],
+            metadata["step"],
+        )
+        return committed
+
+
+def _write_snapshot(snapshot: Snapshot, staging: Staging) -> None:
+    write_snapshot(snapshot, staging)  # Looked up when the write runs.
+
+
+def _move_to_host(captured: CapturedWeights) -> None:
+    """`captured.fill()` in a background thread: what fails there fails the
+    save's write (no caller is left to raise it)."""
+    try:
+        captured.fill()
+    except BaseException as e:
+        captured.filled.fail(e)
+
+
+def write_snapshot(snapshot: Snapshot, directory: str | Staging) -> None:
+    """Writes a snapshot's files into a checkpoint's staging `directory`.
+
+    A copy still being made (`snapshot(fill=False)`) is written as it
+    fills, and its buffer is released piece by piece as it is written.
+    """
+    staging = directory if isinstance(directory, Staging) else Staging(directory)
+    captured = snapshot.weights
+    try:
+        if captured.previous is not None:
+            # One file at a time keeps the disk writing sequentially.
+            captured.previous.wait_for(captured.previous.total)
+        staging.write_file(
+            WEIGHTS_FILE,
+            captured.chunks,
+            filled=captured.filled,
+            written=captured.written,
+        )
+    finally:
+        snapshot.release()
+    if captured.non_finite:  # Known once the file is written: never committed.
+        if not captured.checked_later:
+            # Checked during the copy: `back_up()` raised it, and called the
+            # write off (it may not have seen that yet).
+            raise SaveCancelled(f"{staging} holds a state that is not finite.")
+        metadata = snapshot.metadata
+        raise NonFiniteStateError(
+            captured.non_finite,
+            progress_text(metadata["epochs_completed"], metadata["batches_completed"]),
+        )
+    staging.write_file(arrays.ARRAYS_FILE, [arrays.to_bytes(snapshot.arrays)])

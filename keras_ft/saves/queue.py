@@ -1,0 +1,168 @@
+"""One training's saves in flight, on its backup directory's writer thread.
+
+The writer threads are the process's, one per chief directory, on purpose:
+a `fit()` that raised may leave a write in flight, and the next training on
+the same directory must wait for it. What a training owns (its saves' cancel
+events, its hold on the thread pools) it gives back with `release()`.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from keras_ft import events, threads
+from keras_ft.checkpoint.errors import CheckpointWriteError
+from keras_ft.checkpoint.format import Checkpoint
+from keras_ft.errors import NonFiniteStateError
+from keras_ft.threads import BackgroundWriter, PendingWrite, wait_for_removals
+
+# One writer per chief directory in this process, shared by every training
+# on it (see above). Never emptied: an idle writer holds no thread.
+_writers: dict[str, BackgroundWriter] = {}
+# The training of this process that holds each chief directory's lock (and
+# the thread pools): a later one on the same directory closes it, since Keras
+# calls no `on_train_end` for a fit() that raised.
+_holders: dict[str, weakref.ref] = {}
+
+# A commit handed to the writer: `commit(cancel, previous, replaced)`, with
+# the event that calls it off, the write before it (to commit after) and the
+# write it supersedes (`replaces_last`), if any.
+Commit = Callable[[threading.Event, PendingWrite | None, PendingWrite | None], Any]
+
+
+def wait_for_backups() -> None:
+    """Waits until every backup being written in the background is committed.
+
+    `fit()` waits by itself at train end; call this after `fit()` raised, to
+    look at the backup directory, or before copying it elsewhere.
+
+    Raises:
+        keras_ft.CheckpointWriteError: if one of those writes failed.
+    """
+    for writer in list(_writers.values()):
+        writer.wait()
+    wait_for_removals()
+
+
+class SaveQueue:
+    """A training's saves on the writer of the directory named `identity`.
+
+    Args:
+        identity: The chief store's identity (its directory or URL).
+        async_save: Whether a save returns before its commit (see
+            `WorkerTrainingState`).
+        training: The training it belongs to: `hold()` closes an earlier
+            training on the same directory that was never closed.
+    """
+
+    def __init__(self, identity: str, async_save: bool, training: Any):
+        self.identity, self.async_save = identity, async_save
+        self._training = weakref.ref(training)
+        self._writer = _writers.setdefault(identity, BackgroundWriter())
+        self._cancels: list[threading.Event] = []  # Of the saves in flight.
+        # The newest save, for a save that replaces it.
+        self._last: tuple[threading.Event, PendingWrite] | None = None
+        # Lets go of the thread pools: at `release()`, or when the training
+        # is collected unreleased (a fit() that raised, never followed).
+        self._let_go: weakref.finalize | None = None
+
+    def start(self, commit: Commit, replaces_last: bool) -> threading.Event:
+        """Hands `commit` to the writer thread.
+
+        Returns:
+            The event that calls this save off.
+        """
+        cancel = threading.Event()
+        replaced = None
+        if replaces_last and self._last:
+            cancel_last, replaced = self._last
+            cancel_last.set()  # Before this copy waits for its write to pass.
+        pending = self._writer.submit(
+            lambda previous: commit(cancel, previous, replaced)
+        )
+        self._last = (cancel, pending)
+        self._cancels.append(cancel)
+        # Only the newest `depth` saves can still be in flight (`submit()`
+        # waited for the others): a long run keeps no more events than that.
+        del self._cancels[: -self._writer.depth]
+        return cancel
+
+    def run(self, write: Callable[[PendingWrite | None], Any]) -> None:
+        """Hands `write(previous)`, which commits nothing, to the writer
+        thread; waits for it unless saves are asynchronous."""
+        self._writer.submit(write)
+        if not self.async_save:
+            self._writer.wait()
+
+    def committed(self) -> Checkpoint | None:
+        """What a save returns: `None` if asynchronous, else its commit."""
+        if self.async_save:
+            return None
+        self._cancels = []
+        return self._writer.wait()
+
+    def wait(self) -> Checkpoint | None:
+        """Waits for every save in flight; returns the newest's commit."""
+        self._cancels = []
+        return self._writer.wait()
+
+    def finish_earlier(self) -> None:
+        """Waits for a write an earlier `fit()` left; its error is a warning."""
+        try:
+            self._writer.wait()
+        except CheckpointWriteError as e:
+            events.warn(
+                "save", f"A backup from an earlier fit() failed: {e}", stacklevel=3
+            )
+
+    def discard_pending(self) -> None:
+        """Calls off the saves that have not committed yet (see
+        `WorkerTrainingState.discard_pending()`)."""
+        for cancel in self._cancels:
+            cancel.set()
+        self._cancels = []
+        self._writer.wait()  # Called-off writes end without an error.
+
+    @property
+    def busy(self) -> bool:
+        return self._writer.busy
+
+    def raise_if_failed(self) -> None:
+        self._writer.raise_if_failed()
+
+    @property
+    def depth(self) -> int:
+        return self._writer.depth
+
+    def hold(self) -> None:
+        """Makes this training the directory's holder, closing an earlier
+        one that was not closed (its writes commit, then its lock and its
+        hold on the pools go), and holds the thread pools."""
+        training = self._training()
+        earlier = _holders.get(self.identity)
+        earlier = earlier() if earlier is not None else None
+        if earlier is not None and earlier is not training:
+            try:
+                earlier.wait()
+            except (CheckpointWriteError, NonFiniteStateError) as e:
+                events.warn(
+                    "save", f"A backup from an earlier fit() failed: {e}", stacklevel=4
+                )
+            finally:
+                earlier.unlock()
+        _holders[self.identity] = self._training
+        if self._let_go is None or not self._let_go.alive:
+            threads.hold()
+            self._let_go = weakref.finalize(training, threads.let_go)
+
+    def release(self) -> None:
+        """Gives up the holder's place and the hold on the thread pools (the
+        last training to let go of them closes them)."""
+        held = _holders.get(self.identity)
+        if held is not None and held() is self._training():
+            del _holders[self.identity]
+        if self._let_go is not None:
+            self._let_go()  # Once: a finalizer that ran does nothing.

@@ -1,0 +1,169 @@
+"""A save of a model split across processes: each process writes its share
+(the pieces it holds) as a part, and the chief's commit waits for every
+part (`keras_ft/distribute/sharded.py`). With a local tier, each process
+first commits every piece it holds there, as a checkpoint of its own."""
+
+from __future__ import annotations
+
+from keras_ft import backend as host
+from keras_ft.checkpoint.files import Staging
+from keras_ft.checkpoint.format import Checkpoint
+from keras_ft.distribute import sharded
+from keras_ft.distribute.cluster import TaskSpec
+from keras_ft.saves.chief import ChiefSaver
+from keras_ft.saves.queue import SaveQueue
+from keras_ft.saves.tiers import TieredStore
+from keras_ft.state import NonFiniteStateError, Snapshot, TrainingState, arrays
+from keras_ft.state.training_state import optimizer_step
+from keras_ft.threads import PendingWrite
+
+
+class ShardedSaver:
+    """Saves of a model split across processes.
+
+    Args:
+        state: The training state.
+        task: This process's role.
+        queue: The training's saves in flight.
+        tiers: Where they commit.
+        committer: Starts a commit (the chief's, or a local tier's).
+    """
+
+    def __init__(
+        self,
+        state: TrainingState,
+        task: TaskSpec,
+        queue: SaveQueue,
+        tiers: TieredStore,
+        committer: ChiefSaver,
+    ):
+        self._state, self._task, self._queue = state, task, queue
+        self._tiers, self._committer = tiers, committer
+        self._saves = 0  # Parts are named by it: the same in every process.
+
+    def back_up(
+        self,
+        epochs_completed: int,
+        batches_completed: int,
+        extra: dict | None,
+        replaces_last: bool,
+        to_bucket: bool,
+    ) -> Checkpoint | None:
+        """Every process copies the pieces it holds and writes them in the
+        background into the save's parts; the chief's write then waits for
+        every process's part and commits."""
+        # One share in host memory at a time; and a failed write raises here.
+        self._queue.wait()
+        chief = self._task.is_chief
+        tiered = self._tiers.local is not None
+        self._committer.before_save(epochs_completed)
+        snapshot = None
+        if chief or tiered:
+            snapshot = self._state.snapshot(epochs_completed, batches_completed, extra)
+            share = snapshot.share
+        else:
+            share = self._state.share()
+        specs = self._state.variable_specs()
+        bad = sharded.non_finite(share, [spec[1] for spec in specs])
+        # A piece only one process holds may be the one that is not finite.
+        if not host.all_processes_agree(not bad):
+            raise NonFiniteStateError(bad or ["(a piece another process holds)"])
+        self._saves += 1
+        tag = f"{self._saves:08d}-{optimizer_step(self._state.model):012d}"
+        if tiered:
+            self._commit_own(snapshot, share, tag, replaces_last)
+            if not to_bucket:
+                return self._queue.committed()
+            # The bucket's save of the same share follows, in its own commit.
+            replaces_last = False
+        if self._tiers.backup.storage.filesystem_path is None:
+            # A bucket: every process uploads into place.
+            snapshot = snapshot if chief else None
+            return self._to_bucket(snapshot, share, tag, replaces_last)
+        return self._to_disk(snapshot, share, tag, replaces_last)
+
+    def _commit_own(
+        self, snapshot: Snapshot, share: sharded.Share, tag: str, replaces_last: bool
+    ) -> None:
+        """Commits every piece this process holds in its local tier."""
+        process = self._task.task_index
+        specs, layouts = self._state.variable_specs(), self._state.layouts()
+        arrays_bytes = arrays.to_bytes(snapshot.arrays)
+
+        def write_own(staging: Staging) -> None:
+            sharded.write_own_part(staging, process, tag, share, specs, layouts)
+            staging.write_file(arrays.ARRAYS_FILE, [arrays_bytes])
+
+        self._committer.start(snapshot, replaces_last, write_own, to_bucket=False)
+
+    def _to_disk(
+        self,
+        snapshot: Snapshot | None,
+        share: sharded.Share,
+        tag: str,
+        replaces_last: bool,
+    ) -> Checkpoint | None:
+        """Each process writes its part into the save's parts directory
+        beside the chief's checkpoints; the chief commits them."""
+        parts_root = self._tiers.backup.storage.filesystem_path
+        directory = sharded.parts_dir(parts_root, tag)
+        process = self._task.task_index
+        if not self._task.is_chief:
+            self._queue.run(
+                lambda previous: sharded.write_part(directory, process, tag, share)
+            )
+            return None
+        specs, layouts = self._state.variable_specs(), self._state.layouts()
+        processes = self._task.num_workers
+
+        def write(staging: Staging) -> None:
+            sharded.write_part(directory, process, tag, share)
+            # Parts of saves called off (or killed) before this one.
+            sharded.remove_parts(parts_root, before=tag)
+            sharded.commit_parts(staging, directory, processes, tag, specs, layouts)
+            staging.write_file(arrays.ARRAYS_FILE, [arrays.to_bytes(snapshot.arrays)])
+
+        self._committer.start(snapshot, replaces_last, write)
+        return self._queue.committed()
+
+    def _to_bucket(
+        self,
+        snapshot: Snapshot | None,
+        share: sharded.Share,
+        tag: str,
+        replaces_last: bool,
+    ) -> Checkpoint | None:
+        """Into a bucket: the processes agree on the checkpoint's number,
+        each uploads its part under it in the background, and the chief's
+        commit (its manifest, last) waits for every part. No process waits
+        for another's upload."""
+        storage = self._tiers.backup.storage
+        chief = self._task.is_chief
+        # The chief holds the lease and has no write in flight: the next
+        # number is free. A collective, as every sharded save's check.
+        sequence = host.first_process_value(storage.next_sequence() if chief else 0)
+        process = self._task.task_index
+        if not chief:
+            tiered = self._tiers.local is not None
+
+            def upload(previous: PendingWrite | None) -> None:
+                if previous is not None and tiered:
+                    # The local tier's commit of this save first: the
+                    # bucket never holds a save some tier lacks.
+                    previous.join()
+                sharded.upload_part(storage, sequence, process, tag, share)
+
+            self._queue.run(upload)
+            return None
+        specs, layouts = self._state.variable_specs(), self._state.layouts()
+        processes = self._task.num_workers
+
+        def write(staging: Staging) -> None:
+            sharded.upload_part(storage, sequence, process, tag, share, staging.cancel)
+            sharded.commit_uploaded_parts(
+                staging, storage, sequence, processes, tag, specs, layouts
+            )
+            staging.write_file(arrays.ARRAYS_FILE, [arrays.to_bytes(snapshot.arrays)])
+
+        self._committer.start(snapshot, replaces_last, write, direct=True)
+        return self._queue.committed()
