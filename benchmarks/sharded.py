@@ -375,10 +375,10 @@ def shares(root: str) -> list[int]:
     return [os.path.getsize(os.path.join(path, n)) for n in names]
 
 
-def commit(staging, directory: str, count: int, tag: str, specs: list) -> None:
+def commit(staging, parts, count: int, tag: str, specs: list) -> None:
     from keras_ft.distribute import sharded
 
-    sharded.commit_parts(staging, directory, count, tag, specs, ["rows"])
+    sharded.commit_parts(staging, parts, count, tag, specs, ["rows"])
 
 
 def commit_times(total_mb: int, counts: list[int], rounds: int = 5) -> list[tuple]:
@@ -400,16 +400,16 @@ def commit_times(total_mb: int, counts: list[int], rounds: int = 5) -> list[tupl
         times = []
         for r in range(rounds):
             tag = f"{r:08d}"
-            directory = sharded.parts_dir(store.directory, tag)
+            parts = store.storage.parts(tag, 0)
             for process in range(count):
                 block = np.full((rows_per_part, columns), process, np.float32)
                 start = (process * rows_per_part, 0)
                 stop = ((process + 1) * rows_per_part, columns)
                 share = sharded.Share.copy_of([(0, start, stop, block)])
-                sharded.write_part(directory, process, tag, share)
+                sharded.write_part(parts, process, tag, share)
             started = time.perf_counter()
             write = functools.partial(
-                commit, directory=directory, count=count, tag=tag, specs=specs
+                commit, parts=parts, count=count, tag=tag, specs=specs
             )
             store.save(write, {"step": r})
             times.append(time.perf_counter() - started)

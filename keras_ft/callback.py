@@ -32,6 +32,7 @@ from keras_ft.training import (
     policy,
     restarts,
     resume,
+    services,
     watchdog,
 )
 from keras_ft.training.goodput import GoodputRecorder
@@ -304,7 +305,6 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._resumption: resume.Resumption | None = None
         self._inputs = inputs.InputPosition(None)
         self._saves: FitSaves | None = None  # The last fit()'s.
-        self._pending_epoch_end: tuple[int, dict | None, bool] | None = None
         self._epoch = 0
         self._batches_in_epoch = 0
         self._skip_until = 0
@@ -333,7 +333,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._state, self._goodput, point = open_backup(
             self, callback_list, self._callbacks.others, self._check_cluster
         )
-        self._bind_services()
+        self._services = services.bind(self._callbacks.others, self)
         self._saves = FitSaves(
             self._state,
             self._schedule,
@@ -343,6 +343,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self.on_save_error,
             self.verbose,
             on_raise=self._stop_threads,
+            backs_up_stopped_epochs=self._backs_up_stopped_epochs,
         )
         task = self._state.task
         if task.num_workers > 1:
@@ -355,8 +356,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             callback_list, self._state.store, task.num_workers, task.is_chief, step
         )
         self._epochs_completed = point.epoch if point else 0
-        self._pending_epoch_end = None
-        self._nothing_to_train = self._finished(point)
+        self._nothing_to_train = services.finished(self._callbacks.others, point)
         if point is not None:
             self._resumption = resume_fit(
                 self.model,
@@ -413,31 +413,6 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_test_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self._deadline.test_batch_ended()
 
-    def _bind_services(self) -> None:
-        self._services = [
-            c for c in self._callbacks.others if isinstance(c, BackupService)
-        ]
-        for service in self._services:
-            service.backup = self
-
-    def _finished(self, point: ResumePoint | None) -> str | None:
-        """Why the run restored at `point` has nothing left to train, or None."""
-        if point is None:
-            return None
-        states = point.extra.get("callbacks", {})
-        for key, callback in callback_state.keyed(self._callbacks.others):
-            if isinstance(callback, BackupService):
-                reason = callback.finished(point.step, states.get(key))
-                if reason:
-                    return reason
-        return None
-
-    def _stopped_by_service(self) -> BackupService | None:
-        for service in self._services:
-            if service.stopped is not None:
-                return service
-        return None
-
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._deadline.epoch_begin()
         compat.set_initial_epoch(self.model, None)
@@ -483,40 +458,20 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self.preempted_by or skipped:
             return  # Backed up at the exact step already, or a skipped epoch.
         steps = self.params.get("steps")
-        stopper = self._stopped_by_service()
-        stop_saved = stopper is not None and stopper.backs_up_stop
+        stopper = services.stopped_by(self._services)
         if steps and self._batches_in_epoch < steps:
+            # Stopped mid-epoch by another callback.
             batch = self._batches_in_epoch
-            diverged = stopper is not None and not stop_saved
-            if (
-                (self._backs_up_stopped_epochs or stop_saved)
-                and not diverged
-                and batch > self._skip_until
-                and self._saves.last != (epoch, batch)
-            ):
-                # Stopped mid-epoch by another callback: back up where it is.
-                self._save(logs, epoch, batch)
+            if batch > self._skip_until:
+                self._saves.at_stopped_epoch(self.model, logs, epoch, batch, stopper)
             return
         # Run, whether or not its state can be backed up: a fit() that ran
         # every epoch is over, diverged or not.
         self._epochs_completed = epoch + 1
-        now = time.monotonic()
-        to_bucket = self._schedule.on_epoch_end(now) or stop_saved
-        if not to_bucket and not self._local_schedule.on_epoch_end(now):
-            return
-        # The epoch is backed up now, whatever a later callback does. Those
-        # that keep state update it in their own on_epoch_end: a second
-        # backup, once they have run, replaces this one.
-        later = self._callbacks.later_stateful()
-        if self._save(logs, epoch, None, pending=later, to_bucket=to_bucket) and later:
-            self._pending_epoch_end = (epoch, logs, to_bucket)
+        self._saves.at_epoch_end(self.model, logs, epoch, stopper)
 
     def _on_epoch_end_after_all(self, epoch: int, logs: dict | None) -> None:
-        pending, self._pending_epoch_end = self._pending_epoch_end, None
-        if pending is not None and pending[0] == epoch:
-            self._save(
-                pending[1], epoch, None, replaces_last=True, to_bucket=pending[2]
-            )
+        self._saves.after_every_epoch_end(self.model, epoch)
 
     def _optimizer_step(self) -> int:
         return optimizer_step(self.model)
@@ -534,11 +489,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._inputs.remove()
         self._preemption.stop()
         completed = self._epochs_completed >= self.params.get("epochs", 0)
-        stopper = self._stopped_by_service()
+        stopper = services.stopped_by(self._services)
         if stopper is not None and not stopper.backs_up_stop:
             completed = False  # Diverged (NanGuard): the last good state stays.
-        for service in self._services:
-            service.backup = None
+        services.unbind(self._services)
         self._services = []
         if self._state is not None:
             self._saves.end(

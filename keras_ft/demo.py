@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 EPOCHS, SAMPLES, BATCH_SIZE, SAVE_FREQ = 6, 1280, 32, 10
 STEPS_PER_EPOCH = SAMPLES // BATCH_SIZE
@@ -47,6 +48,23 @@ def _say(kind: str, **fields) -> None:
         sys.stdout.flush()
 
 
+def _model() -> Any:
+    """~0.65 M parameters: a backup of ~8 MB with Adam's moments."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(768, activation="relu"),
+            keras.layers.Dense(768, activation="relu"),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(1e-3), loss="mse")
+    return model
+
+
 def _train(backup_dir: str, callback: str, seconds_per_batch: float) -> None:
     """The training process: an ordinary script with one of the callbacks."""
     import keras
@@ -57,16 +75,7 @@ def _train(backup_dir: str, callback: str, seconds_per_batch: float) -> None:
     rng = np.random.default_rng(0)
     x = rng.normal(size=(SAMPLES, 64)).astype("float32")
     y = (x @ rng.normal(size=(64, 1))).astype("float32")
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dense(768, activation="relu"),
-            keras.layers.Dense(768, activation="relu"),
-            keras.layers.Dense(1),
-        ]
-    )  # ~0.65 M parameters: a backup of ~8 MB with Adam's moments.
-    model.compile(keras.optimizers.Adam(1e-3), loss="mse")
+    model = _model()
     callbacks: list = []
 
     class Report(keras.callbacks.Callback):

@@ -36,6 +36,9 @@ class FitSaves:
         verbose: `BackupAndRestore`'s `verbose`.
         on_raise: What to stop before a write error ends `fit()` (Keras
             calls no `on_train_end` then).
+        backs_up_stopped_epochs: Whether an epoch another callback cut
+            short is backed up where it stopped (the user asked for saves
+            beyond preemption ones).
     """
 
     def __init__(
@@ -48,12 +51,17 @@ class FitSaves:
         on_save_error: str,
         verbose: int,
         on_raise: Callable[[], None],
+        backs_up_stopped_epochs: bool,
     ):
         self.state = state
         self._schedule, self._local_schedule = schedule, local_schedule
         self._callbacks, self._inputs = callbacks, position
         self._on_save_error, self._verbose = on_save_error, verbose
         self._on_raise = on_raise
+        self._backs_up_stopped_epochs = backs_up_stopped_epochs
+        # An epoch-end save that callbacks after this one may change: saved
+        # again once they have run, `(epoch, logs, to_bucket)`.
+        self._pending_epoch_end: tuple[int, dict | None, bool] | None = None
         self.backup_seconds = 0.0  # Training held up by saves, this fit().
         self.last = None  # `(epoch, batch)` of the last save started.
         # Why the last state was not backed up (not finite), if it was not.
@@ -115,6 +123,53 @@ class FitSaves:
         self.last = (epoch, batch)
         self.skipped_non_finite = None
         return True
+
+    def at_stopped_epoch(
+        self,
+        model: keras.Model,
+        logs: dict | None,
+        epoch: int,
+        batch: int,
+        stopper: Any,
+    ) -> None:
+        """An epoch another callback stopped at `batch` (a `BackupService`
+        that stopped it: `stopper`): backed up where it is, unless a
+        diverged model stopped it or nothing but preemptions is saved."""
+        stop_saved = stopper is not None and stopper.backs_up_stop
+        diverged = stopper is not None and not stop_saved
+        if (
+            (self._backs_up_stopped_epochs or stop_saved)
+            and not diverged
+            and self.last != (epoch, batch)
+        ):
+            self.save(model, logs, epoch, batch)
+
+    def at_epoch_end(
+        self, model: keras.Model, logs: dict | None, epoch: int, stopper: Any
+    ) -> None:
+        """An epoch's end: backed up if a schedule says so (or a stop that
+        asks for a backup, `stopper`)."""
+        now = time.monotonic()
+        stop_saved = stopper is not None and stopper.backs_up_stop
+        to_bucket = self._schedule.on_epoch_end(now) or stop_saved
+        if not to_bucket and not self._local_schedule.on_epoch_end(now):
+            return
+        # The epoch is backed up now, whatever a later callback does. Those
+        # that keep state update it in their own on_epoch_end: a second
+        # backup, once they have run, replaces this one.
+        later = self._callbacks.later_stateful()
+        saved = self.save(model, logs, epoch, None, pending=later, to_bucket=to_bucket)
+        if saved and later:
+            self._pending_epoch_end = (epoch, logs, to_bucket)
+
+    def after_every_epoch_end(self, model: keras.Model, epoch: int) -> None:
+        """Once every callback's epoch end ran: the epoch's save again, if
+        a later callback could have changed its state."""
+        pending, self._pending_epoch_end = self._pending_epoch_end, None
+        if pending is not None and pending[0] == epoch:
+            self.save(
+                model, pending[1], epoch, None, replaces_last=True, to_bucket=pending[2]
+            )
 
     def save_now(
         self,

@@ -173,7 +173,7 @@ def load_checkpoint(
     if not isinstance(found, tuple):  # A backup: its newest good checkpoint.
         store = found
         latest = store.latest_good_read(
-            lambda c, progress: state.read_ahead(c.path, progress)
+            lambda c, progress: state.read_ahead(c.path, progress, c.ranges)
         )
         if latest is None:
             raise CheckpointError(f"{store.directory} holds no checkpoint to load.")
@@ -182,14 +182,16 @@ def load_checkpoint(
         store, wanted = found
         try:
             local, metadata, values = store.fetch(
-                wanted, lambda c, progress: state.read_ahead(c.path, progress)
+                wanted, lambda c, progress: state.read_ahead(c.path, progress, c.ranges)
             )
         except CorruptCheckpointError:
             if wanted not in store.checkpoints():
                 raise _deleted(wanted) from None
             raise
     try:
-        state.apply(local.path, metadata, values, variables_only=True)
+        state.apply(
+            local.path, metadata, values, variables_only=True, ranges=local.ranges
+        )
     except FileNotFoundError:
         # A file not read ahead (the model's layout differs from the
         # trainer's) was gone by the time it was loaded.

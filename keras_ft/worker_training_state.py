@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import re
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import keras
 
 from keras_ft import errors, events
-from keras_ft.checkpoint.files import ReadProgress
 from keras_ft.checkpoint.format import is_url, local_path
 from keras_ft.checkpoint.lock import check_platform
 from keras_ft.checkpoint.store import (
@@ -425,30 +422,17 @@ class WorkerTrainingState:
 
     def _load_newest(self, variables_only: bool) -> ResumePoint | None:
         """Loads the newest good checkpoint; tells the listeners."""
-
-        # The weights are read while the checkpoint is checksummed.
-        def read(checkpoint: Checkpoint, progress: ReadProgress) -> Any:
-            return self._state.read_ahead(checkpoint.path, progress)
-
-        store, found = self._tiers.newest_good(read)
-        if found is None:
-            return None
-        checkpoint, metadata, values = found
-        try:
-            point = self._state.apply(
-                checkpoint.path,
-                metadata,
-                values,
-                variables_only=variables_only,
-                refuse_config_changes=self.on_config_change == "raise",
-            )
-        finally:
-            store.release(checkpoint)  # A bucket's download.
-        # A bucket's checkpoint is loaded from a local copy: name the original.
-        point = dataclasses.replace(point, checkpoint=store.url(checkpoint))
-        notify(
-            self.listeners, "after_restore", point.checkpoint, point.epoch, point.step
+        point = self._tiers.load_newest(
+            self._state, variables_only, self.on_config_change == "raise"
         )
+        if point is not None:
+            notify(
+                self.listeners,
+                "after_restore",
+                point.checkpoint,
+                point.epoch,
+                point.step,
+            )
         return point
 
     def roll_back(self) -> ResumePoint | None:

@@ -12,6 +12,7 @@ import textwrap
 import pytest
 from conftest import run_once_on
 
+from keras_ft.checkpoint.local import LocalStorage
 from keras_ft.checkpoint.store import CheckpointStore
 from keras_ft.training.preemption import ClusterNotice, PreemptionWatcher, parse_signals
 
@@ -90,7 +91,7 @@ def notice_store(where, tmp_path):
 
 
 def names_in(store):
-    if store.storage.filesystem_path is not None:
+    if isinstance(store.storage, LocalStorage):
         return os.listdir(store.directory)
     bucket = store.storage
     return [path.rsplit("/", 1)[-1] for path in bucket.fs.find(bucket.root)]

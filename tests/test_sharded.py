@@ -39,6 +39,7 @@ from keras_ft.checkpoint.errors import (
     ProcessesDisagreeError,
     SaveCancelled,
 )
+from keras_ft.checkpoint.parts import LocalParts, remove_local_parts
 from keras_ft.checkpoint.store import CheckpointStore, open_store
 from keras_ft.distribute import sharded
 from keras_ft.state import TrainingState, arrays
@@ -69,12 +70,12 @@ def pieces_of(process: int) -> sharded.Share:
 
 
 def commit(store: CheckpointStore, tag: str, processes=(0, 1), total: int = 2):
-    directory = sharded.parts_dir(store.directory, tag)
+    parts = store.storage.parts(tag, 0)  # On a disk, named by the save.
     for process in processes:
-        sharded.write_part(directory, process, tag, pieces_of(process))
+        sharded.write_part(parts, process, tag, pieces_of(process))
 
     def write(staging):
-        sharded.commit_parts(staging, directory, total, tag, SPECS, ["cols", ""])
+        sharded.commit_parts(staging, parts, total, tag, SPECS, ["cols", ""])
 
     return store.save(write, {"step": 1})
 
@@ -160,31 +161,30 @@ def test_a_process_missing_from_a_save_commits_nothing(tmp_path, monkeypatch):
         commit(store, "00000002-000000000002", processes=(0,))
     assert store.checkpoints() == [first]
     # Pieces that do not cover a variable: not committed either.
-    directory = sharded.parts_dir(store.directory, "00000003-000000000003")
-    sharded.write_part(directory, 0, "00000003-000000000003", pieces_of(0))
+    parts = store.storage.parts("00000003-000000000003", 0)
+    sharded.write_part(parts, 0, "00000003-000000000003", pieces_of(0))
 
     def write(staging):
-        parts = sharded.wait_for_parts(directory, 1, "00000003-000000000003")
-        sharded.gather_parts(staging, directory, parts, SPECS, ["", ""])
+        sharded.commit_parts(
+            staging, parts, 1, "00000003-000000000003", SPECS, ["", ""]
+        )
 
     with pytest.raises(ProcessesDisagreeError, match="cover 24 of its 48 values"):
         store.save(write, {})
     assert store.checkpoints() == [first]
-    sharded.remove_parts(store.directory)
+    remove_local_parts(store.directory)
     assert not [n for n in os.listdir(store.directory) if n.startswith(".parts-")]
 
 
 def upload(store, tag: str, processes=(0, 1), total: int = 2):
     """`commit()` into a bucket: each process uploads its part into the
     checkpoint's number, the chief's commit lists them in place."""
-    sequence = store.storage.next_sequence()
+    parts = store.storage.parts(tag, store.storage.next_sequence())
     for process in processes:
-        sharded.upload_part(store.storage, sequence, process, tag, pieces_of(process))
+        sharded.write_part(parts, process, tag, pieces_of(process))
 
     def write(staging):
-        sharded.commit_uploaded_parts(
-            staging, store.storage, sequence, total, tag, SPECS, ["cols", ""]
-        )
+        sharded.commit_parts(staging, parts, total, tag, SPECS, ["cols", ""])
 
     return store.save(write, {"step": 1})
 
@@ -221,7 +221,7 @@ def test_pieces_uploaded_to_a_bucket_commit_and_a_restore_fetches_what_it_reads(
     log = RangeLog(store.storage.fs, monkeypatch)
 
     def read(local, progress):
-        reader = sharded.ShardedReader(local.path, SPECS)
+        reader = sharded.ShardedReader(local.path, SPECS, local.ranges)
         try:
             # Fetched ahead, in parallel: the pieces these slices overlap,
             # before anything is read.
@@ -270,7 +270,7 @@ def test_pieces_close_together_in_a_file_are_fetched_in_runs():
 def read_kernel(local) -> np.ndarray:
     """The first variable whole (both processes' pieces), read from the
     fetched checkpoint `local` as a restore reads it."""
-    reader = sharded.ShardedReader(local.path, SPECS)
+    reader = sharded.ShardedReader(local.path, SPECS, local.ranges)
     try:
         reader.read_ahead([[((0, 0), (6, 8))], []])
         return reader.read(0, ((0, 0), (6, 8)))
@@ -325,11 +325,16 @@ def test_a_process_missing_from_a_save_into_a_bucket_commits_nothing(monkeypatch
     assert store.leftovers() == []  # The partial upload was removed.
     # A process's part of another save under the same number: refused.
     sequence = store.storage.next_sequence()
-    sharded.upload_part(store.storage, sequence, 1, "other", pieces_of(1))
+    sharded.write_part(store.storage.parts("other", sequence), 1, "other", pieces_of(1))
     with pytest.raises(ProcessesDisagreeError, match="belongs to another save"):
         store.save(
-            lambda staging: sharded.commit_uploaded_parts(
-                staging, store.storage, sequence, 2, "mine", SPECS, ["", ""]
+            lambda staging: sharded.commit_parts(
+                staging,
+                store.storage.parts("mine", sequence),
+                2,
+                "mine",
+                SPECS,
+                ["", ""],
             ),
             {},
         )
@@ -342,8 +347,13 @@ def test_a_process_missing_from_a_save_into_a_bucket_commits_nothing(monkeypatch
     )
     with pytest.raises(ProcessesDisagreeError, match="malformed"):
         store.save(
-            lambda staging: sharded.commit_uploaded_parts(
-                staging, store.storage, sequence, 1, "mine", SPECS, [""]
+            lambda staging: sharded.commit_parts(
+                staging,
+                store.storage.parts("mine", sequence),
+                1,
+                "mine",
+                SPECS,
+                [""],
             ),
             {},
         )
@@ -369,14 +379,14 @@ def test_a_share_is_one_aligned_image_reused_by_the_next_copy():
 def test_waiting_for_parts_can_be_called_off_and_refuses_another_saves_part(
     tmp_path,
 ):
-    directory = str(tmp_path / "parts")
+    parts = LocalParts(str(tmp_path), "a")
     cancel = threading.Event()
     cancel.set()
     with pytest.raises(SaveCancelled):
-        sharded.wait_for_parts(directory, 2, "a", cancel)
-    sharded.write_part(directory, 0, "b", pieces_of(0))
+        sharded.wait_for_parts(parts, 2, "a", cancel)
+    sharded.write_part(parts, 0, "b", pieces_of(0))
     with pytest.raises(ProcessesDisagreeError, match="belongs to another save"):
-        sharded.wait_for_parts(directory, 1, "a")
+        sharded.wait_for_parts(parts, 1, "a")
 
 
 def test_a_sharded_checkpoint_loads_into_one_process_on_any_backend(tmp_path):
@@ -401,13 +411,13 @@ def test_a_sharded_checkpoint_loads_into_one_process_on_any_backend(tmp_path):
                 parts[process].append((i, start, stop, value[low:high]))
     store = CheckpointStore(str(tmp_path / "backup" / "chief"))
     tag = "00000001-000000000008"
-    directory = sharded.parts_dir(store.directory, tag)
+    place = store.storage.parts(tag, 0)
     for process, found in parts.items():
-        sharded.write_part(directory, process, tag, sharded.Share.copy_of(found))
+        sharded.write_part(place, process, tag, sharded.Share.copy_of(found))
     specs = state.variable_specs()
 
     def write(staging):
-        sharded.commit_parts(staging, directory, 2, tag, specs, [""] * len(specs))
+        sharded.commit_parts(staging, place, 2, tag, specs, [""] * len(specs))
         staging.write_file(arrays.ARRAYS_FILE, [arrays.to_bytes(snapshot.arrays)])
 
     store.save(write, snapshot.metadata)

@@ -12,7 +12,7 @@ import hmac
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from keras_ft.checkpoint import files as file_io
@@ -44,10 +44,17 @@ class Checkpoint:
     Attributes:
         sequence: The checkpoint's number; a newer checkpoint has a larger one.
         path: The checkpoint's directory (or prefix, in object storage).
+        ranges: For a local copy of a bucket's checkpoint that left some
+            files in the bucket (`Storage.local_copy(ranged=...)`), how to
+            read byte ranges of them: `ranges(name, offset, size) -> bytes`;
+            else `None`.
     """
 
     sequence: int
     path: str
+    ranges: Callable[[str, int, int], bytes] | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
 
     @property
     def name(self) -> str:
@@ -82,6 +89,13 @@ def checkpoint_sequence(name: str) -> int | None:
         return None
     sequence = int(match.group(1))
     return sequence if checkpoint_name(sequence) == name else None
+
+
+def join_location(location: str, *names: str) -> str:
+    """`names` below `location`: a bucket's URL or a local directory."""
+    if is_url(location):
+        return "/".join([location.rstrip("/"), *names])
+    return os.path.join(location, *names)
 
 
 def is_url(path: str) -> bool:

@@ -36,6 +36,8 @@ LEASE_SECONDS_ENV = "KERAS_FT_LEASE_SECONDS"
 _CONDITIONAL = ("s3", "s3a")
 # One process's memory: no other writer to race with.
 _LOCAL_ONLY = ("memory",)
+# Filesystems said to have no conditional write: once per process (a warning
+# per training would repeat what does not change).
 _warned_best_effort: set[str] = set()
 # The lease each prefix has in this process, if any. A fit() that raised
 # keeps its lease, as it keeps a flock, until a later fit() here takes it:

@@ -41,13 +41,13 @@ from keras_ft.checkpoint.format import (
     checkpoint_sequence,
 )
 from keras_ft.checkpoint.lock import DirectoryLock
+from keras_ft.checkpoint.parts import PARTS_PREFIX, LocalParts
 
 _STAGING_PREFIX = ".staging-"
 _TRASH_PREFIX = ".trash-"
 _SPARE_PREFIX = ".spare-"
 # Where the processes of a sharded save put their pieces before the chief's
 # commit gathers them (`distribute/sharded.py`): what a killed save left.
-PARTS_PREFIX = ".parts-"
 _LEFTOVERS = (_STAGING_PREFIX, _TRASH_PREFIX, _SPARE_PREFIX, PARTS_PREFIX)
 
 
@@ -83,11 +83,6 @@ class LocalStorage:
         return self.directory
 
     @property
-    def filesystem_path(self) -> str:
-        """The directory, on a filesystem all processes may share."""
-        return self.directory
-
-    @property
     def identity(self) -> str:
         """The same for every storage of this directory, whatever the path."""
         return os.path.realpath(self.directory)
@@ -111,6 +106,16 @@ class LocalStorage:
             if sequence is not None and _is_directory(path):
                 found.append(Checkpoint(sequence, path))
         return sorted(found, key=lambda c: c.sequence)
+
+    def next_sequence(self) -> int:
+        """The number the next checkpoint takes (a disk's sharded saves name
+        their parts by the save instead: see `parts()`)."""
+        return max((c.sequence for c in self.checkpoints()), default=0) + 1
+
+    def parts(self, tag: str, sequence: int) -> LocalParts:
+        """Where the processes' parts of the sharded save `tag` wait for its
+        commit: a directory beside the checkpoints (`sequence` unused)."""
+        return LocalParts(self.directory, tag)
 
     def leftovers(self) -> list[str]:
         """Staging, trash, spare and parts directories: partial or deleted saves."""

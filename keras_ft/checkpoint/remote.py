@@ -49,6 +49,7 @@ from typing import IO, Any
 from keras_ft import events, threads
 from keras_ft.checkpoint import files as file_io
 from keras_ft.checkpoint import scratch, transfers
+from keras_ft.checkpoint.downloads import LocalCopies
 from keras_ft.checkpoint.errors import (
     LeaseLapsedError,
     SaveCancelled,
@@ -56,6 +57,7 @@ from keras_ft.checkpoint.errors import (
 from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.format import (
     MANIFEST_FILE,
+    PIECEWISE,
     Checkpoint,
     checkpoint_name,
     checkpoint_sequence,
@@ -171,7 +173,6 @@ class ObjectStorage:
     """
 
     write_error_fix = "Check that the bucket is reachable and the credentials valid"
-    filesystem_path = None  # No POSIX path: processes share the bucket.
     ranged_reads = True
     start_over_fix = "Remove the prefix to start training from scratch."
 
@@ -190,7 +191,7 @@ class ObjectStorage:
         self.progress = progress
         self.progress_after = progress_after
         # Downloads still arriving, by local copy.
-        self._arriving: dict[str, dict[str, transfers._RangedDownload]] = {}
+        self._copies = LocalCopies(self)  # A restore's downloads.
 
     def __repr__(self) -> str:
         return f"ObjectStorage({self.location!r})"
@@ -330,43 +331,11 @@ class ObjectStorage:
         listing = transfers._as_os_error(self._listing, f"listing {self.location}")
         return max(listing, default=0) + 1
 
-    def upload_into(
-        self,
-        sequence: int,
-        name: str,
-        path: str,
-        cancel: threading.Event | None = None,
-    ) -> None:
-        """Uploads the local file `path` as `name` of the checkpoint numbered
-        `sequence`, before its commit (a sharded save's piece)."""
-        self._upload(path, self._key(Checkpoint(sequence, ""), name), cancel)
-
-    def remove_uncommitted(self, sequence: int) -> None:
-        """Removes what was uploaded into the checkpoint numbered `sequence`
-        if it has no manifest (a save that failed before its commit)."""
-        with contextlib.suppress(Exception):  # Else the next writer does.
-            if MANIFEST_FILE not in self._listing().get(sequence, set()):
-                self._remove(Checkpoint(sequence, self._path(sequence)), True)
-
-    def read_uncommitted(self, sequence: int, name: str, limit: int) -> bytes | None:
-        """A small file of the checkpoint numbered `sequence`, committed or
-        not; `None` if it is not there (yet)."""
-        key = self._key(Checkpoint(sequence, ""), name)
-        # A listing cached before the upload would say it is not there.
-        with contextlib.suppress(AttributeError):
-            self.fs.invalidate_cache(key)
-
-        def read() -> bytes:
-            with self.fs.open(key, "rb") as f:
-                return f.read(limit + 1)
-
-        try:
-            data = transfers._as_os_error(read, f"download of {key}")
-        except FileNotFoundError:
-            return None
-        if len(data) > limit:
-            raise OSError(errno.EFBIG, f"{key} is larger than {limit} bytes")
-        return data
+    def parts(self, tag: str, sequence: int) -> RemoteParts:
+        """Where the processes' parts of a sharded save go: straight into
+        the checkpoint numbered `sequence` (`tag` unused), which the chief's
+        manifest commits in place."""
+        return RemoteParts(self, sequence)
 
     def _commit_manifest(self, path: str, committed: Checkpoint) -> None:
         """Uploads the manifest; where the store can, only if there is none."""
@@ -390,7 +359,7 @@ class ObjectStorage:
     ) -> None:
         if cancel is not None and cancel.is_set():
             raise SaveCancelled()
-        callback = _moves(shown)
+        callback = transfers.moves(shown)
         transfers._as_os_error(
             lambda: self.fs.put_file(path, key, callback=callback),
             f"upload of {key}",
@@ -479,109 +448,14 @@ class ObjectStorage:
         stream: frozenset[str] = frozenset(),
         ranged: frozenset[str] = frozenset(),
     ) -> Checkpoint:
-        """Downloads the files of `checkpoint` (`sizes`: names and sizes in
-        its manifest) into a local directory, removed by `release()`.
-
-        The files named in `stream` at least `transfers.STREAM_MIN` bytes long arrive
-        in ranges fetched concurrently, written in place, and this returns
-        once they have begun: `copy_reader()` checksums (and the loader then
-        reads) each one as its bytes arrive, rather than after the whole
-        download. The files named in `ranged` are not downloaded: a reader
-        fetches the byte ranges it needs of them (`range_reader()`). The
-        others are whole when this returns.
-        """
-        root = scratch.make("download")
-        local = Checkpoint(
-            checkpoint.sequence,
-            os.path.join(root, checkpoint_name(checkpoint.sequence)),
-        )
-        try:
-            os.mkdir(local.path)
-            streamed = {
-                name for name, size in sizes.items()
-                if name in stream and size >= transfers.STREAM_MIN
-            }  # fmt: skip
-            moved = [name for name in sizes if name not in ranged]
-            # One line for the checkpoint, ended when its last byte is here.
-            shown = self._progress_of(
-                "restore", f"downloading {checkpoint.name}",
-                sum(sizes[name] for name in moved),
-            )  # fmt: skip
-            # The small files first: the transfer threads take work in order.
-            downloads = [
-                threads.submit(
-                    threads.transfer, self._download, checkpoint, name,
-                    local.file(name), shown,
-                )
-                for name in moved
-                if name not in streamed
-            ]  # fmt: skip
-            if ranged:
-                with transfers._RANGED_LOCK:
-                    transfers._RANGED[local.path] = functools.partial(
-                        self._read_range, checkpoint, ranged
-                    )
-            self._arriving[local.path] = {
-                name: transfers._RangedDownload(
-                    self, checkpoint, name, local.file(name), sizes[name], shown
-                )
-                for name in sorted(streamed)
-            }
-            for download in downloads:
-                download.result()
-        except BaseException:
-            self.release(local)
-            raise
-        return local
+        """A local copy of `checkpoint` for a restore (`LocalCopies.make()`)."""
+        return self._copies.make(checkpoint, sizes, stream, ranged)
 
     def copy_reader(self, local: Checkpoint) -> LocalStorage:
-        """Reads `local_copy()`'s files, each checksum following its file's
-        download."""
-        streams = self._arriving.get(local.path, {})
-
-        def arrived(name: str) -> Callable[[int], None] | None:
-            download = streams.get(name)
-            return None if download is None else download.wait_for
-
-        return LocalStorage(os.path.dirname(local.path), arrived)
-
-    def _read_range(
-        self, checkpoint: Checkpoint, names: frozenset[str], name: str,
-        offset: int, size: int,
-    ) -> bytes:  # fmt: skip
-        """`size` bytes at `offset` of the object `name` (one ranged GET)."""
-        if name not in names:
-            raise FileNotFoundError(errno.ENOENT, f"{name} is not read by ranges")
-        key = self._key(checkpoint, name)
-        return transfers._as_os_error(
-            lambda: self.fs.cat_file(key, start=offset, end=offset + size),
-            f"download of {key} (bytes {offset} to {offset + size})",
-        )
-
-    def _download(
-        self,
-        checkpoint: Checkpoint,
-        name: str,
-        path: str,
-        shown: events.Progress | None = None,
-    ) -> None:
-        key = self._key(checkpoint, name)
-        with contextlib.suppress(FileNotFoundError):  # Verification says so.
-            transfers._retried(
-                lambda: self.fs.get_file(key, path, callback=_moves(shown))
-            )
+        return self._copies.reader(local)
 
     def release(self, local: Checkpoint) -> None:
-        """Removes a download of `local_copy()` once it is loaded (calling
-        off what is still arriving). Arrays a loader mapped from it stay
-        valid: an unlinked file lives on while mapped."""
-        for download in self._arriving.pop(local.path, {}).values():
-            download.stop()
-        with transfers._RANGED_LOCK:
-            transfers._RANGED.pop(local.path, None)
-        root = os.path.dirname(local.path)
-        if os.path.basename(root).startswith("keras-ft-download-"):
-            scratch.remove(root)
+        self._copies.release(local)
 
     def usage(self, path: str) -> int:
         return int(self.fs.du(path.split("://", 1)[-1]))
@@ -653,21 +527,86 @@ class ObjectStorage:
             ) from e
 
 
-def _moves(shown: events.Progress | None) -> Any:
-    """An fsspec callback that adds one file's bytes to `shown` as they move
-    (fsspec's default, which does nothing, without one)."""
-    from fsspec.callbacks import DEFAULT_CALLBACK, Callback
+class RemoteParts:
+    """The parts of a sharded save uploaded into the bucket checkpoint
+    numbered `sequence` (`keras_ft/checkpoint/parts.py`'s protocol). Until
+    the chief's manifest, the checkpoint is a partial upload: never read,
+    removed by the next writer."""
 
-    if shown is None:
-        return DEFAULT_CALLBACK
+    poll_seconds = 0.25
 
-    class Moved(Callback):
-        counted = 0
+    def __init__(self, storage: ObjectStorage, sequence: int):
+        self._storage, self._sequence = storage, sequence
+        self._checkpoint = Checkpoint(sequence, storage._path(sequence))
+        self.where = storage.url(Checkpoint(sequence, ""))
 
-        def call(self, *args: Any, **kwargs: Any) -> None:
-            value = int(self.value or 0)
-            if value > self.counted:
-                shown.add(value - self.counted)
-                self.counted = value
+    def write_data(
+        self, name: str, chunks: list[Any], cancel: threading.Event | None
+    ) -> dict[str, Any]:
+        # Staged on local disk, as every upload is: written with direct I/O
+        # from the share's buffer, the upload streams it with retries.
+        staged = scratch.make("part")
+        try:
+            path = os.path.join(staged, name)
+            entry = file_io.write_file(path, chunks, sync=False, cancel=cancel)
+            self._upload(name, path, cancel)
+        finally:
+            scratch.remove(staged)
+        return entry
 
-    return Moved()
+    def write_index(self, name: str, data: bytes) -> None:
+        staged = scratch.make("part")
+        try:
+            path = os.path.join(staged, name)
+            with open(path, "wb") as f:
+                f.write(data)
+            self._upload(name, path, None)
+        finally:
+            scratch.remove(staged)
+
+    def _upload(self, name: str, path: str, cancel: threading.Event | None) -> None:
+        key = self._storage._key(self._checkpoint, name)
+        self._storage._upload(path, key, cancel)
+
+    def read_index(self, name: str, limit: int) -> bytes | None:
+        """A part's index, committed or not; `None` if it is not there (yet)."""
+        fs, key = self._storage.fs, self._storage._key(self._checkpoint, name)
+        # A listing cached before the upload would say it is not there.
+        with contextlib.suppress(AttributeError):
+            fs.invalidate_cache(key)
+
+        def read() -> bytes:
+            with fs.open(key, "rb") as f:
+                return f.read(limit + 1)
+
+        try:
+            data = transfers._as_os_error(read, f"download of {key}")
+        except FileNotFoundError:
+            return None
+        if len(data) > limit:
+            raise OSError(errno.EFBIG, f"{key} is larger than {limit} bytes")
+        return data
+
+    def adopt(self, staging: Staging, name: str, entry: dict[str, Any]) -> None:
+        staging.sequence = self._sequence
+        staging.in_place[name] = {**entry, PIECEWISE: True}
+
+    def adopt_index(self, staging: Staging, name: str, data: bytes) -> None:
+        digest = file_io.DIGESTS[file_io.DIGEST]()
+        digest.update(data)
+        staging.in_place[name] = {"size": len(data), file_io.DIGEST: digest.hexdigest()}
+
+    def remove_earlier(self) -> None:
+        """Nothing: earlier saves' partial uploads are the next writer's
+        leftovers (`remove_leftovers()`)."""
+
+    def discard(self) -> None:
+        """Removes what was uploaded if it has no manifest (a save that
+        failed before its commit)."""
+        storage = self._storage
+        with contextlib.suppress(Exception):  # Else the next writer does.
+            if MANIFEST_FILE not in storage._listing().get(self._sequence, set()):
+                storage._remove(self._checkpoint, True)
+
+    def close(self) -> None:
+        """Nothing: the parts are the checkpoint's own files."""

@@ -35,7 +35,9 @@ LOCK_SUFFIX = ".lock"
 
 __all__ = ["make", "remove", "reap"]
 
-# The lock descriptor of each directory this process made, by path.
+# The lock descriptor of each directory this process made, by path: the
+# process's, not a training's (a directory is held until removed, and its
+# lock goes with the process, which is how the next process knows it died).
 _owned: dict[str, int] = {}
 _owned_lock = threading.Lock()
 _reaped = False

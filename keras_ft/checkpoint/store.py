@@ -29,11 +29,11 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent import futures
 from typing import IO, Any, Protocol, TypeVar
 
 from keras_ft import events, threads
 from keras_ft.checkpoint import files as file_io
+from keras_ft.checkpoint import verify
 from keras_ft.checkpoint.errors import (
     CheckpointError,
     CheckpointWriteError,
@@ -47,13 +47,11 @@ from keras_ft.checkpoint.format import (
     MAX_JSON_BYTES,
     MAX_NOTICE_BYTES,
     METADATA_FILE,
-    PIECEWISE,
     Checkpoint,
     RetentionPolicy,
     check_notice_name,
     checkpoint_name,
     checkpoint_sequence,
-    digest_algorithm,
     is_notice_name,
     is_url,
     json_bytes,
@@ -64,6 +62,7 @@ from keras_ft.checkpoint.format import (
     signing_key,
 )
 from keras_ft.checkpoint.local import LocalStorage
+from keras_ft.checkpoint.parts import Parts
 
 __all__ = [
     "MANIFEST_FILE",
@@ -98,9 +97,6 @@ class Storage(Protocol):
     location: str  # The directory or URL, as users name it.
     write_error_fix: str  # What to do when a write fails.
     start_over_fix: str  # What to do when no checkpoint can be restored.
-    # The directory as a POSIX path, where other processes may write pieces
-    # of a save beside it; `None` for a bucket.
-    filesystem_path: str | None
     # Whether a piecewise file is left in place on a restore, its reader
     # fetching the byte ranges it needs (`local_copy(ranged=...)`).
     ranged_reads: bool
@@ -129,6 +125,16 @@ class Storage(Protocol):
         ...
 
     def remove_leftovers(self) -> None: ...
+
+    def next_sequence(self) -> int:
+        """The number the next checkpoint takes."""
+        ...
+
+    def parts(self, tag: str, sequence: int) -> Parts:
+        """Where the processes' parts of the sharded save `tag` (to be
+        committed as the checkpoint numbered `sequence`) wait for its
+        commit (`keras_ft/checkpoint/parts.py`)."""
+        ...
 
     def stage(self, cancel: threading.Event | None) -> Staging:
         """A new local directory for a checkpoint's files."""
@@ -352,8 +358,8 @@ class CheckpointStore:
             CorruptCheckpointError: naming what is wrong.
         """
         files = self._manifest(checkpoint)
-        _check_names(self.storage, checkpoint, files)
-        metadata = _verify(self.storage, checkpoint, files, progress, whole)
+        verify.check_names(self.storage, checkpoint, files)
+        metadata = verify.check_files(self.storage, checkpoint, files, progress, whole)
         self._inspected(self.storage, checkpoint, metadata, checkpoint.path)
         return metadata
 
@@ -383,7 +389,7 @@ class CheckpointStore:
         return self._manifest(checkpoint)
 
     def _manifest(self, checkpoint: Checkpoint) -> dict[str, dict[str, Any]]:
-        data = _read_small(self.storage, checkpoint, MANIFEST_FILE)
+        data = verify.read_small(self.storage, checkpoint, MANIFEST_FILE)
         return manifest_files(
             parse_json(data, checkpoint.path, MANIFEST_FILE), checkpoint.path, self._key
         )
@@ -464,78 +470,10 @@ class CheckpointStore:
         Raises:
             CorruptCheckpointError: if `checkpoint` does not verify.
         """
-        # In a bucket, the checkpoint's objects are listed while its manifest
-        # is read: two round trips at once.
-        listing = (
-            threads.submit(threads.transfer, self.storage.names, checkpoint)
-            if self.storage.ranged_reads
-            else None
-        )
         files = self._manifest(checkpoint)
-        _check_names(self.storage, checkpoint, files, listing)
-        piecewise = frozenset(n for n, e in files.items() if e.get(PIECEWISE))
-        # A piecewise file's reader checks each piece it reads: in a bucket,
-        # it fetches only the pieces it needs.
-        ranged = piecewise if self.storage.ranged_reads else frozenset()
-        try:
-            if ranged:
-                _check_sizes(self.storage, checkpoint, {n: files[n] for n in ranged})
-            local = self.storage.local_copy(
-                checkpoint,
-                {name: _size(entry) for name, entry in files.items()},
-                # A piecewise file downloaded has no checksum pass to
-                # follow its download: it is whole first.
-                stream=frozenset(files) - piecewise,
-                ranged=ranged,
-            )
-        except OSError as e:
-            raise CorruptCheckpointError(
-                checkpoint.path, f"could not be read ({e})"
-            ) from None
-        # What is loaded is the local copy: it is what gets verified, as its
-        # bytes arrive (a bucket's download streams into the checksums).
-        on_disk = self.storage.copy_reader(local)
-        try:
-            downloaded = {n: e for n, e in files.items() if n not in ranged}
-            _check_sizes(on_disk, local, downloaded)
-        except BaseException:
-            self.storage.release(local)
-            raise
-        # On a disk, the checksums' pass is the restore's read; a bucket's
-        # download shows its own progress.
-        shown = None
-        if self.progress is not None and not self.storage.ranged_reads:
-            shown = events.Progress(
-                "restore", f"keras-ft: reading {checkpoint.name}",
-                sum(_size(entry) for entry in downloaded.values()),
-                stream=self.progress,
-            )  # fmt: skip
-        progress = ReadProgress(shown)
-
-        def verify() -> dict[str, Any]:
-            try:
-                # A reader checks what it reads of a piecewise file itself.
-                # Sizes were checked before the read began.
-                metadata = _check_digests(on_disk, local, files, progress, False)
-                self._inspected(on_disk, local, metadata, checkpoint.path)
-                return metadata
-            finally:
-                progress.finish()
-
-        verifying = threads.submit(threads.verifier, verify)
-        try:
-            try:
-                result, error = read(local, progress), None
-            except Exception as e:  # Raised below if the checkpoint is good.
-                result, error = None, e
-            metadata = verifying.result()
-            if error is not None:
-                raise error
-        except BaseException:
-            verifying.exception()  # Not left reading a file being removed.
-            self.storage.release(local)
-            raise
-        return local, metadata, result
+        return verify.fetch(
+            self.storage, checkpoint, files, read, self.progress, self._inspected
+        )
 
     def release(self, checkpoint: Checkpoint) -> None:
         """Done loading a checkpoint `fetch()` returned: a bucket's download
@@ -738,116 +676,3 @@ def checkpoints_dir(path: str) -> str:
     path = local_path(path)
     chief = os.path.join(path, "chief")
     return chief if os.path.isdir(chief) or not os.path.isdir(path) else path
-
-
-def _read_small(storage: Storage, checkpoint: Checkpoint, name: str) -> bytes:
-    try:
-        return storage.read_bytes(checkpoint, name, MAX_JSON_BYTES)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(checkpoint.path, f"{name} is missing") from None
-    except ValueError as e:  # Too large, or not a regular file.
-        raise CorruptCheckpointError(checkpoint.path, str(e)) from None
-    except OSError as e:
-        raise CorruptCheckpointError(
-            checkpoint.path, f"{name} could not be read ({e})"
-        ) from None
-
-
-def _check_names(
-    storage: Storage,
-    checkpoint: Checkpoint,
-    files: dict[str, dict[str, Any]],
-    listing: futures.Future | None = None,
-) -> None:
-    """A checkpoint holds the files its manifest lists and nothing else: a
-    loader looks for some files by name, and an unlisted one must never be
-    taken for part of the checkpoint. `listing`: of `storage.names()`, if
-    already under way."""
-    try:
-        present = storage.names(checkpoint) if listing is None else listing.result()
-    except OSError as e:
-        raise CorruptCheckpointError(
-            checkpoint.path, f"cannot be listed ({e})"
-        ) from None
-    unlisted = sorted(present - set(files) - {MANIFEST_FILE})
-    if unlisted:
-        names = ", ".join(map(repr, unlisted))
-        raise CorruptCheckpointError(
-            checkpoint.path, f"it holds files its manifest does not list: {names}"
-        )
-
-
-def _check_sizes(
-    storage: Storage, checkpoint: Checkpoint, files: dict[str, dict[str, Any]]
-) -> None:
-    """Before a loader opens anything: each listed file is a regular file
-    (no link to follow, no FIFO to block on) of the size listed."""
-    for name, expected in files.items():
-        try:
-            size = storage.size(checkpoint, name)
-        except (FileNotFoundError, NotADirectoryError):
-            raise CorruptCheckpointError(
-                checkpoint.path, f"{name} is missing or not a regular file"
-            ) from None
-        if size != expected["size"]:
-            raise CorruptCheckpointError(
-                checkpoint.path,
-                f"{name} has {size} bytes, the manifest says {expected['size']} "
-                "(truncated or overwritten)",
-            )
-
-
-def _verify(
-    storage: Storage,
-    checkpoint: Checkpoint,
-    files: dict[str, dict[str, Any]],
-    progress: ReadProgress | None,
-    whole: bool,
-) -> dict[str, Any]:
-    """Checks each of `files` in `storage`; returns the metadata."""
-    _check_sizes(storage, checkpoint, files)
-    return _check_digests(storage, checkpoint, files, progress, whole)
-
-
-def _check_digests(
-    storage: Storage,
-    checkpoint: Checkpoint,
-    files: dict[str, dict[str, Any]],
-    progress: ReadProgress | None,
-    whole: bool,
-) -> dict[str, Any]:
-    """Checks the checksum of each of `files` (their sizes checked before);
-    returns the metadata."""
-    # Smallest first: a reader following `progress` parses the metadata
-    # and small arrays while the big files are still being checked.
-    for name, expected in sorted(files.items(), key=lambda item: _size(item[1])):
-        if not whole and expected.get(PIECEWISE):
-            continue
-        algorithm = digest_algorithm(expected)
-        read = None if progress is None else _telling(progress, name)
-        try:
-            digest = storage.digest(checkpoint, name, algorithm, read)
-        except (OSError, ValueError) as e:
-            raise CorruptCheckpointError(
-                checkpoint.path, f"{name} could not be read ({e})"
-            ) from None
-        if digest != expected[algorithm]:
-            raise CorruptCheckpointError(
-                checkpoint.path,
-                f"{name} does not match its {file_io.DIGEST_NAMES[algorithm]} checksum",
-            )
-    metadata = parse_json(
-        _read_small(storage, checkpoint, METADATA_FILE), checkpoint.path, METADATA_FILE
-    )
-    if not isinstance(metadata, dict):
-        raise CorruptCheckpointError(checkpoint.path, "metadata is not an object")
-    return metadata
-
-
-def _size(entry: dict[str, Any]) -> int:
-    size = entry.get("size")
-    return size if isinstance(size, int) and size >= 0 else 0
-
-
-def _telling(progress: ReadProgress, name: str) -> Callable[[int], None]:
-    return lambda level: progress.advance(name, level)

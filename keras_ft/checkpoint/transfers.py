@@ -5,7 +5,7 @@ save); a failure after the last attempt is an `OSError`, as a disk's would
 be. A large object of a restore is downloaded in ranges on several
 connections and written in place, so that its checksum (and the load)
 follow it as it arrives; a local copy may also leave files in the bucket,
-read later by ranges (`range_reader()`).
+read later by ranges (the copy's `Checkpoint.ranges`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from keras_ft import events, threads
 from keras_ft.checkpoint.format import Checkpoint
@@ -142,19 +142,6 @@ class _RangedDownload:
             self._shown.close()  # Its line ends, whole or not.
 
 
-# Readers of byte ranges of the objects a local copy left in the bucket,
-# by the copy's path: `reader(name, offset, size) -> bytes`.
-_RANGED: dict[str, Callable[[str, int, int], bytes]] = {}
-_RANGED_LOCK = threading.Lock()
-
-
-def range_reader(directory: str) -> Callable[[str, int, int], bytes] | None:
-    """How to read byte ranges of the files `local_copy()` left in the
-    bucket for the local copy `directory`; `None` if it left none."""
-    with _RANGED_LOCK:
-        return _RANGED.get(os.path.normpath(directory))
-
-
 class _Refused(Exception):
     """A conditional write found the object there, or changed since read."""
 
@@ -184,3 +171,23 @@ def _retried(action: Callable[[], _T]) -> _T:
                 raise
             time.sleep(_BACKOFF_SECONDS * 2**attempt)
     raise AssertionError("unreachable")
+
+
+def moves(shown: events.Progress | None) -> Any:
+    """An fsspec callback that adds one file's bytes to `shown` as they move
+    (fsspec's default, which does nothing, without one)."""
+    from fsspec.callbacks import DEFAULT_CALLBACK, Callback
+
+    if shown is None:
+        return DEFAULT_CALLBACK
+
+    class Moved(Callback):
+        counted = 0
+
+        def call(self, *args: Any, **kwargs: Any) -> None:
+            value = int(self.value or 0)
+            if value > self.counted:
+                shown.add(value - self.counted)
+                self.counted = value
+
+    return Moved()

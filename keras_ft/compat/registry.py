@@ -43,6 +43,8 @@ class Capability:
     applies: Callable[[], bool] = lambda: True
 
 
+# What this process's Keras, TensorFlow and JAX have: the same for every
+# training in it, so learned and said once per process.
 _CAPABILITIES: dict[str, Capability] = {}
 _checked: dict[str, bool] = {}
 _failed: dict[str, str] = {}  # Name: why a use raised.

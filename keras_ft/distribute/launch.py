@@ -201,23 +201,13 @@ def initialize_cluster(
         and "MASTER_ADDR" not in os.environ
     )
     if backend == "jax":
-        import jax
-
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        where = {
+        # Under SLURM itself, JAX reads SLURM's variables.
+        where = {} if native_slurm else {
             "coordinator_address": coordinator,
             "num_processes": world_size,
             "process_id": rank,
-        }
-        if native_slurm:
-            where = {}  # JAX reads SLURM's variables itself.
-        jax.distributed.initialize(
-            **where,
-            heartbeat_timeout_seconds=heartbeat_seconds,
-            shutdown_timeout_seconds=shutdown_seconds,
-        )
-        global _jax_started_here
-        _jax_started_here = True
+        }  # fmt: skip
+        _start_jax(where, heartbeat_seconds, shutdown_seconds)
     elif native_slurm and backend == "tensorflow" and not os.environ.get("TF_CONFIG"):
         os.environ["TF_CONFIG"] = _tf_config_from_slurm(launch)
     elif (
@@ -225,20 +215,39 @@ def initialize_cluster(
         and backend == "tensorflow"
         and not os.environ.get("TF_CONFIG")
     ):
-        if not launch.single_host:
-            raise ValueError(
-                f"keras-ft: {launch.launcher} runs processes on several hosts, and "
-                "TensorFlow needs every worker's address, which the launcher does "
-                "not give: set TF_CONFIG for each process."
-            )
-        workers = [
-            f"{launch.address}:{launch.port + 1 + i}" for i in range(launch.world_size)
-        ]
-        task = {"type": "worker", "index": launch.rank}
-        os.environ["TF_CONFIG"] = json.dumps(
-            {"cluster": {"worker": workers}, "task": task}
-        )
+        os.environ["TF_CONFIG"] = _tf_config_from_launch(launch)
     return current_task()
+
+
+def _start_jax(where: dict, heartbeat_seconds: int, shutdown_seconds: int) -> None:
+    """`jax.distributed.initialize(**where)` with bounded timeouts and gloo
+    collectives on CPU."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        **where,
+        heartbeat_timeout_seconds=heartbeat_seconds,
+        shutdown_timeout_seconds=shutdown_seconds,
+    )
+    global _jax_started_here
+    _jax_started_here = True
+
+
+def _tf_config_from_launch(launch: Launch) -> str:
+    """`TF_CONFIG` for this process of a one-host launch (torchrun): worker
+    `i` on `MASTER_PORT + 1 + i`."""
+    if not launch.single_host:
+        raise ValueError(
+            f"keras-ft: {launch.launcher} runs processes on several hosts, and "
+            "TensorFlow needs every worker's address, which the launcher does "
+            "not give: set TF_CONFIG for each process."
+        )
+    workers = [
+        f"{launch.address}:{launch.port + 1 + i}" for i in range(launch.world_size)
+    ]
+    task = {"type": "worker", "index": launch.rank}
+    return json.dumps({"cluster": {"worker": workers}, "task": task})
 
 
 def _tf_config_from_slurm(launch: Launch) -> str:

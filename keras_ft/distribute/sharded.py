@@ -36,7 +36,6 @@ import json
 import math
 import mmap
 import os
-import shutil
 import threading
 import time
 import zlib
@@ -50,7 +49,6 @@ import numpy as np
 from keras_ft import backend as host
 from keras_ft import threads
 from keras_ft.checkpoint import files as file_io
-from keras_ft.checkpoint import scratch, transfers
 from keras_ft.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -58,8 +56,8 @@ from keras_ft.checkpoint.errors import (
     SaveCancelled,
 )
 from keras_ft.checkpoint.files import Staging
-from keras_ft.checkpoint.format import PIECEWISE, Checkpoint
-from keras_ft.checkpoint.local import PARTS_PREFIX
+from keras_ft.checkpoint.format import PIECEWISE
+from keras_ft.checkpoint.parts import Parts
 
 # A shards table lists every variable's pieces: far below this.
 _MAX_TABLE_BYTES = 256 << 20
@@ -199,11 +197,6 @@ def non_finite(share: Share, names: list[str]) -> list[str]:
     return [names[i] for i in sorted(bad)]
 
 
-def parts_dir(chief_dir: str, tag: str) -> str:
-    """Where the processes put their pieces of the save `tag`."""
-    return os.path.join(chief_dir, f"{PARTS_PREFIX}{tag}")
-
-
 def part_name(process: int) -> str:
     return f"shards-{process:05d}"
 
@@ -255,54 +248,18 @@ def _index_bytes(process: int, tag: str, entry: dict, pieces: list[dict]) -> byt
 
 
 def write_part(
-    directory: str,
+    parts: Parts,
     process: int,
     tag: str,
     share: Share,
     cancel: threading.Event | None = None,
 ) -> None:
-    """Writes this process's pieces and, last, their index: its part is done."""
-    os.makedirs(directory, exist_ok=True)
+    """Writes this process's pieces into `parts` (its storage's place for
+    the save's parts) and, last, their index: its part is done."""
     name = part_name(process)
     chunks, pieces = _part_image(share)
-    entry = file_io.write_file(
-        os.path.join(directory, f"{name}.bin"), chunks, sync=True, cancel=cancel
-    )
-    temporary = os.path.join(directory, f".{name}.json")
-    with open(temporary, "wb") as f:
-        f.write(_index_bytes(process, tag, entry, pieces))
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(temporary, os.path.join(directory, f"{name}.json"))
-
-
-def upload_part(
-    storage: Any,
-    sequence: int,
-    process: int,
-    tag: str,
-    share: Share,
-    cancel: threading.Event | None = None,
-) -> None:
-    """Uploads this process's pieces into the checkpoint numbered `sequence`
-    of the bucket `storage` (an `ObjectStorage`), then their index: its part
-    is done. Until the chief's manifest, the checkpoint is a partial upload:
-    never read, removed by the next writer."""
-    name = part_name(process)
-    chunks, pieces = _part_image(share)
-    scratch_path = scratch.make("part")
-    try:
-        path = os.path.join(scratch_path, f"{name}.bin")
-        # Staged on local disk, as every upload is: written with direct I/O
-        # from the share's buffer, the upload streams it with retries.
-        entry = file_io.write_file(path, chunks, sync=False, cancel=cancel)
-        storage.upload_into(sequence, f"{name}.bin", path, cancel)
-        index = os.path.join(scratch_path, f"{name}.json")
-        with open(index, "wb") as f:
-            f.write(_index_bytes(process, tag, entry, pieces))
-        storage.upload_into(sequence, f"{name}.json", index, cancel)
-    finally:
-        scratch.remove(scratch_path)
+    entry = parts.write_data(f"{name}.bin", chunks, cancel)
+    parts.write_index(f"{name}.json", _index_bytes(process, tag, entry, pieces))
 
 
 def write_own_part(
@@ -324,33 +281,20 @@ def write_own_part(
     _write_table(staging, [index], specs, layouts, whole=False)
 
 
-def _read_index_file(directory: str) -> Callable[[int], bytes | None]:
-    def read(process: int) -> bytes | None:
-        path = os.path.join(directory, f"{part_name(process)}.json")
-        try:
-            with open(path, "rb") as f:
-                return f.read(_MAX_TABLE_BYTES)
-        except FileNotFoundError:
-            return None
-
-    return read
-
-
 def wait_for_parts(
-    directory: str,
+    parts: Parts,
     processes: int,
     tag: str,
     cancel: threading.Event | None = None,
     timeout: float | None = None,
     read: Callable[[int], bytes | None] | None = None,
 ) -> list[dict]:
-    """Every process's index of the save `tag`, once all are written.
+    """Every process's index of the save `tag` in `parts`, once all are
+    written.
 
     Args:
-        directory: Where the indexes are (a parts directory, or a bucket's
-            checkpoint prefix), as messages name it.
         read: How to read a process's index; `None` if it is not there yet.
-            Defaults to reading `directory`'s files.
+            Defaults to reading it from `parts`.
 
     Raises:
         ProcessesDisagreeError: naming the processes whose part is missing
@@ -360,151 +304,108 @@ def wait_for_parts(
     if timeout is None:
         timeout = float(os.environ.get(WAIT_ENV, _WAIT_SECONDS))
     if read is None:
-        read = _read_index_file(directory)
+
+        def read(process: int) -> bytes | None:
+            return parts.read_index(f"{part_name(process)}.json", _MAX_TABLE_BYTES)
+
     deadline = time.monotonic() + timeout
     found: dict[int, dict] = {}
     pause = 0.002
     while True:
         for process in range(processes):
-            if process in found:
-                continue
-            data = read(process)
-            if data is None:
-                continue
-            where = f"{directory}/{part_name(process)}.json"
-            try:
-                index = json.loads(data)
-            except (ValueError, RecursionError) as e:
-                raise ProcessesDisagreeError(f"{where} is unreadable ({e})") from None
-            if not isinstance(index, dict):
-                raise ProcessesDisagreeError(f"{where} is not an index of pieces")
-            if index.get("tag") != tag or index.get("process") != process:
-                raise ProcessesDisagreeError(
-                    f"{where} belongs to another save ({index.get('tag')!r}, "
-                    f"not {tag!r}); the processes of this training disagree "
-                    "on which save this is."
-                )
-            found[process] = index
+            if process not in found:
+                index = _index_of(parts.where, process, tag, read(process))
+                if index is not None:
+                    found[process] = index
         if len(found) == processes:
             return [found[p] for p in range(processes)]
         if cancel is not None and cancel.is_set():
-            raise SaveCancelled(f"The sharded save into {directory} was called off.")
+            raise SaveCancelled(f"The sharded save into {parts.where} was called off.")
         if time.monotonic() > deadline:
             missing = sorted(set(range(processes)) - set(found))
             raise ProcessesDisagreeError(
                 f"Processes {missing} did not write their part of the save into "
-                f"{directory} within {timeout:.0f} s (set {WAIT_ENV} to wait "
+                f"{parts.where} within {timeout:.0f} s (set {WAIT_ENV} to wait "
                 "longer); this save is not committed."
             )
         time.sleep(pause)
-        # A bucket is polled more gently than a disk.
-        pause = min(pause * 2, 0.05 if read is None else 0.25)
+        pause = min(pause * 2, parts.poll_seconds)
+
+
+def _index_of(where: str, process: int, tag: str, data: bytes | None) -> dict | None:
+    """A process's index of its part of the save `tag`, read as `data`;
+    `None` if it is not there yet."""
+    if data is None:
+        return None
+    where = f"{where}/{part_name(process)}.json"
+    try:
+        index = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise ProcessesDisagreeError(f"{where} is unreadable ({e})") from None
+    if not isinstance(index, dict):
+        raise ProcessesDisagreeError(f"{where} is not an index of pieces")
+    if index.get("tag") != tag or index.get("process") != process:
+        raise ProcessesDisagreeError(
+            f"{where} belongs to another save ({index.get('tag')!r}, "
+            f"not {tag!r}); the processes of this training disagree "
+            "on which save this is."
+        )
+    return index
 
 
 def commit_parts(
     staging: Staging,
-    directory: str,
+    parts: Parts,
     processes: int,
     tag: str,
     specs: list[list],
     layouts: list[str],
 ) -> None:
-    """Waits for every process's part of the save `tag`, then moves them into
-    `staging` with their table (`gather_parts()`). The parts directory is
-    removed in any case: what a failed or called-off save wrote is never
-    committed."""
-    try:
-        parts = wait_for_parts(directory, processes, tag, staging.cancel)
-        gather_parts(staging, directory, parts, specs, layouts)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-def gather_parts(
-    staging: Staging,
-    directory: str,
-    indexes: list[dict],
-    specs: list[list],
-    layouts: list[str],
-) -> None:
-    """Moves the processes' files into `staging` and writes `shards.json`.
-
-    Args:
-        staging: The checkpoint's staging directory.
-        directory: The save's parts directory.
-        indexes: `wait_for_parts()`'s result.
-        specs: `[group, path, shape, dtype]` of each saved variable.
-        layouts: How each variable is laid out (`backend.sharding_text()`).
+    """The chief's side of a sharded save: waits until every process's part
+    of the save `tag` is in `parts`, makes them files of the checkpoint
+    `staging` becomes, and writes `shards.json`, the table of every piece
+    of every variable (`specs`: `[group, path, shape, dtype]` of each;
+    `layouts`: how each is laid out, `backend.sharding_text()`).
 
     Raises:
-        OSError: if the pieces do not cover every variable exactly once.
+        ProcessesDisagreeError: if a part is missing, belongs to another
+            save or is malformed, or if the pieces do not cover every
+            variable exactly once. What the processes wrote is then
+            removed: a failed or called-off save commits nothing.
     """
-    for index in indexes:
-        name = index["file"]
-        os.rename(os.path.join(directory, name), os.path.join(staging, name))
-        staging.digests[name] = {**index["entry"], PIECEWISE: True}
-        staging.synced.add(name)  # Its process fsync'ed it before its index.
-    _write_table(staging, indexes, specs, layouts)
-
-
-def commit_uploaded_parts(
-    staging: Staging,
-    storage: Any,
-    sequence: int,
-    processes: int,
-    tag: str,
-    specs: list[list],
-    layouts: list[str],
-) -> None:
-    """The chief's side of a sharded save into a bucket: waits until every
-    process has uploaded its part into the checkpoint numbered `sequence`,
-    then lists the parts (in place) and writes `shards.json` into `staging`,
-    whose commit uploads the rest and the manifest last.
-
-    Args:
-        storage: The bucket (an `ObjectStorage`).
-        Others: as `gather_parts()`.
-    """
-    names = {p: part_name(p) for p in range(processes)}
-    uploaded: dict[int, bytes] = {}  # Each index as uploaded, for its entry.
+    indexes_read: dict[int, bytes] = {}  # Each index as written.
 
     def read(process: int) -> bytes | None:
-        data = storage.read_uncommitted(
-            sequence, f"{names[process]}.json", _MAX_TABLE_BYTES
-        )
+        data = parts.read_index(f"{part_name(process)}.json", _MAX_TABLE_BYTES)
         if data is not None:
-            uploaded[process] = data
+            indexes_read[process] = data
         return data
 
-    staging.sequence = sequence
-    where = storage.url(Checkpoint(sequence, ""))
     try:
-        indexes = wait_for_parts(where, processes, tag, staging.cancel, read=read)
+        indexes = wait_for_parts(parts, processes, tag, staging.cancel, read=read)
         for process, index in enumerate(indexes):
-            name = names[process]
+            name = part_name(process)
             if index.get("file") != f"{name}.bin":
                 raise ProcessesDisagreeError(
-                    f"{where}/{name}.json names {index.get('file')!r}, not {name}.bin"
+                    f"{parts.where}/{name}.json names {index.get('file')!r}, not "
+                    f"{name}.bin"
                 )
-            staging.in_place[f"{name}.bin"] = {**index["entry"], PIECEWISE: True}
-            digest = file_io.DIGESTS[file_io.DIGEST]()
-            digest.update(uploaded[process])
-            staging.in_place[f"{name}.json"] = {
-                "size": len(uploaded[process]),
-                file_io.DIGEST: digest.hexdigest(),
-            }
+            parts.adopt(staging, f"{name}.bin", index["entry"])
+            parts.adopt_index(staging, f"{name}.json", indexes_read[process])
         _write_table(staging, indexes, specs, layouts)
     except (KeyError, TypeError, ValueError) as e:  # An index of another shape.
-        storage.remove_uncommitted(sequence)
+        parts.discard()
         raise ProcessesDisagreeError(
-            f"{where}: an index of pieces is malformed ({type(e).__name__}: {e}); "
-            "this save is not committed."
+            f"{parts.where}: an index of pieces is malformed ({type(e).__name__}: "
+            f"{e}); this save is not committed."
         ) from None
     except BaseException:
         # What did arrive is removed: a failure before the commit (whose
         # own failure removes it too) leaves no partial checkpoint behind.
-        storage.remove_uncommitted(sequence)
+        parts.discard()
         raise
+    finally:
+        parts.close()
 
 
 def _write_table(
@@ -550,19 +451,6 @@ def _write_table(
     staging.write_file(SHARDS_TABLE, [json.dumps(table).encode("utf-8")])
 
 
-def remove_parts(chief_dir: str, before: str | None = None) -> None:
-    """Removes parts directories: all, or those of saves older than `before`."""
-    try:
-        names = os.listdir(chief_dir)
-    except FileNotFoundError:
-        return
-    for name in names:
-        if name.startswith(PARTS_PREFIX) and (
-            before is None or name[len(PARTS_PREFIX) :] < before
-        ):
-            shutil.rmtree(os.path.join(chief_dir, name), ignore_errors=True)
-
-
 def is_sharded_checkpoint(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, SHARDS_TABLE))
 
@@ -578,13 +466,20 @@ class ShardedReader:
         specs: `[group, path, shape, dtype]` of the variables to read, in
             the model's order; the checkpoint must hold the same first (a
             model without its optimizer reads the model's variables only).
+        ranges: How to read byte ranges of files left in a bucket
+            (`Checkpoint.ranges` of a local copy); `None` reads `directory`.
 
     Raises:
         CorruptCheckpointError: if `shards.json` is unreadable or does not
             describe these variables.
     """
 
-    def __init__(self, directory: str, specs: list[list]):
+    def __init__(
+        self,
+        directory: str,
+        specs: list[list],
+        ranges: Callable[[str, int, int], bytes] | None = None,
+    ):
         self.directory = directory
         path = os.path.join(directory, SHARDS_TABLE)
         try:
@@ -612,7 +507,7 @@ class ShardedReader:
         self._files: dict[str, int] = {}  # Open descriptors, by name.
         self._lock = threading.Lock()
         # A bucket's checkpoint: its files' pieces are fetched by range.
-        self._ranges = transfers.range_reader(directory)
+        self._ranges = ranges
         # Runs of pieces being fetched ahead from the bucket, by piece (with
         # the piece's place in its run), and the runs to fetch next.
         self._fetching: dict[tuple[str, int, int], tuple[_Run, int]] = {}
@@ -803,8 +698,14 @@ def _runs(keys: list[tuple[str, int, int]]) -> list[_Run]:
     return [run for _, run in sorted(runs, key=lambda r: r[0])]
 
 
-def read_variables(directory: str, variables: list, specs: list[list]) -> list[Any]:
-    """Each of `variables`' values from the checkpoint, in its own layout.
+def read_variables(
+    directory: str,
+    variables: list,
+    specs: list[list],
+    ranges: Callable[[str, int, int], bytes] | None = None,
+) -> list[Any]:
+    """Each of `variables`' values from the checkpoint, in its own layout
+    (`ranges`: see `ShardedReader`).
 
     Every process of a cluster calls this together: the processes agree
     that each read its pieces intact before any value is returned.
@@ -817,7 +718,7 @@ def read_variables(directory: str, variables: list, specs: list[list]) -> list[A
     values: list[Any] = []
     reader = None
     try:
-        reader = ShardedReader(directory, specs)
+        reader = ShardedReader(directory, specs, ranges)
         reader.read_ahead(
             [
                 host.bounds_needed(variable, tuple(spec[2]))

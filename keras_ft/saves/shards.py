@@ -76,11 +76,7 @@ class ShardedSaver:
                 return self._queue.committed()
             # The bucket's save of the same share follows, in its own commit.
             replaces_last = False
-        if self._tiers.backup.storage.filesystem_path is None:
-            # A bucket: every process uploads into place.
-            snapshot = snapshot if chief else None
-            return self._to_bucket(snapshot, share, tag, replaces_last)
-        return self._to_disk(snapshot, share, tag, replaces_last)
+        return self._write_parts(snapshot, share, tag, replaces_last)
 
     def _commit_own(
         self, snapshot: Snapshot, share: sharded.Share, tag: str, replaces_last: bool
@@ -96,73 +92,43 @@ class ShardedSaver:
 
         self._committer.start(snapshot, replaces_last, write_own, to_bucket=False)
 
-    def _to_disk(
+    def _write_parts(
         self,
         snapshot: Snapshot | None,
         share: sharded.Share,
         tag: str,
         replaces_last: bool,
     ) -> Checkpoint | None:
-        """Each process writes its part into the save's parts directory
-        beside the chief's checkpoints; the chief commits them."""
-        parts_root = self._tiers.backup.storage.filesystem_path
-        directory = sharded.parts_dir(parts_root, tag)
-        process = self._task.task_index
-        if not self._task.is_chief:
-            self._queue.run(
-                lambda previous: sharded.write_part(directory, process, tag, share)
-            )
-            return None
-        specs, layouts = self._state.variable_specs(), self._state.layouts()
-        processes = self._task.num_workers
-
-        def write(staging: Staging) -> None:
-            sharded.write_part(directory, process, tag, share)
-            # Parts of saves called off (or killed) before this one.
-            sharded.remove_parts(parts_root, before=tag)
-            sharded.commit_parts(staging, directory, processes, tag, specs, layouts)
-            staging.write_file(arrays.ARRAYS_FILE, [arrays.to_bytes(snapshot.arrays)])
-
-        self._committer.start(snapshot, replaces_last, write)
-        return self._queue.committed()
-
-    def _to_bucket(
-        self,
-        snapshot: Snapshot | None,
-        share: sharded.Share,
-        tag: str,
-        replaces_last: bool,
-    ) -> Checkpoint | None:
-        """Into a bucket: the processes agree on the checkpoint's number,
-        each uploads its part under it in the background, and the chief's
-        commit (its manifest, last) waits for every part. No process waits
-        for another's upload."""
+        """Each process writes its part where the backup's storage keeps a
+        save's parts (`Storage.parts()`: beside the checkpoints on a disk,
+        in the checkpoint's own prefix in a bucket), in the background; the
+        chief's commit waits for every part. No process waits for another."""
         storage = self._tiers.backup.storage
         chief = self._task.is_chief
-        # The chief holds the lease and has no write in flight: the next
+        # The chief holds the lock and has no write in flight: the next
         # number is free. A collective, as every sharded save's check.
         sequence = host.first_process_value(storage.next_sequence() if chief else 0)
+        parts = storage.parts(tag, sequence)
         process = self._task.task_index
         if not chief:
             tiered = self._tiers.local is not None
 
-            def upload(previous: PendingWrite | None) -> None:
+            def write_part(previous: PendingWrite | None) -> None:
                 if previous is not None and tiered:
                     # The local tier's commit of this save first: the
                     # bucket never holds a save some tier lacks.
                     previous.join()
-                sharded.upload_part(storage, sequence, process, tag, share)
+                sharded.write_part(parts, process, tag, share)
 
-            self._queue.run(upload)
+            self._queue.run(write_part)
             return None
         specs, layouts = self._state.variable_specs(), self._state.layouts()
         processes = self._task.num_workers
 
         def write(staging: Staging) -> None:
-            sharded.upload_part(storage, sequence, process, tag, share, staging.cancel)
-            sharded.commit_uploaded_parts(
-                staging, storage, sequence, processes, tag, specs, layouts
-            )
+            sharded.write_part(parts, process, tag, share, staging.cancel)
+            parts.remove_earlier()  # Of saves called off (or killed) before.
+            sharded.commit_parts(staging, parts, processes, tag, specs, layouts)
             staging.write_file(arrays.ARRAYS_FILE, [arrays.to_bytes(snapshot.arrays)])
 
         self._committer.start(snapshot, replaces_last, write, direct=True)

@@ -8,6 +8,7 @@ its commits, locks and clean-up are here, so that a saver commits into
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from keras_ft.checkpoint.format import METADATA_FILE, Checkpoint
 from keras_ft.checkpoint.store import CheckpointStore, open_store
 from keras_ft.distribute.cluster import TaskSpec
 from keras_ft.local_tier import LocalTier
-from keras_ft.state import TrainingState
+from keras_ft.state import ResumePoint, TrainingState
 from keras_ft.threads import PendingWrite
 from keras_ft.training.policy import KeepLast
 
@@ -212,6 +213,35 @@ class TieredStore:
             "on_save_error='warn')` keeps training and tries again at the next "
             "save.",
         )
+
+    def load_newest(
+        self, state: TrainingState, variables_only: bool, refuse_config_changes: bool
+    ) -> ResumePoint | None:
+        """Loads the newest good checkpoint of the tier `newest_good()`
+        picks into `state` (`TrainingState.apply()`'s arguments); `None` if
+        there is none."""
+
+        # The weights are read while the checkpoint is checksummed.
+        def read(checkpoint: Checkpoint, progress: ReadProgress) -> Any:
+            return state.read_ahead(checkpoint.path, progress, checkpoint.ranges)
+
+        store, found = self.newest_good(read)
+        if found is None:
+            return None
+        checkpoint, metadata, values = found
+        try:
+            point = state.apply(
+                checkpoint.path,
+                metadata,
+                values,
+                variables_only=variables_only,
+                refuse_config_changes=refuse_config_changes,
+                ranges=checkpoint.ranges,
+            )
+        finally:
+            store.release(checkpoint)  # A bucket's download.
+        # A bucket's checkpoint is loaded from a local copy: name the original.
+        return dataclasses.replace(point, checkpoint=store.url(checkpoint))
 
     def newest_good(
         self, read: Callable[[Checkpoint, ReadProgress], Any]

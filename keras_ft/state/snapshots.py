@@ -21,7 +21,7 @@ import keras
 
 from keras_ft import backend as host
 from keras_ft import events
-from keras_ft.state.training_state import nbytes
+from keras_ft.state.checks import nbytes
 
 SNAPSHOT_MODES = ("auto", "device", "host")
 # The share of the device's free memory a snapshot may take: the rest is

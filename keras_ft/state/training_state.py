@@ -16,17 +16,15 @@ import dataclasses
 import functools
 import json
 import os
-import stat
 import time
 from collections.abc import Callable
 from typing import Any
 
 import keras
-import ml_dtypes
 import numpy as np
 
 from keras_ft import backend as host
-from keras_ft import compat, events
+from keras_ft import events
 from keras_ft.checkpoint import files as file_io
 from keras_ft.checkpoint.errors import CorruptCheckpointError
 from keras_ft.checkpoint.files import ReadProgress
@@ -37,6 +35,7 @@ from keras_ft.distribute import sharded
 from keras_ft.errors import ConfigurationChangedError, NonFiniteStateError  # noqa: F401
 from keras_ft.state import (
     arrays,
+    checks,
     configuration,
     contents,
     rng,
@@ -244,7 +243,10 @@ class TrainingState:
         return self._configuration
 
     def read_ahead(
-        self, directory: str, progress: ReadProgress | None = None
+        self,
+        directory: str,
+        progress: ReadProgress | None = None,
+        ranges: Callable[[str, int, int], bytes] | None = None,
     ) -> ReadAhead:
         """Reads a checkpoint for `apply()`, without loading anything.
 
@@ -255,7 +257,8 @@ class TrainingState:
         before) before the model is touched. The weights are read too when
         the model is built and the file is one this model's layout wrote;
         else `apply()` reads them itself. With `progress` (of the
-        checkpoint's verification), reads only what it has read.
+        checkpoint's verification), reads only what it has read. `ranges`:
+        the local copy's `Checkpoint.ranges`, for files left in a bucket.
         """
         if progress is not None:
             # A bucket's files may still be arriving: each is read once its
@@ -264,21 +267,24 @@ class TrainingState:
                 _wait_for_whole(directory, name, progress)
         metadata = _read_metadata(directory)
         extra = self._read_extra(directory, metadata)
-        self._check_build_config(directory, metadata)
-        weights = self._read_weights(directory, progress)
+        checks.check_build_config(self.model, directory, metadata)
+        weights = self._read_weights(directory, progress, ranges)
         if weights is None:  # Not this model's layout: checked before parsing.
             self._check_weights_file(directory, progress)
         return ReadAhead(weights, extra)
 
     def _read_weights(
-        self, directory: str, progress: ReadProgress | None
+        self,
+        directory: str,
+        progress: ReadProgress | None,
+        ranges: Callable[[str, int, int], bytes] | None,
     ) -> weights_load.ReadWeights | list | None:
         if not self.model.built:
             return None
         if sharded.is_sharded_checkpoint(directory):
             self._ensure_optimizer_built()
             return sharded.read_variables(
-                directory, self.saved_variables(), self.variable_specs()
+                directory, self.saved_variables(), self.variable_specs(), ranges
             )
         if self.sharded():
             return None  # Whole arrays into a split model: see `apply()`.
@@ -299,6 +305,7 @@ class TrainingState:
         *,
         variables_only: bool = False,
         refuse_config_changes: bool = False,
+        ranges: Callable[[str, int, int], bytes] | None = None,
     ) -> ResumePoint:
         """Loads a checkpoint's variables into the model.
 
@@ -319,7 +326,7 @@ class TrainingState:
         """
         if read is None:  # Checked before anything is loaded.
             read = ReadAhead(None, self._read_extra(directory, metadata))
-            self._check_build_config(directory, metadata)
+            checks.check_build_config(self.model, directory, metadata)
             self._check_weights_file(directory)
         values = read.weights
         changes = configuration.differences(
@@ -328,11 +335,13 @@ class TrainingState:
         if changes and refuse_config_changes:
             raise ConfigurationChangedError(directory, changes)
         self._ensure_built(metadata)
-        self._check_variables(metadata["variables"], directory)
+        checks.check_variables(
+            self.model, self.variable_specs(), metadata["variables"], directory
+        )
         if sharded.is_sharded_checkpoint(directory):
             if not isinstance(values, list):
                 values = sharded.read_variables(
-                    directory, self.saved_variables(), self.variable_specs()
+                    directory, self.saved_variables(), self.variable_specs(), ranges
                 )
             for variable, value in zip(self.saved_variables(), values, strict=True):
                 variable.assign(value)
@@ -424,39 +433,6 @@ class TrainingState:
             for i, v in enumerate(self.saved_variables())
         ]
 
-    def _check_build_config(self, directory: str, metadata: dict) -> None:
-        """Refuses a `build_config` that would build more than the backup holds.
-
-        An unbuilt model is built from the backup's `build_config` (see
-        `_ensure_built()`); a forged input shape could make that build
-        allocate any amount of memory. A copy of the model is built first
-        without allocating: every variable a true build_config makes is in
-        the checkpoint's files, so variables larger than those files are
-        refused as damage before the real build.
-        """
-        build_config = metadata.get("build_config")
-        if self.model.built or not build_config:
-            return
-        try:
-            planned = compat.planned_variables(self.model, build_config)
-        except Exception as e:
-            raise CorruptCheckpointError(
-                directory,
-                f"its build_config cannot build model {self.model.name!r} "
-                f"({type(e).__name__}: {e})",
-            ) from None
-        if planned is None:
-            _warn_unchecked_build(self.model)
-            return
-        needed = sum(nbytes(shape, dtype) for shape, dtype in planned)
-        held = _files_size(directory)
-        if needed > held:
-            raise CorruptCheckpointError(
-                directory,
-                f"its build_config would build model {self.model.name!r} with "
-                f"{needed} bytes of variables, but its files hold {held} bytes",
-            )
-
     def _check_weights_file(
         self, directory: str, progress: ReadProgress | None = None
     ) -> None:
@@ -495,45 +471,6 @@ class TrainingState:
             # inner optimizer (LossScaleOptimizer's) gets the paths fit() gives.
             with keras.name_scope(optimizer.name, caller=optimizer):
                 optimizer.build(self.model.trainable_variables)
-
-    def _check_variables(self, saved: list, directory: str) -> None:
-        current = self.variable_specs()
-        groups = ["model", "optimizer"]
-        if getattr(self.model, "optimizer", None) is None:
-            groups.remove("optimizer")  # A model to evaluate: weights only.
-        for group in groups:
-            have = [s for s in current if s[0] == group]
-            want = [s for s in saved if s[0] == group]
-            for mine, theirs in zip(have, want, strict=False):
-                if list(mine[2]) != list(theirs[2]):
-                    raise ValueError(
-                        f"The backup in {directory} does not match the model: "
-                        f"{group} variable {mine[1]!r} has shape "
-                        f"{tuple(mine[2])}, but the backup's {theirs[1]!r} has "
-                        f"shape {tuple(theirs[2])}. Restore into the same "
-                        "architecture, or use another `backup_dir` to start a "
-                        "new training."
-                    )
-                if mine[3] != theirs[3]:  # Loaded as is, never cast.
-                    raise ValueError(
-                        f"The backup in {directory} does not match the model: "
-                        f"{group} variable {mine[1]!r} is {mine[3]}, but the "
-                        f"backup's {theirs[1]!r} is {theirs[3]}. Restore with "
-                        "the dtype policy the training was saved with, or use "
-                        "another `backup_dir` to start a new training."
-                    )
-            if len(have) != len(want):
-                extra = (want if len(want) > len(have) else have)[
-                    min(len(have), len(want))
-                ]
-                raise ValueError(
-                    f"The backup in {directory} does not match the model: the "
-                    f"backup has {len(want)} {group} variables, the model has "
-                    f"{len(have)} (first unmatched: {extra[1]!r} with shape "
-                    f"{tuple(extra[2])}). Restore into the same architecture and "
-                    "optimizer, or use another `backup_dir` to start a new "
-                    "training."
-                )
 
 
 def optimizer_step(model: keras.Model) -> int:
@@ -598,44 +535,6 @@ def _extra(directory: str, metadata: Any) -> dict:
         return arrays.join(metadata.get("state", {}), state)
     except ValueError as e:
         raise CorruptCheckpointError(directory, str(e)) from None
-
-
-def nbytes(shape: tuple, dtype: str) -> int:
-    """Bytes of a value of `shape` and `dtype` (a Keras dtype name)."""
-    try:
-        itemsize = np.dtype(getattr(ml_dtypes, dtype, dtype)).itemsize
-    except TypeError:
-        itemsize = 1  # Unknown to NumPy: the smallest, so never refused for it.
-    return int(np.prod(shape, dtype=object)) * itemsize
-
-
-def _files_size(directory: str) -> int:
-    """Bytes in the regular files of a checkpoint directory and its subdirectories."""
-    total = 0
-    for root, _, names in os.walk(directory):
-        for name in names:
-            status = os.lstat(os.path.join(root, name))
-            if stat.S_ISREG(status.st_mode):
-                total += status.st_size
-    return total
-
-
-_warned_unchecked: set[str] = set()
-
-
-def _warn_unchecked_build(model: keras.Model) -> None:
-    kind = type(model).__name__
-    if kind in _warned_unchecked:
-        return
-    _warned_unchecked.add(kind)
-    events.warn(
-        "restore",
-        f"keras-ft: model {model.name!r} ({kind}) cannot be copied from its "
-        "config, so the build_config of a backup is not checked before the "
-        "model is built from it. Build the model before `fit()` (call it on a "
-        "batch, or give it an `Input`) so that a restore builds nothing.",
-        stacklevel=4,
-    )
 
 
 def _wait_for_whole(directory: str, name: str, progress: ReadProgress) -> None:

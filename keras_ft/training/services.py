@@ -14,6 +14,8 @@ from typing import Any
 
 import keras
 
+from keras_ft.training import callback_state
+
 
 class BackupService(keras.callbacks.Callback):
     """A callback that works with the `BackupAndRestore` of the same `fit()`.
@@ -47,3 +49,40 @@ class BackupService(keras.callbacks.Callback):
         if it has one. Returns `None` if training may go on.
         """
         return None
+
+
+def bind(callbacks: list[keras.callbacks.Callback], backup: Any) -> list[BackupService]:
+    """Hands `backup` to every `BackupService` among `callbacks`; returns
+    those services."""
+    found = [c for c in callbacks if isinstance(c, BackupService)]
+    for service in found:
+        service.backup = backup
+    return found
+
+
+def unbind(found: list[BackupService]) -> None:
+    """Takes the backup back from the services `found` (at train end)."""
+    for service in found:
+        service.backup = None
+
+
+def finished(callbacks: list[keras.callbacks.Callback], point: Any) -> str | None:
+    """Why the run restored at `point` (a `ResumePoint`, or `None`) has
+    nothing left to train, as one of `callbacks` says, or `None`."""
+    if point is None:
+        return None
+    states = point.extra.get("callbacks", {})
+    for key, callback in callback_state.keyed(callbacks):
+        if isinstance(callback, BackupService):
+            reason = callback.finished(point.step, states.get(key))
+            if reason:
+                return reason
+    return None
+
+
+def stopped_by(found: list[BackupService]) -> BackupService | None:
+    """The first of the services `found` that stopped training, or `None`."""
+    for service in found:
+        if service.stopped is not None:
+            return service
+    return None

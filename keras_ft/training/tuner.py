@@ -16,13 +16,12 @@ with `executions_per_trial`): those public attributes are what is read.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from keras_ft.checkpoint.format import is_url
+from keras_ft.checkpoint.format import join_location
 
 # The tuner callbacks seen for each trial in this process, in order: the
 # n-th `fit()` of a trial is its n-th execution. Entries go with the trial.
@@ -45,9 +44,7 @@ def trial_backup_dir(backup_dir: str, callbacks: Iterable[Any]) -> str:
         if id(callback) not in seen:
             seen.append(id(callback))
         parts.append(f"execution_{seen.index(id(callback))}")
-    if is_url(backup_dir):
-        return "/".join([backup_dir.rstrip("/"), *parts])
-    return os.path.join(backup_dir, *parts)
+    return join_location(backup_dir, *parts)
 
 
 def _tuner_callback(callbacks: Iterable[Any]) -> tuple[Any, Any, Any] | None:
