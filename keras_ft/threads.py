@@ -252,8 +252,9 @@ class _Pool:
 
 # The process's pools: shared by the saves of every training in it (a save
 # reuses the threads of the one before), closed when the last training using
-# them closes (`hold()` / `let_go()`); these and the writers of
-# `worker_training_state` are the only background work that outlives a save.
+# them closes (`hold()` / `let_go()`; `saves/queue.py` holds them for a
+# training, until it is released or collected); these and the writers of
+# `saves/queue.py` are the only background work that outlives a save.
 hasher = _Pool(2, "keras-ft-checksum")
 syncer = _Pool(4, "keras-ft-fsync")
 verifier = _Pool(1, "keras-ft-verify")
@@ -272,13 +273,40 @@ mover = _Pool(1, "keras-ft-device-to-host")
 _POOLS = (hasher, syncer, verifier, remover, transfer, copy_helper, checker, mover)
 _holders = 0
 _holders_lock = threading.Lock()
+# Trainings garbage-collected while holding the pools, one entry each, added
+# by their finalizers (`collected()`): a GC callback may run in any thread at
+# any allocation, even one holding `_holders_lock` or an executor's lock, so
+# it only appends; the next `hold()` or `let_go()` counts them.
+_collected: list[None] = []
+
+
+def _count_collected() -> None:
+    """Takes the collected trainings off the count (`_holders_lock` held)."""
+    global _holders
+    while _collected:
+        _collected.pop()
+        _holders = max(0, _holders - 1)
 
 
 def hold() -> None:
     """A training starts using the pools."""
     global _holders
     with _holders_lock:
+        _count_collected()
         _holders += 1
+
+
+def collected() -> None:
+    """A training that held the pools was garbage-collected without letting
+    go (a finalizer's call: never blocks, never takes a lock)."""
+    _collected.append(None)
+
+
+def holders() -> int:
+    """How many trainings hold the pools now."""
+    with _holders_lock:
+        _count_collected()
+        return _holders
 
 
 def let_go() -> None:
@@ -286,6 +314,7 @@ def let_go() -> None:
     directories it deleted are gone."""
     global _holders
     with _holders_lock:
+        _count_collected()
         _holders = max(0, _holders - 1)
         last = _holders == 0
     if last:

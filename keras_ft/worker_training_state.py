@@ -21,6 +21,7 @@ from keras_ft.checkpoint.store import (
 )
 from keras_ft.distribute.cluster import TaskSpec, chief_dir, current_task
 from keras_ft.saves.chief import ChiefSaver, write_snapshot
+from keras_ft.saves.claims import ChiefClaim
 from keras_ft.saves.queue import SaveQueue, wait_for_backups
 from keras_ft.saves.shards import ShardedSaver
 from keras_ft.saves.throwaway import ThrowawaySaver, WorkerScratch
@@ -28,7 +29,6 @@ from keras_ft.saves.tiers import TieredStore, local_tier_dir
 from keras_ft.state import NonFiniteStateError, ResumePoint, TrainingState
 from keras_ft.state.snapshots import SnapshotPlace
 from keras_ft.threads import wait_for_removals
-from keras_ft.training import goodput
 from keras_ft.training.listeners import CheckpointListener, check_listeners, notify
 from keras_ft.training.policy import KeepLast
 
@@ -186,9 +186,12 @@ class WorkerTrainingState:
         )
         self._queue = SaveQueue(self._chief_store.identity, self.async_save, self)
         # Where a worker's throwaway saves go, under its own lock.
-        self._scratch = None
+        # The chief holds the backup's lock; another worker only the
+        # temporary directory its throwaway saves go to.
+        scratch = None
         if not self.task.is_chief:
-            self._scratch = WorkerScratch(self._chief_store, self.task, self.backup_dir)
+            scratch = WorkerScratch(self._chief_store, self.task, self.backup_dir)
+        self._claim = scratch or ChiefClaim(self._chief_store, self._lock, self._root)
         self._saver = ChiefSaver(
             self._state,
             self.task,
@@ -202,8 +205,8 @@ class WorkerTrainingState:
             self._state, self.task, self._queue, self._tiers, self._saver
         )
         self._throwaway = None
-        if self._scratch is not None and self._tiers.local is None:
-            self._throwaway = ThrowawaySaver(self._state, self._scratch)
+        if scratch is not None and self._tiers.local is None:
+            self._throwaway = ThrowawaySaver(self._state, scratch)
 
     @property
     def model(self) -> keras.Model:
@@ -226,10 +229,7 @@ class WorkerTrainingState:
             ValueError: if the directory cannot be created or written.
         """
         try:
-            if self._scratch is not None:
-                self._scratch.check_writable()
-            else:
-                self._chief_store.check_writable()
+            self._claim.check_writable()
         except ValueError as e:
             raise ValueError(f"{e} Received: backup_dir={self.backup_dir!r}") from e
 
@@ -251,12 +251,7 @@ class WorkerTrainingState:
             # owns its staging directory: let it finish before cleaning up.
             self._queue.finish_earlier()
             self._tiers.lock(self.task, self.model, self.local_dir)
-            if self._scratch is not None:  # Not the chief.
-                self._scratch.acquire()
-                return
-            self._lock.acquire()
-            # Staging directories, partial uploads, pieces of sharded saves.
-            self._chief_store.remove_leftovers()
+            self._claim.acquire()
         except BaseException:
             self.unlock()
             raise
@@ -279,9 +274,7 @@ class WorkerTrainingState:
 
     def unlock(self) -> None:
         """Releases the lock (see `lock()`); the backup stays as it is."""
-        self._lock.release()
-        if self._scratch is not None:
-            self._scratch.release()
+        self._claim.release()
         self._tiers.unlock()
         self._queue.release()
 
@@ -470,24 +463,7 @@ class WorkerTrainingState:
     def delete_backup(self) -> None:
         """Deletes what this backup wrote; other files in `backup_dir` stay."""
         self._queue.wait()
-        if self.task.is_chief:
-            # What the run's time went to outlives its checkpoints.
-            goodput.keep(self._chief_store, self._root)
-            try:
-                self._chief_store.clear()
-            except Exception as e:  # A bucket out of reach: say so, go on.
-                events.warn(
-                    "save",
-                    f"keras-ft: fit() is over, but its backup in "
-                    f"{self._chief_store.directory} could not be deleted "
-                    f"({type(e).__name__}: {e}). Delete it yourself, or "
-                    "`keras-ft prune` it.",
-                    stacklevel=3,
-                )
-            self._lock.release(remove=True)
-            self._chief_store.storage.remove_root()  # Emptied of its lock file.
-        else:
-            self._scratch.delete()
+        self._claim.delete()  # The chief's keeps the run's goodput record.
         self._tiers.clear_local()  # Every process's own.
         self._root.remove_root()  # `backup_dir` itself, if nothing else is in it.
         self._queue.release()

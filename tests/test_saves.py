@@ -35,11 +35,12 @@ def test_a_save_the_processes_disagree_on_fails_as_a_write_naming_the_fix(tmp_pa
 def test_a_training_collected_unreleased_lets_go_of_the_pools(tmp_path):
     """A training locked and never unlocked (its fit() raised and nothing
     followed on its directory) gives back its hold on the thread pools when
-    it is garbage-collected: the last holder then closes them."""
-    holders = threads._holders
+    it is garbage-collected: its finalizer only notes it (it may run in any
+    thread, at any allocation), and the count of holders leaves it out."""
+    holders = threads.holders()
     state = keras_ft.WorkerTrainingState(make_model(), str(tmp_path))
     state.lock()
-    assert threads._holders == holders + 1
+    assert threads.holders() == holders + 1
     del state
     gc.collect()
-    assert threads._holders == holders
+    assert threads.holders() == holders

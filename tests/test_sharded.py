@@ -315,6 +315,29 @@ def test_a_piece_at_a_negative_offset_is_refused_without_a_get(monkeypatch):
     assert [r for r in log.ranges if r[0] == "shards-00001.bin"] == []
 
 
+def test_a_malformed_index_on_a_disk_is_refused_as_in_a_bucket(tmp_path):
+    """The same commit reads both storages' parts: an index naming another
+    file, or one without its entry, commits nothing on a disk either, and
+    the save's parts directory is gone."""
+    store = CheckpointStore(str(tmp_path / "chief"))
+    first = commit(store, "00000001-000000000001")
+    for index in (
+        {"tag": "t", "process": 0, "file": "../elsewhere.bin", "entry": {}},
+        {"tag": "t", "process": 0, "file": "shards-00000.bin"},
+    ):
+        parts = store.storage.parts("t", 0)
+        parts.write_index("shards-00000.json", json.dumps(index).encode())
+        with pytest.raises(ProcessesDisagreeError, match="names|malformed"):
+            store.save(
+                lambda staging, parts=parts: sharded.commit_parts(
+                    staging, parts, 1, "t", SPECS, ["", ""]
+                ),
+                {},
+            )
+        assert not os.path.exists(parts.where)
+    assert store.checkpoints() == [first] and store.leftovers() == []
+
+
 def test_a_process_missing_from_a_save_into_a_bucket_commits_nothing(monkeypatch):
     monkeypatch.setenv(sharded.WAIT_ENV, "1")
     store = open_store(f"memory://sharded-{os.getpid()}-{time.monotonic_ns()}/chief")

@@ -192,6 +192,7 @@ def test_a_fit_leaves_no_thread_behind(tmp_path, where, monkeypatch):
     # Trainings of earlier tests that never ended hold the pools (and leases
     # whose heartbeats go on): not this test's.
     monkeypatch.setattr(threads, "_holders", 0)
+    monkeypatch.setattr(threads, "_collected", [])
     threads.let_go()
     before = keras_ft_threads()
 
@@ -221,6 +222,7 @@ def test_a_fit_that_raised_leaves_no_thread_once_the_next_one_ends(
     from keras_ft import threads
 
     monkeypatch.setattr(threads, "_holders", 0)  # Earlier tests' trainings.
+    monkeypatch.setattr(threads, "_collected", [])
     threads.let_go()
     before = keras_ft_threads()
 

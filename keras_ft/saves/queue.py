@@ -65,9 +65,10 @@ class SaveQueue:
         self._cancels: list[threading.Event] = []  # Of the saves in flight.
         # The newest save, for a save that replaces it.
         self._last: tuple[threading.Event, PendingWrite] | None = None
-        # Lets go of the thread pools: at `release()`, or when the training
-        # is collected unreleased (a fit() that raised, never followed).
-        self._let_go: weakref.finalize | None = None
+        # Alive while this training holds the thread pools; tells them if
+        # the training is collected unreleased (a fit() that raised, with no
+        # later training on its directory to close it).
+        self._held: weakref.finalize | None = None
 
     def start(self, commit: Commit, replaces_last: bool) -> threading.Event:
         """Hands `commit` to the writer thread.
@@ -154,9 +155,9 @@ class SaveQueue:
             finally:
                 earlier.unlock()
         _holders[self.identity] = self._training
-        if self._let_go is None or not self._let_go.alive:
+        if self._held is None or not self._held.alive:
             threads.hold()
-            self._let_go = weakref.finalize(training, threads.let_go)
+            self._held = weakref.finalize(training, threads.collected)
 
     def release(self) -> None:
         """Gives up the holder's place and the hold on the thread pools (the
@@ -164,5 +165,5 @@ class SaveQueue:
         held = _holders.get(self.identity)
         if held is not None and held() is self._training():
             del _holders[self.identity]
-        if self._let_go is not None:
-            self._let_go()  # Once: a finalizer that ran does nothing.
+        if self._held is not None and self._held.detach() is not None:
+            threads.let_go()  # Held until now (not collected meanwhile).
