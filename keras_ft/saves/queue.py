@@ -134,10 +134,6 @@ class SaveQueue:
     def raise_if_failed(self) -> None:
         self._writer.raise_if_failed()
 
-    @property
-    def depth(self) -> int:
-        return self._writer.depth
-
     def hold(self) -> None:
         """Makes this training the directory's holder, closing an earlier
         one that was not closed (its writes commit, then its lock and its
