@@ -548,6 +548,8 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _save(self, logs: dict | None, epoch: int, batch: int | None, **how) -> bool:
         """`FitSaves.save()`: backs up the state now, if it is finite."""
+        # On JAX, reading `self.model` syncs the trainer's state back into
+        # the model's variables, which fit() leaves stale mid-epoch.
         return self._saves.save(self.model, logs, epoch, batch, **how)
 
     def _stop_threads(self) -> None:

@@ -83,6 +83,9 @@ class FitSaves:
     ) -> bool:
         """Backs up the state now; returns whether a save was started.
 
+        `model` is the callback's `self.model`, passed in so that the caller
+        reads it, which on JAX syncs the trainer's state into the variables.
+
         `pending`: later callbacks whose epoch end has not run yet (noted
         in the backup, so that a resume from it can say so). `to_bucket`:
         `False` for a save to the local tier alone.
@@ -92,9 +95,6 @@ class FitSaves:
         if not _finite_loss(logs):
             self.skip_non_finite(f"the loss is {logs.get('loss')} at {where}")
             return False
-        # On JAX, reading `model` syncs the trainer's state back into the
-        # model's variables, which fit() leaves stale mid-epoch.
-        model  # noqa: B018
         started = time.monotonic()
         extra = self._extra(logs, epoch, batch, pending)
         how = {"replaces_last": replaces_last, "to_bucket": to_bucket}
