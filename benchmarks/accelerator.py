@@ -38,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -128,7 +129,9 @@ def _sync(model) -> None:
             torch.cuda.synchronize()
 
 
-def peak_device_bytes() -> int | None:
+def device_bytes_in_use() -> int | None:
+    """What the backend's allocator holds on the first device (`None`: not
+    known, or the CPU)."""
     import keras
 
     backend = keras.backend.backend()
@@ -136,24 +139,76 @@ def peak_device_bytes() -> int | None:
         import jax
 
         stats = jax.devices()[0].memory_stats() or {}
-        return stats.get("peak_bytes_in_use")
+        return stats.get("bytes_in_use")
     if backend == "torch":
         import torch
 
         if torch.cuda.is_available():
-            return torch.cuda.max_memory_allocated()
+            return torch.cuda.memory_allocated()
     return None
 
 
-def measure(args) -> dict:
+def peak_extra_device(fn) -> int | None:
+    """Peak device memory above the level before `fn` (PyTorch's own peak
+    counter; else sampled every 1 ms), `None` where the backend says none."""
     import keras
 
+    before = device_bytes_in_use()
+    if before is None:
+        return None
+    if keras.backend.backend() == "torch":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        return torch.cuda.max_memory_allocated() - before
+    peak, done = [before], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], device_bytes_in_use() or 0)
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        sampler.join()
+    return peak[0] - before
+
+
+def pinned_to_device_seconds(model) -> float:
+    """The state moved from page-locked host buffers (allocated beforehand)
+    to new device buffers: PyTorch on CUDA."""
+    import torch
+
+    values = state_values(model)
+    buffers = [torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for v in values]
+    start = time.perf_counter()
+    for buffer, value in zip(buffers, values, strict=True):
+        buffer.to(value.device, non_blocking=True)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def step_seconds(model, x, y, steps: int = 20) -> float:
+    """One training step's time, without callbacks (compiled beforehand)."""
+    start = time.perf_counter()
+    model.fit(x[: 32 * steps], y[: 32 * steps], batch_size=32, epochs=1, verbose=0)
+    return (time.perf_counter() - start) / steps
+
+
+def measure(args) -> None:
+    """Prints each size's measurements as soon as they are made (a `SIZE`
+    line of JSON): a run cut short still reports the sizes it finished."""
     root = tempfile.mkdtemp(prefix="keras-ft-accel-", dir=args.dir)
     try:
-        sizes = [measure_size(args, width, root) for width in args.widths]
+        for width in args.widths:
+            print("SIZE " + json.dumps(measure_size(args, width, root)), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return {"backend": keras.backend.backend(), "sizes": sizes}
 
 
 def measure_size(args, width: int, root: str) -> dict:
@@ -164,11 +219,18 @@ def measure_size(args, width: int, root: str) -> dict:
     from keras_ft.backend import accelerator
 
     model = build_model(width)
-    x, y = data(args.steps)
+    x, y = data(20)
     model.fit(x[:32], y[:32], batch_size=32, epochs=1, verbose=0)
     device = accelerator(model.weights[0]) or "cpu"
     row: dict = {"params": model.count_params(), "device": device}
-    modes = ["host", "device"]
+    row["step"] = step = step_seconds(model, x, y)
+    steps = args.steps
+    if args.epoch_seconds:  # Epochs of about that long, whatever the device.
+        steps = max(20, min(args.max_steps, round(args.epoch_seconds / step)))
+    row["epoch_steps"] = steps
+    blocked_steps = args.blocking_every * (args.blocking_saves + 1)
+    x, y = data(max(steps, blocked_steps))
+    modes = list(args.modes)
 
     def callbacks(kind: str, every: str | int, where: str) -> list:
         path = os.path.join(root, f"{kind}-{where}")
@@ -187,6 +249,7 @@ def measure_size(args, width: int, root: str) -> dict:
         return [save(path, save_freq=every, snapshot=kind, verbose=0)]
 
     kinds = ["none", "keras", *modes]
+    measured = ("host", "device")  # Blocked time and memory: both, always.
     if keras.backend.backend() == "jax" and _has_orbax():
         kinds.append("orbax")
 
@@ -207,31 +270,37 @@ def measure_size(args, width: int, root: str) -> dict:
         return run
 
     # 1. Saving every epoch, and every batch (fewer steps).
-    row["epoch"] = interleaved(
-        {k: fit(k, "epoch", args.epochs, args.steps, "epoch") for k in kinds},
-        args.rounds,
-    )
-    row["batch_steps"] = batch_steps = max(4, args.steps // 10)
-    row["batch"] = interleaved(
-        {k: fit(k, 1, 1, batch_steps, "batch") for k in kinds}, args.rounds
-    )
+    if args.epoch_widths is None or width in args.epoch_widths:
+        row["epoch"] = interleaved(
+            {k: fit(k, "epoch", args.epochs, steps, "epoch") for k in kinds},
+            args.rounds,
+        )
+    if args.batch_widths is None or width in args.batch_widths:
+        row["batch_steps"] = batch_steps = max(4, min(steps // 10, 40))
+        row["batch"] = interleaved(
+            {k: fit(k, 1, 1, batch_steps, "batch") for k in kinds}, args.rounds
+        )
 
-    # 2. Blocked per save, saves far enough apart.
+    # 2. Blocked per save, each save's write waited for (untimed) before the
+    # next: what one save holds training up for, alone.
     def blocked(mode: str):
         def run() -> float:
-            blocking = Blocking(args.blocking_every)
+            blocking = Blocking(args.blocking_every, keras_ft.wait_for_backups)
             path = os.path.join(root, f"blocked-{mode}")
             shutil.rmtree(path, ignore_errors=True)
             save = keras_ft.BackupAndRestore(
                 path, save_freq=args.blocking_every, snapshot=mode, verbose=0
             )
-            model.fit(x, y, batch_size=32, epochs=1, verbose=0,
+            model.fit(x[: 32 * blocked_steps], y[: 32 * blocked_steps],
+                      batch_size=32, epochs=1, verbose=0,
                       callbacks=blocking.around([save]))  # fmt: skip
             return med(blocking.times)
 
         return run
 
-    row["blocked"] = interleaved({m: blocked(m) for m in modes}, args.rounds)
+    row["blocked"] = interleaved(
+        {m: blocked(m) for m in measured}, args.blocking_rounds or args.rounds
+    )
 
     # 3, 4. Floors and the restore, in this run.
     state = keras_ft.WorkerTrainingState(model, os.path.join(root, "floor"), keep=1)
@@ -239,7 +308,8 @@ def measure_size(args, width: int, root: str) -> dict:
     keras_ft.wait_for_backups()
     chief = os.path.join(root, "floor", "chief")
     row["bytes"] = nbytes = dir_bytes(chief)
-    block = os.urandom(nbytes)
+    # Random bytes (a 64 MiB block repeated: generating gigabytes takes long).
+    block = (os.urandom(64 << 20) * (nbytes // (64 << 20) + 1))[:nbytes]
     raw_path = os.path.join(root, "raw.bin")
     arrays = [keras.ops.convert_to_numpy(v) for v in state_values(model)]
     floors = {
@@ -252,11 +322,13 @@ def measure_size(args, width: int, root: str) -> dict:
     }
     if device == "cuda":
         floors["pinned host copy"] = lambda: host_copy_seconds(model, pinned=True)
+        floors["pinned to device"] = lambda: pinned_to_device_seconds(model)
     row["floors"] = interleaved(floors, args.rounds)
 
-    # 5. Memory of one save, each way.
-    row["host_rss"], row["device_peak"] = {}, {}
-    for mode in modes:
+    # 5. Memory of saves, each way, beyond training's: two saves, so that
+    # what a save keeps for the next (its host buffers) is counted once.
+    row["host_rss"], row["device_extra"] = {}, {}
+    for mode in measured:
         fresh = keras_ft.WorkerTrainingState(
             model, os.path.join(root, f"rss-{mode}"), async_save=True, snapshot=mode
         )
@@ -265,8 +337,13 @@ def measure_size(args, width: int, root: str) -> dict:
             fresh.back_up(0)
             fresh.wait()
 
-        row["host_rss"][mode] = peak_extra_rss(save) / nbytes
-        row["device_peak"][mode] = peak_device_bytes()
+        def twice(save=save) -> None:
+            save()
+            save()
+
+        row["host_rss"][mode] = peak_extra_rss(twice) / nbytes
+        row["device_extra"][mode] = peak_extra_device(twice)
+        fresh.close()
     return row
 
 
@@ -300,8 +377,12 @@ def rows_of(result: dict) -> list[tuple[str, str]]:
     for row in result["sizes"]:
         name = f"{row['params'] / 1e6:.1f}M params on {row['device']}"
         epoch, batch, blocked, floors = (
-            row["epoch"], row["batch"], row["blocked"], row["floors"]
+            row.get("epoch", {}), row.get("batch", {}), row["blocked"], row["floors"]
         )  # fmt: skip
+        rows.append((
+            f"{name}: a step, ms; steps per epoch",
+            f"{row['step'] * 1e3:.2f}; {row['epoch_steps']}",
+        ))  # fmt: skip
         for kind in epoch:
             if kind != "none":
                 ratios = zip(epoch[kind], epoch["none"], strict=True)
@@ -309,7 +390,7 @@ def rows_of(result: dict) -> list[tuple[str, str]]:
                     f"{name}: every epoch, {kind} / none",
                     spread([a / b for a, b in ratios]),
                 ))  # fmt: skip
-        steps = row["batch_steps"]
+        steps = row.get("batch_steps", 1)
         write = med(floors["write+fsync"])
         for kind in batch:
             if kind != "none":
@@ -328,12 +409,13 @@ def rows_of(result: dict) -> list[tuple[str, str]]:
                 spread([b / (copy + 0.002) for b in blocked[mode]]),
             ))  # fmt: skip
         for floor in ("device copy", "host copy", "pinned host copy", "write+fsync",
-                      "read", "to device"):  # fmt: skip
+                      "read", "to device", "pinned to device",
+                      "restore"):  # fmt: skip
             if floor in floors:
                 rows.append((f"{name}: {floor}, seconds", spread(floors[floor])))
-        restore_floor = [
-            a + b for a, b in zip(floors["read"], floors["to device"], strict=True)
-        ]
+        # One move to the device: from page-locked buffers where measured.
+        move = floors.get("pinned to device", floors["to device"])
+        restore_floor = [a + b for a, b in zip(floors["read"], move, strict=True)]
         rows.append((
             f"{name}: restore / (read + to device)",
             spread([a / b for a, b in zip(floors["restore"], restore_floor,
@@ -342,11 +424,11 @@ def rows_of(result: dict) -> list[tuple[str, str]]:
         for mode, ratio in row["host_rss"].items():
             label = f"{name}: host memory of a save, {mode} / state"
             rows.append((label, f"{ratio:.2f}"))
-        for mode, peak in row["device_peak"].items():
-            if peak is not None:
+        for mode, extra in row["device_extra"].items():
+            if extra is not None:
                 rows.append((
-                    f"{name}: peak device memory after {mode} saves / state",
-                    f"{peak / row['bytes']:.2f}",
+                    f"{name}: device memory of a save, {mode} / state",
+                    f"{extra / row['bytes']:.2f}",
                 ))  # fmt: skip
     return rows
 
@@ -358,38 +440,82 @@ def main() -> None:
         "--quick", action="store_true", help="CPU-sized: 1.6M and 5.2M parameters"
     )
     parser.add_argument("--widths", type=int, nargs="*")
-    parser.add_argument("--steps", type=int)
+    parser.add_argument("--steps", type=int, help="steps per epoch")
+    parser.add_argument(
+        "--epoch-seconds", type=float,
+        help="steps per epoch chosen for epochs about this long (default: 10 "
+        "without --quick)",
+    )  # fmt: skip
+    parser.add_argument("--max-steps", type=int, default=4000)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--modes", nargs="*", default=["host", "device"],
+        help="keras-ft's snapshot modes timed in fit() (blocked time and "
+        "memory are measured for both)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--batch-widths", type=int, nargs="*",
+        help="the widths saved every batch (default: all)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--epoch-widths", type=int, nargs="*",
+        help="the widths saved every epoch (default: all)",
+    )  # fmt: skip
     parser.add_argument("--blocking-every", type=int, default=8)
+    parser.add_argument("--blocking-saves", type=int, default=4)
+    parser.add_argument("--blocking-rounds", type=int, help="default: --rounds")
+    parser.add_argument("--timeout", type=float, help="seconds per backend")
     parser.add_argument("--dir", help="where checkpoints go (default: /tmp)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.widths is None:  # ~10M and ~200M parameters; CPU-sized with --quick.
         args.widths = [1024, 2048] if args.quick else [3000, 14000]
     if args.steps is None:
-        args.steps = 40 if args.quick else 600
+        args.steps = 40
+    if args.epoch_seconds is None and not args.quick:
+        args.epoch_seconds = 10.0
     if args.worker:
-        print("RESULT " + json.dumps(measure(args)), flush=True)
+        measure(args)
         return
     for backend in args.backend or BACKENDS:
         command = [sys.executable, os.path.abspath(__file__), "--worker",
                    "--widths", *map(str, args.widths), "--steps", str(args.steps),
+                   "--max-steps", str(args.max_steps),
                    "--epochs", str(args.epochs), "--rounds", str(args.rounds),
-                   "--blocking-every", str(args.blocking_every)]  # fmt: skip
+                   "--modes", *args.modes,
+                   "--blocking-every", str(args.blocking_every),
+                   "--blocking-saves", str(args.blocking_saves),
+                   "--blocking-rounds", str(args.blocking_rounds or args.rounds),
+                   "--epoch-seconds", str(args.epoch_seconds or 0)]  # fmt: skip
+        for option in ("batch_widths", "epoch_widths"):
+            if getattr(args, option) is not None:
+                flag = "--" + option.replace("_", "-")
+                command += [flag, *map(str, getattr(args, option))]
         if args.dir:
             command += ["--dir", args.dir]
         env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
-        env["PYTHONPATH"] = os.path.dirname(HERE)
-        done = subprocess.run(command, capture_output=True, text=True, env=env)
-        lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-        if done.returncode or not lines:
-            print(f"{backend}: failed\n{done.stderr[-3000:]}")
+        env["PYTHONPATH"] = os.pathsep.join(
+            [os.path.dirname(HERE), *filter(None, [env.get("PYTHONPATH")])]
+        )
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, env=env,
+                                  timeout=args.timeout)  # fmt: skip
+            stdout, stderr, failed = done.stdout, done.stderr, done.returncode
+        except subprocess.TimeoutExpired as late:
+            stdout, stderr, failed = late.stdout or "", late.stderr or "", "timeout"
+            stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
+            stderr = stderr.decode() if isinstance(stderr, bytes) else stderr
+        sizes = [json.loads(x[len("SIZE ") :]) for x in stdout.splitlines()
+                 if x.startswith("SIZE ")]  # fmt: skip
+        if failed:
+            print(f"{backend}: failed ({failed})\n{stderr[-3000:]}")
+        if not sizes:
             continue
-        result = json.loads(lines[-1][len("RESULT ") :])
         print(f"\n{backend} (median and spread over {args.rounds} rounds)")
-        for label, value in rows_of(result):
-            print(f"  {label:<72} {value}")
+        for label, value in rows_of({"sizes": sizes}):
+            print(f"  {label:<72} {value}", flush=True)
+        print("JSON " + json.dumps({"backend": backend, "sizes": sizes}), flush=True)
 
 
 if __name__ == "__main__":

@@ -268,7 +268,9 @@ class Blocking:
     up, at the batches they save at (every `every` batches, the first left
     out: it may allocate)."""
 
-    def __init__(self, every: int):
+    def __init__(self, every: int, settle=None):
+        """`settle`, if given, runs untimed after each save (waits for its
+        write, say, so that the next save is measured alone)."""
         import keras
 
         self.times: list[float] = []
@@ -280,8 +282,12 @@ class Blocking:
 
         class Last(keras.callbacks.Callback):
             def on_train_batch_end(inner, batch, logs=None):
-                if (batch + 1) % every == 0 and batch + 1 > every:
+                if (batch + 1) % every:
+                    return
+                if batch + 1 > every:
                     self.times.append(time.perf_counter() - self._start)
+                if settle is not None:
+                    settle()
 
         self.first, self.last = First(), Last()
 
