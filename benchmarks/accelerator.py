@@ -248,9 +248,9 @@ def measure_size(args, width: int, root: str) -> dict:
         save = keras_ft.BackupAndRestore
         return [save(path, save_freq=every, snapshot=kind, verbose=0)]
 
-    kinds = ["none", "keras", *modes]
+    kinds = ["none", *modes] if args.no_peers else ["none", "keras", *modes]
     measured = ("host", "device")  # Blocked time and memory: both, always.
-    if keras.backend.backend() == "jax" and _has_orbax():
+    if keras.backend.backend() == "jax" and _has_orbax() and not args.no_peers:
         kinds.append("orbax")
 
     def fit(kind: str, every: str | int, epochs: int, steps: int, where: str):
@@ -320,7 +320,7 @@ def measure_size(args, width: int, root: str) -> dict:
         "to device": lambda: to_device_seconds(model, arrays),
         "restore": lambda: _cold_restore(model, root, chief),
     }
-    if device == "cuda":
+    if device == "gpu" and keras.backend.backend() == "torch":
         floors["pinned host copy"] = lambda: host_copy_seconds(model, pinned=True)
         floors["pinned to device"] = lambda: pinned_to_device_seconds(model)
     row["floors"] = interleaved(floors, args.rounds)
@@ -465,6 +465,10 @@ def main() -> None:
     parser.add_argument("--blocking-every", type=int, default=8)
     parser.add_argument("--blocking-saves", type=int, default=4)
     parser.add_argument("--blocking-rounds", type=int, help="default: --rounds")
+    parser.add_argument(
+        "--no-peers", action="store_true",
+        help="no Keras callbacks timed beside keras-ft (a shorter run)",
+    )  # fmt: skip
     parser.add_argument("--timeout", type=float, help="seconds per backend")
     parser.add_argument("--dir", help="where checkpoints go (default: /tmp)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -488,6 +492,8 @@ def main() -> None:
                    "--blocking-saves", str(args.blocking_saves),
                    "--blocking-rounds", str(args.blocking_rounds or args.rounds),
                    "--epoch-seconds", str(args.epoch_seconds or 0)]  # fmt: skip
+        if args.no_peers:
+            command.append("--no-peers")
         for option in ("batch_widths", "epoch_widths"):
             if getattr(args, option) is not None:
                 flag = "--" + option.replace("_", "-")

@@ -100,6 +100,53 @@ def set_generator_state(state: np.ndarray) -> None:
         torch.set_rng_state(torch.from_numpy(np.asarray(state, np.uint8)))
 
 
+def device_generator_states() -> list[np.ndarray] | None:
+    """The states of PyTorch's generators on its CUDA devices, one per
+    device, where CUDA is in use (an unseeded Dropout on a GPU draws from
+    its device's generator, not from `generator_state()`'s)."""
+    if keras.backend.backend() != "torch" or "torch" not in sys.modules:
+        return None
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return [state.numpy().copy() for state in torch.cuda.get_rng_state_all()]
+
+
+def set_device_generator_states(states: list[np.ndarray]) -> None:
+    """Sets what `device_generator_states()` returned, on the devices this
+    process has (none where CUDA is not available: a resume on the CPU
+    draws from other generators anyway)."""
+    if keras.backend.backend() != "torch":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    for device, state in enumerate(states[: torch.cuda.device_count()]):
+        torch.cuda.set_rng_state(torch.from_numpy(np.asarray(state, np.uint8)), device)
+
+
+def check_device_generator_states(states: list[np.ndarray]) -> None:
+    """Raises `ValueError` unless `set_device_generator_states(states)`
+    would take them: each is set first on a generator of its own."""
+    if keras.backend.backend() != "torch":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    for device, state in enumerate(states[: torch.cuda.device_count()]):
+        try:
+            torch.Generator(device=f"cuda:{device}").set_state(
+                torch.from_numpy(np.asarray(state, np.uint8))
+            )
+        except RuntimeError as e:
+            raise ValueError(
+                f"PyTorch's generator state for cuda:{device} is malformed ({e})"
+            ) from None
+
+
 def check_generator_state(state: np.ndarray) -> None:
     """Raises `ValueError` unless `set_generator_state(state)` would take
     it: set first on a generator of its own."""
@@ -220,7 +267,8 @@ def accelerator(value: Any) -> str | None:
         import torch
 
         if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-            return value.device.type
+            kind = value.device.type
+            return "gpu" if kind in ("cuda", "mps", "xpu") else kind
     elif backend == "tensorflow":
         device = getattr(value, "device", "") or ""
         if "GPU" in device.upper():
@@ -340,13 +388,32 @@ def pin_host(buffer: np.ndarray, device: Any) -> Callable[[], None] | None:
     address, size = buffer.ctypes.data, buffer.nbytes
     # cudaHostRegisterPortable (1): page-locked for every device's context,
     # as PyTorch's own pin_memory() registers it.
-    if not size or int(cudart.cudaHostRegister(address, size, 1)) != 0:
+    if not size:
+        return None
+    if int(cudart.cudaHostRegister(address, size, 1)) != 0:
+        # The runtime keeps the error for the thread's next check, where
+        # PyTorch would raise it from an unrelated call.
+        _clear_cuda_error()
         return None
 
     def unpin() -> None:
         cudart.cudaHostUnregister(address)
 
     return unpin
+
+
+def _clear_cuda_error() -> None:
+    """Resets the CUDA runtime's last error in this thread, through the
+    runtime library PyTorch loaded (its bindings have no call for it)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except (OSError, AttributeError, IndexError):
+        pass
 
 
 def staging_device(value: Any) -> Any:

@@ -6,6 +6,7 @@ import random
 
 import keras
 import numpy as np
+import pytest
 
 from keras_ft.state import arrays, rng
 
@@ -16,6 +17,8 @@ def draws():
         import torch
 
         values.append(torch.randperm(5).tolist())
+        if torch.cuda.is_available():  # An unseeded Dropout's, on a GPU.
+            values.append(torch.rand(3, device="cuda").tolist())
     values.append(keras.ops.convert_to_numpy(keras.random.normal((2,))).tolist())
     return values
 
@@ -61,3 +64,13 @@ def test_apply_only_sets_the_named_generators():
     np.testing.assert_array_equal(np.random.get_state()[1], after_numpy)
     rng.apply(saved, only=("numpy",))
     np.testing.assert_array_equal(np.random.permutation(10), expected_numpy)
+
+
+@pytest.mark.parametrize(
+    "cuda", [[np.zeros(16, np.int64)], np.zeros(16, np.uint8), ["state"]]
+)
+def test_a_malformed_cuda_generator_state_is_refused(cuda):
+    state = rng.capture()
+    state["torch_cuda"] = cuda
+    with pytest.raises(ValueError, match="CUDA generator states are not bytes"):
+        rng.check(state)

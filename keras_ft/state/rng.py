@@ -3,7 +3,8 @@
 Covers the generators that `keras.utils.set_random_seed()` seeds and that
 `fit()` draws from outside the model: Python's `random` (PyDataset shuffling),
 NumPy's global generator (array shuffling on JAX), PyTorch's default generator
-(array shuffling on PyTorch, through `RandomSampler`), and Keras' global
+(array shuffling on PyTorch, through `RandomSampler`) and its generators on
+CUDA devices (an unseeded Dropout on a GPU), and Keras' global
 `SeedGenerator`. Seed generators owned by layers are model state, saved with
 the model (see `state.py`). TensorFlow's data pipeline seeds itself from the
 global seed each epoch, so it needs nothing here.
@@ -38,6 +39,9 @@ def capture() -> dict[str, Any]:
     torch_state = backend.generator_state()
     if torch_state is not None:
         state["torch"] = torch_state
+    cuda_states = backend.device_generator_states()
+    if cuda_states is not None:
+        state["torch_cuda"] = cuda_states
     return state
 
 
@@ -64,7 +68,7 @@ def from_raw(raw: tuple[Any, Any]) -> dict[str, Any]:
     }
 
 
-MODEL_SIDE = ("torch", "keras")
+MODEL_SIDE = ("torch", "torch_cuda", "keras")
 
 
 def check(state: Any) -> None:
@@ -89,6 +93,14 @@ def check(state: Any) -> None:
         if not isinstance(torch_state, np.ndarray) or torch_state.dtype != np.uint8:
             raise ValueError("PyTorch's generator state is not bytes")
         backend.check_generator_state(torch_state)
+    if "torch_cuda" in state:
+        cuda_states = state["torch_cuda"]
+        if not isinstance(cuda_states, list) or not all(
+            isinstance(s, np.ndarray) and s.dtype == np.uint8 and s.ndim == 1
+            for s in cuda_states
+        ):
+            raise ValueError("PyTorch's CUDA generator states are not bytes")
+        backend.check_device_generator_states(cuda_states)
 
 
 def apply(state: dict[str, Any], only: tuple[str, ...] | None = None) -> None:
@@ -109,3 +121,5 @@ def apply(state: dict[str, Any], only: tuple[str, ...] | None = None) -> None:
         compat.set_keras_global_seed_state(np.asarray(state["keras"]))
     if "torch" in state:
         backend.set_generator_state(state["torch"])
+    if "torch_cuda" in state:
+        backend.set_device_generator_states(state["torch_cuda"])

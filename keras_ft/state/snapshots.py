@@ -101,7 +101,8 @@ class SnapshotPlace:
         if free is not None and needed > free * _ROOM:
             events.warn(
                 "fallback",
-                f"keras-ft: no room on the {kind or 'device'} for a snapshot of "
+                f"keras-ft: no room on the {kind.upper() if kind else 'device'} "
+                "for a snapshot of "
                 f"the training state ({_size(needed)} needed, {_size(free)} "
                 "free): saves copy it to host memory "
                 "instead, and training waits for that copy. Pass "

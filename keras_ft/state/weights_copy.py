@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import mmap
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -116,7 +117,7 @@ class CopyBuffer:
         self._allocating: threading.Thread | None = None
         self._views: list[np.ndarray] = []  # Each slot's place in the image.
         # The device the buffer is page-locked for (see `pin()`), and what
-        # unlocks it.
+        # unlocks it (`_lock()`).
         self._pin_for: Any = None
         self._unpin: Callable[[], None] | None = None
 
@@ -135,7 +136,15 @@ class CopyBuffer:
         bus's speed."""
         self._pin_for = device
         if self._image is not None and self._unpin is None and device is not None:
-            self._unpin = pin_host(np.frombuffer(self._image, np.uint8), device)
+            self._lock(np.frombuffer(self._image, np.uint8), device)
+
+    def _lock(self, buffer: np.ndarray, device: Any) -> None:
+        unpin = pin_host(buffer, device)
+        if unpin is not None:
+            # Unlocked with the buffer, also where it is never released: the
+            # driver keeps memory it locked (and its addresses, which a later
+            # allocation may be given) until it is unlocked.
+            self._unpin = weakref.finalize(self, unpin)
 
     @property
     def pinned(self) -> bool:
@@ -312,7 +321,7 @@ class CopyBuffer:
         self._copy_batches = _copy_batches(self._slots, buffer, self.size)
         self._views = [slot_view(buffer, slot) for slot in self._slots]
         if self._pin_for is not None:
-            self._unpin = pin_host(buffer, self._pin_for)
+            self._lock(buffer, self._pin_for)
         self._image, self._written = image, None
 
     def release(self) -> None:
