@@ -70,6 +70,37 @@ def state_values(model) -> list:
     return [raw_value(v) for v in model.weights + model.optimizer.variables]
 
 
+class HeldUp:
+    """Around the callbacks measured: the seconds their epoch ends and
+    their train end took, where the rest of a fit's added time is steps
+    slowed by work beside them."""
+
+    def __init__(self):
+        import keras
+
+        self.epoch_ends = self.train_end = 0.0
+        self._start = 0.0
+
+        class First(keras.callbacks.Callback):
+            def on_epoch_end(inner, epoch, logs=None):
+                self._start = time.perf_counter()
+
+            def on_train_end(inner, logs=None):
+                self._start = time.perf_counter()
+
+        class Last(keras.callbacks.Callback):
+            def on_epoch_end(inner, epoch, logs=None):
+                self.epoch_ends += time.perf_counter() - self._start
+
+            def on_train_end(inner, logs=None):
+                self.train_end = time.perf_counter() - self._start
+
+        self.first, self.last = First(), Last()
+
+    def around(self, callbacks: list) -> list:
+        return [self.first, *callbacks, self.last]
+
+
 def device_copy_seconds(model) -> float:
     """One fused on-device copy of the state, as a save makes it."""
     from keras_ft.backend import device_snapshot
@@ -253,9 +284,11 @@ def measure_size(args, width: int, root: str) -> dict:
     if keras.backend.backend() == "jax" and _has_orbax() and not args.no_peers:
         kinds.append("orbax")
 
+    spent: dict[str, list[tuple[float, float]]] = {}  # Per kind, per fit.
+
     def fit(kind: str, every: str | int, epochs: int, steps: int, where: str):
         def run() -> float:
-            stopwatch = Stopwatch()
+            stopwatch, held = Stopwatch(), HeldUp()
             start = time.perf_counter()
             model.fit(
                 x[: 32 * steps],
@@ -263,8 +296,13 @@ def measure_size(args, width: int, root: str) -> dict:
                 batch_size=32,
                 epochs=epochs,
                 verbose=0,
-                callbacks=[*callbacks(kind, every, where), stopwatch.callback],
+                callbacks=[
+                    *held.around(callbacks(kind, every, where)),
+                    stopwatch.callback,
+                ],
             )
+            if every == "epoch":
+                spent.setdefault(kind, []).append((held.epoch_ends, held.train_end))
             return stopwatch.ended - start
 
         return run
@@ -275,6 +313,7 @@ def measure_size(args, width: int, root: str) -> dict:
             {k: fit(k, "epoch", args.epochs, steps, "epoch") for k in kinds},
             args.rounds,
         )
+        row["epoch_spent"] = spent
     if args.batch_widths is None or width in args.batch_widths:
         row["batch_steps"] = batch_steps = max(4, min(steps // 10, 40))
         row["batch"] = interleaved(
@@ -389,6 +428,15 @@ def rows_of(result: dict) -> list[tuple[str, str]]:
                 rows.append((
                     f"{name}: every epoch, {kind} / none",
                     spread([a / b for a, b in ratios]),
+                ))  # fmt: skip
+                added = [a - b for a, b in zip(epoch[kind], epoch["none"],
+                                               strict=True)]  # fmt: skip
+                ends, train_end = zip(*row["epoch_spent"][kind], strict=True)
+                rows.append((
+                    f"{name}: every epoch, {kind}: added s = epoch ends + "
+                    "train end + steps slowed",
+                    f"{med(added):.2f} = {med(ends):.2f} + {med(train_end):.2f} "
+                    f"+ {med(added) - med(ends) - med(train_end):.2f}",
                 ))  # fmt: skip
         steps = row.get("batch_steps", 1)
         write = med(floors["write+fsync"])

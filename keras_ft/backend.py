@@ -336,9 +336,11 @@ def move_to_host(copies: list, destinations: list[np.ndarray]) -> None:
     transfers started before any is waited for.
 
     PyTorch copies straight into the destinations (a DMA where they are
-    page-locked, see `pin_host()`); JAX starts every transfer at once
-    (`copy_to_host_async()`) and copies each into place as it lands;
-    TensorFlow reads each tensor.
+    page-locked, see `pin_host()`); JAX moves each array from a device in
+    pieces (`_jax_move()`); TensorFlow reads each tensor.
+
+    Each of `copies` is let go (set to `None`) once moved: its device memory
+    goes back as the move goes on.
     """
     backend = keras.backend.backend()
     if backend == "torch":
@@ -355,14 +357,62 @@ def move_to_host(copies: list, destinations: list[np.ndarray]) -> None:
             target.copy_(source, non_blocking=source.device.type == "cuda")
         if cuda:
             torch.cuda.synchronize()
+        copies[:] = [None] * len(copies)  # Every move from them has landed.
         return
     if backend == "jax":
-        for copy in copies:
-            start = getattr(copy, "copy_to_host_async", None)
-            if start is not None:
-                start()
-    for copy, destination in zip(copies, destinations, strict=True):
+        _jax_move(copies, destinations)
+        return
+    for i, (copy, destination) in enumerate(zip(copies, destinations, strict=True)):
         _bytes_of(destination)[:] = _bytes_of(np.asarray(view(copy)))
+        copies[i] = None
+
+
+# A piece of an array JAX moves to host memory at a time (`_jax_move()`).
+_MOVE_PIECE = 64 * 1024 * 1024
+
+
+def _read_in_place(array: Any) -> bool:
+    """Whether a JAX array is read whole (in host memory already, or split
+    across devices), not moved in pieces."""
+    devices = array.devices()
+    return len(devices) != 1 or next(iter(devices)).platform == "cpu"
+
+
+def _jax_move(copies: list, destinations: list[np.ndarray]) -> None:
+    """`move_to_host()` on JAX. An array on one accelerator is moved in
+    pieces of at most `_MOVE_PIECE` bytes, the next piece's transfer started
+    before the last is copied into place: JAX lands each transfer in host
+    memory of its own, so whole arrays would need a second copy of the
+    state there. Arrays in host memory (the CPU) are read in place."""
+    import jax
+
+    pending: list[tuple[Any, np.ndarray]] = []  # Started, not yet in place.
+
+    def land() -> None:
+        piece, destination = pending.pop(0)
+        destination[:] = _bytes_of(np.asarray(view(piece)))
+
+    for i, (copy, destination) in enumerate(zip(copies, destinations, strict=True)):
+        target = _bytes_of(destination)
+        if not isinstance(copy, jax.Array) or _read_in_place(copy):
+            while pending:
+                land()
+            target[:] = _bytes_of(np.asarray(view(copy)))
+            copies[i] = None
+            continue
+        flat = copy.reshape(-1)
+        copies[i] = copy = None  # `flat` holds it until its last piece.
+        step = max(1, _MOVE_PIECE // destination.itemsize)
+        for start in range(0, flat.size, step):
+            piece = flat[start : start + step]
+            piece.copy_to_host_async()
+            pending.append((piece, target[start * destination.itemsize :][
+                : piece.size * destination.itemsize]))  # fmt: skip
+            if len(pending) > 1:
+                land()
+        del flat
+    while pending:
+        land()
 
 
 def _bytes_of(array: np.ndarray) -> np.ndarray:

@@ -256,3 +256,29 @@ def test_one_snapshot_on_the_device_at_a_time(tmp_path, monkeypatch):
     save = keras_ft.BackupAndRestore(str(tmp_path), save_freq=1, snapshot="device")
     model.fit(x, y, epochs=2, batch_size=16, verbose=0, callbacks=[save])
     assert len(counts) == 8 and counts == [0] * 8, counts
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX's own move")
+def test_jax_moves_a_snapshot_to_host_memory_in_pieces(monkeypatch):
+    """On an accelerator JAX lands each transfer in host memory of its own:
+    the snapshot moves in pieces (here, on the CPU, as if it were one), and
+    each device copy is let go once moved."""
+    import jax.numpy as jnp
+
+    monkeypatch.setattr(backend, "_read_in_place", lambda array: False)
+    monkeypatch.setattr(backend, "_MOVE_PIECE", 1000)
+    rng = np.random.default_rng(0)
+    values = [
+        jnp.asarray(rng.normal(size=(37, 29)).astype("float32")),  # 4 pieces.
+        jnp.asarray(rng.normal(size=(601,))).astype("bfloat16"),
+        jnp.zeros((0, 3)),
+        jnp.asarray(7, "int32"),
+    ]
+    copies, made = backend.device_snapshot(values)
+    made()
+    destinations = [np.empty(v.shape, v.dtype) for v in copies]
+    backend.move_to_host(copies, destinations)
+    assert copies == [None] * 4
+    for value, moved in zip(values, destinations, strict=True):
+        np.testing.assert_array_equal(moved, np.asarray(value))
+        assert moved.dtype == np.asarray(value).dtype
