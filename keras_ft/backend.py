@@ -330,7 +330,11 @@ def _nothing() -> None:
     pass
 
 
-def move_to_host(copies: list, destinations: list[np.ndarray]) -> None:
+def move_to_host(
+    copies: list,
+    destinations: list[np.ndarray],
+    stopped: Callable[[], bool] = lambda: False,
+) -> bool:
     """Moves each of `copies` (from `device_snapshot()`) into its place in
     host memory, `destinations` (arrays of the same shapes and dtypes), all
     transfers started before any is waited for.
@@ -341,13 +345,20 @@ def move_to_host(copies: list, destinations: list[np.ndarray]) -> None:
 
     Each of `copies` is let go (set to `None`) once moved: its device memory
     goes back as the move goes on.
+
+    Returns:
+        `False` if `stopped()` said to stop before the move was over (it is
+        asked between arrays, and between a JAX array's pieces).
     """
     backend = keras.backend.backend()
     if backend == "torch":
         import torch
 
-        cuda = False
+        cuda, done = False, True
         for copy, destination in zip(copies, destinations, strict=True):
+            if stopped():
+                done = False
+                break
             if not isinstance(copy, torch.Tensor):
                 _bytes_of(destination)[:] = _bytes_of(np.asarray(copy))
                 continue
@@ -358,13 +369,15 @@ def move_to_host(copies: list, destinations: list[np.ndarray]) -> None:
         if cuda:
             torch.cuda.synchronize()
         copies[:] = [None] * len(copies)  # Every move from them has landed.
-        return
+        return done
     if backend == "jax":
-        _jax_move(copies, destinations)
-        return
+        return _jax_move(copies, destinations, stopped)
     for i, (copy, destination) in enumerate(zip(copies, destinations, strict=True)):
+        if stopped():
+            return False
         _bytes_of(destination)[:] = _bytes_of(np.asarray(view(copy)))
         copies[i] = None
+    return True
 
 
 # A piece of an array JAX moves to host memory at a time (`_jax_move()`).
@@ -378,7 +391,9 @@ def _read_in_place(array: Any) -> bool:
     return len(devices) != 1 or next(iter(devices)).platform == "cpu"
 
 
-def _jax_move(copies: list, destinations: list[np.ndarray]) -> None:
+def _jax_move(
+    copies: list, destinations: list[np.ndarray], stopped: Callable[[], bool]
+) -> bool:
     """`move_to_host()` on JAX. An array on one accelerator is moved in
     pieces of at most `_MOVE_PIECE` bytes, the next piece's transfer started
     before the last is copied into place: JAX lands each transfer in host
@@ -393,6 +408,8 @@ def _jax_move(copies: list, destinations: list[np.ndarray]) -> None:
         destination[:] = _bytes_of(np.asarray(view(piece)))
 
     for i, (copy, destination) in enumerate(zip(copies, destinations, strict=True)):
+        if stopped():
+            return False
         target = _bytes_of(destination)
         if not isinstance(copy, jax.Array) or _read_in_place(copy):
             while pending:
@@ -404,6 +421,8 @@ def _jax_move(copies: list, destinations: list[np.ndarray]) -> None:
         copies[i] = copy = None  # `flat` holds it until its last piece.
         step = max(1, _MOVE_PIECE // destination.itemsize)
         for start in range(0, flat.size, step):
+            if stopped():
+                return False
             piece = flat[start : start + step]
             piece.copy_to_host_async()
             pending.append((piece, target[start * destination.itemsize :][
@@ -413,6 +432,7 @@ def _jax_move(copies: list, destinations: list[np.ndarray]) -> None:
         del flat
     while pending:
         land()
+    return True
 
 
 def _bytes_of(array: np.ndarray) -> np.ndarray:

@@ -282,3 +282,53 @@ def test_jax_moves_a_snapshot_to_host_memory_in_pieces(monkeypatch):
     for value, moved in zip(values, destinations, strict=True):
         np.testing.assert_array_equal(moved, np.asarray(value))
         assert moved.dtype == np.asarray(value).dtype
+
+
+def test_a_save_called_off_stops_its_move_to_host_memory(tmp_path, monkeypatch):
+    """At the end of a fit() whose backup is deleted, the last save is called
+    off: a move to host memory still waiting stops there, nothing is
+    committed, and the next save moves as usual."""
+    moves = []
+    move_to_host = backend.move_to_host
+    monkeypatch.setattr(
+        backend, "move_to_host", lambda *a: moves.append(1) or move_to_host(*a)
+    )
+    x, y = make_data()
+    model = make_model(units=64)
+    state = keras_ft.WorkerTrainingState(
+        model, str(tmp_path), async_save=True, snapshot="device"
+    )
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    gate = threading.Event()
+    threads.submit(threads.mover, gate.wait)  # The move waits behind it.
+    state.back_up(0)
+    state.discard_pending()  # Called off while its move has not begun...
+    gate.set()  # ...which then stops at once.
+    state.wait()
+    assert moves == []
+    fresh = make_model(units=64)
+    assert keras_ft.WorkerTrainingState(fresh, str(tmp_path)).restore() is None
+    state.back_up(1)
+    state.wait()
+    point = keras_ft.WorkerTrainingState(fresh, str(tmp_path)).restore()
+    assert point is not None and point.epoch == 2  # Resumes after epoch 1.
+    assert moves == [1]
+    for a, b in zip(state_of(fresh), state_of(model), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_move_stops_between_arrays_when_told():
+    values = [keras.ops.arange(10.0), keras.ops.arange(5.0)]
+    copies, made = backend.device_snapshot([backend.raw_value(v) for v in values])
+    made()
+    values = [keras.ops.convert_to_numpy(v) for v in values]
+    destinations = [np.zeros_like(v) for v in values]
+    asked = []
+
+    def stopped() -> bool:
+        asked.append(1)
+        return len(asked) > 1  # After the first array.
+
+    assert backend.move_to_host(copies, destinations, stopped) is False
+    np.testing.assert_array_equal(destinations[0], values[0])
+    np.testing.assert_array_equal(destinations[1], np.zeros(5))

@@ -148,6 +148,8 @@ class ChiefSaver:
                 snapshot, write, cancel, previous, replaced, to_bucket, direct
             ),
             replaces_last,
+            # A move to host memory stops with the save.
+            snapshot.weights.stop if snapshot.weights is not None else None,
         )
 
     def _commit(

@@ -70,13 +70,22 @@ class SaveQueue:
         # later training on its directory to close it).
         self._held: weakref.finalize | None = None
 
-    def start(self, commit: Commit, replaces_last: bool) -> threading.Event:
+    def start(
+        self,
+        commit: Commit,
+        replaces_last: bool,
+        cancel: threading.Event | None = None,
+    ) -> threading.Event:
         """Hands `commit` to the writer thread.
+
+        Args:
+            cancel: The event that calls this save off, if the save has one
+                already (a snapshot's move stops on it too).
 
         Returns:
             The event that calls this save off.
         """
-        cancel = threading.Event()
+        cancel = cancel or threading.Event()
         replaced = None
         if replaces_last and self._last:
             cancel_last, replaced = self._last

@@ -77,6 +77,9 @@ class CapturedWeights:
     # Whether `fill()` moves a copy made on the device (it may then run in
     # any thread while training goes on).
     from_device: bool = False
+    # Set when the save is called off: a move under way stops there (the
+    # writer, waiting for `filled`, is told the snapshot was not taken).
+    stop: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def fill(self) -> None:
         """Copies the variables into the buffer (in this thread), if not yet."""
@@ -181,7 +184,7 @@ class CopyBuffer:
         if move is not None:
             captured.checked_later = True
             captured._fill = functools.partial(
-                self._move, move, previous, filled, captured.non_finite
+                self._move, move, previous, filled, captured.non_finite, captured.stop
             )
         else:
             captured._fill = functools.partial(
@@ -262,16 +265,20 @@ class CopyBuffer:
 
     def _move(
         self,
-        move: Callable[[list[np.ndarray]], None],
+        move: Callable[[list[np.ndarray], Callable[[], bool]], bool],
         previous: Watermark | None,
         filled: Watermark,
         non_finite: list[str],
+        stop: threading.Event,
     ) -> None:
-        """`move()` into the buffer, then the check in a thread of its own."""
+        """`move()` into the buffer, then the check in a thread of its own;
+        neither once `stop` is set."""
         try:
             if previous is not None:  # A move lands anywhere in the buffer.
                 previous.wait_for(previous.total)
-            move(self._views)
+            if stop.is_set() or not move(self._views, stop.is_set):
+                filled.abandon(threads.Cancelled("the save was called off"))
+                return
         except BaseException as e:
             filled.abandon(e)
             raise

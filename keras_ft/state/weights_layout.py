@@ -154,9 +154,11 @@ class WeightsLayout:
         if on_device:
             copies, made = host.device_snapshot(values)
 
-            def move(destinations: list[np.ndarray]) -> None:
+            def move(
+                destinations: list[np.ndarray], stopped: Callable[[], bool]
+            ) -> bool:
                 made()
-                host.move_to_host(copies, destinations)
+                return host.move_to_host(copies, destinations, stopped)
 
             buffer = self._copy_buffer()
             if values:
