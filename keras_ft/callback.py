@@ -14,34 +14,20 @@ from keras_ft import compat, events
 from keras_ft.checkpoint.format import signing_key
 from keras_ft.checkpoint.lock import check_platform
 from keras_ft.checkpoint.remote import check_storage_options
-from keras_ft.checkpoint.store import CheckpointWriteError
 from keras_ft.distribute.cluster import TaskSpec
-from keras_ft.distribute.launch import (
-    launch_from_environment,
-    warn_of_jax_default_timeouts,
-)
-from keras_ft.fit_begin import open_backup, resume_fit
+from keras_ft.fit_begin import close_stale, open_backup, resume_fit, watch_cluster
 from keras_ft.fit_saves import FitSaves, check_on_save_error
 from keras_ft.state import ResumePoint, rng
 from keras_ft.state.snapshots import validate_snapshot
 from keras_ft.state.training_state import optimizer_step
-from keras_ft.training import (
-    callback_state,
-    exits,
-    inputs,
-    policy,
-    restarts,
-    resume,
-    services,
-    watchdog,
-)
+from keras_ft.training import callback_state, inputs, policy, resume, services, watchdog
 from keras_ft.training.goodput import GoodputRecorder
 from keras_ft.training.listeners import CheckpointListener, check_listeners
 from keras_ft.training.policy import KeepLast
 from keras_ft.training.preemption import (
     Preemption,
     check_grace_period,
-    interrupted_interactively,
+    exit_after,
     parse_signals,
 )
 from keras_ft.training.services import BackupService
@@ -65,26 +51,17 @@ class BackupAndRestore(keras.callbacks.Callback):
     continue) and the epoch counter from the newest backup, and training
     continues at the epoch after the last one backed up.
 
-    Unlike Keras' own callback, every backup is committed atomically (written
-    to a staging directory, fsync'ed, then renamed), carries a checksum of
-    every file, and the previous `keep - 1` backups are kept until a newer one
-    is committed; on restore a damaged backup is reported and the next older
-    good one is used. A kill at any instant leaves a loadable backup.
-
-    Backups live in `<backup_dir>/chief/`; files of your own in `backup_dir`
-    are never deleted. The backup is deleted at the end of `fit()` only when
-    every epoch ran (so not after `TerminateOnNaN`, an `EarlyStopping` stop or
-    an exception), and only if `delete_checkpoint=True`. A save is skipped,
-    with a warning, when the loss is NaN or infinite or a model or optimizer
-    variable holds a NaN or an infinity: a non-finite state is never backed
-    up.
-
-    An epoch is backed up as soon as this callback's `on_epoch_end` runs, so
-    an exception in a later callback does not lose it. If a later callback
-    keeps state across epochs (`EarlyStopping`, `ReduceLROnPlateau`,
-    `ModelCheckpoint`, or one with `get_state()`), a second backup taken once
-    every callback's `on_epoch_end` has run replaces the first, so that their
-    updates of this epoch are included.
+    Unlike Keras' own callback, every backup is committed atomically with a
+    checksum of every file, and older backups are kept until a newer one is
+    committed: a kill at any instant leaves a loadable backup, and a damaged
+    one is reported and passed over for the next older. Backups live in
+    `<backup_dir>/chief/` (your own files in `backup_dir` are never deleted),
+    and are deleted at the end of `fit()` only when every epoch ran (not after
+    `TerminateOnNaN`, an `EarlyStopping` stop or an exception) and
+    `delete_checkpoint=True`. A non-finite state (loss or variables) is never
+    backed up: the save is skipped with a warning. The state of the other
+    callbacks (`EarlyStopping`, `ReduceLROnPlateau`, `ModelCheckpoint`, or one
+    with `get_state()`) is backed up with the model's.
 
     Example:
 
@@ -132,94 +109,66 @@ class BackupAndRestore(keras.callbacks.Callback):
             or `"warn"` to warn and keep training, trying again at the next
             save. Either way the previous backup stays intact. Defaults to
             `"raise"`.
-        preemption_signals: Signals that mean "this machine is going away":
-            on one, training finishes the current batch, backs up at that
-            exact step and stops. Names or numbers; `None` to leave signals
-            alone. Handlers installed before are still called, and are put
-            back at train end. Defaults to `("SIGTERM", "SIGINT")`.
+        preemption_signals: Signals that mean "this machine is going away"
+            (names or numbers): on one, training finishes the current batch,
+            backs up at that exact step and stops. Handlers installed before
+            are still called. `None` leaves signals alone. Defaults to
+            `("SIGTERM", "SIGINT")`.
         grace_period: Seconds allowed between the signal and the end of the
             final backup; if no batch ends in time, the process exits as the
             signal would have made it. Defaults to `25.0`.
-        async_save: If `True`, a save copies the state into a host buffer
-            (allocated once, at train begin) and training goes on while a
-            background thread writes and commits it. The buffer is the only
-            one: the next save's copy of each value waits until the previous
-            save has written that value out, so memory stays bounded and no
-            save is skipped. A backup counts only once committed. Write
-            errors are raised at the next batch end or at train end. With
-            `False`, `fit()` waits for each commit. Defaults to `True`.
+        async_save: If `True`, a save copies the state into one host buffer
+            (allocated at train begin) and training goes on while a
+            background thread writes and commits it; write errors are raised
+            at the next batch end or at train end. With `False`, `fit()`
+            waits for each commit. Defaults to `True`.
         exit_on_preemption: After the final backup, end the process with exit
-            status 128 + the signal's number (`SystemExit`, no traceback), so
-            a job scheduler sees it was preempted. In a notebook or IPython
-            shell, an interrupt (SIGINT) ends the cell with a
-            `KeyboardInterrupt` instead, and the kernel lives on. With `False`, `fit()`
-            returns and `preempted_by` names the signal. Defaults to `True`.
-        warm_start: Weights to start from when there is no backup to resume
-            from: the path of a `.weights.h5` or `.keras` file or of another
-            keras-ft `backup_dir`, or a `keras_ft.WarmStart` that picks
-            layers. A resumed run never applies it again. Defaults to `None`.
+            status 128 + the signal's number (`SystemExit`), so a scheduler
+            sees a preemption; in a notebook an interrupt ends the cell with
+            a `KeyboardInterrupt` instead. With `False`, `fit()` returns and
+            `preempted_by` names the signal. Defaults to `True`.
+        warm_start: Weights to start from when there is no backup: a
+            `.weights.h5` or `.keras` file, another keras-ft `backup_dir`, or
+            a `keras_ft.WarmStart` that picks layers. Defaults to `None`.
         listeners: `keras_ft.CheckpointListener`s told before each save,
             after each commit and after a restore. Defaults to `None`.
-        storage_options: With an fsspec URL as `backup_dir` (`s3://...`,
-            `gs://...`), options for its filesystem, as in pandas and fsspec
-            (credentials, `endpoint_url`, ...); fsspec's own configuration
-            (environment variables, credential files) applies too. Defaults
-            to `None`.
+        storage_options: With an fsspec URL as `backup_dir`, options for its
+            filesystem (credentials, `endpoint_url`, ...), as in pandas and
+            fsspec. Defaults to `None`.
         on_config_change: What to do with a backup written by a training
-            whose model, optimizer or loss was configured otherwise (another
-            learning rate, loss or layer setting; names are not compared):
-            `"warn"` to continue it and warn, naming what differs, or
-            `"raise"` to refuse it with `keras_ft.ConfigurationChangedError`
-            before anything is loaded. Inside a Keras Tuner search each
-            trial has its own backup (`<backup_dir>/trial_<id>/`), so trials
-            never continue each other's. Defaults to `"warn"`.
-        stall_timeout: A bound on the time between two batch ends, enforced
-            by a thread (a training thread blocked in a collective runs no
-            Python code): once no batch has ended for that long, the process
-            prints what it was waiting for and exits with status 75
-            (`keras_ft.RETRYABLE_EXIT_CODE`), so a scheduler restarts the job
-            from its last backup. `None` turns it on in a multi-process run
-            (one stuck or frozen process stalls every other) and where the
-            input loads in worker processes (a `PyDataset` with
-            `use_multiprocessing`: Keras waits for ever for the item of a
-            worker that was killed; there it leaves the time between epochs
-            alone), with the bound max(10 x the slowest batch seen, 120 s);
-            `"auto"` does so in any run; a number is a fixed bound in
-            seconds; `False` turns it off.
-            Defaults to `None`.
+            whose model, optimizer or loss was configured otherwise: `"warn"`
+            to continue it, naming what differs, or `"raise"` to refuse it
+            with `keras_ft.ConfigurationChangedError` before anything is
+            loaded. Defaults to `"warn"`.
+        stall_timeout: A bound on the time between two batch ends: past it,
+            the process says what it was waiting for and exits with status
+            75 (`keras_ft.RETRYABLE_EXIT_CODE`) for a scheduler to restart it
+            from its last backup. `None`: on in a multi-process run and where
+            the input loads in worker processes, with the bound max(10 x the
+            slowest batch, 120 s); `"auto"`: that in any run; a number: a
+            fixed bound in seconds; `False`: off. Defaults to `None`.
         first_batch_timeout: The bound for the first batch of a `fit()`
             (which compiles, and after a restore replays input), with
             `stall_timeout` on. Defaults to `1800.0`.
         manifest_key: A secret (string or bytes) for a backup others can
-            write to (a shared bucket or disk): every manifest is signed with
-            it (HMAC-SHA256), and a checkpoint whose manifest is unsigned or
-            signed with another key is refused as damaged, falling back to an
-            older one. Defaults to `None`: the environment's
-            `KERAS_FT_MANIFEST_KEY` if set, else no signatures.
+            write to: every manifest is signed with it (HMAC-SHA256), and a
+            checkpoint unsigned or signed with another key is refused as
+            damaged. Defaults to `None`: `KERAS_FT_MANIFEST_KEY` if set.
         local_dir: With a bucket as `backup_dir`, a directory on this
-            machine's own disk (a local SSD) for a fast tier (Orbax's
-            "emergency" checkpoints): every backup is committed there first,
-            then uploaded, and `local_save_freq` adds saves to the local
-            tier alone. A restart on the same machine restores from it, with
-            no download, when it holds a backup at least as new as the
-            bucket's; a new machine (an empty `local_dir`) restores from the
-            bucket. In a multi-process run (JAX, `MultiWorkerMirroredStrategy`,
-            `torch.distributed`) each process keeps its own, and all restore
-            from the newest step every tier holds, or all from the bucket;
-            under `ModelParallel` each tier holds its process's pieces.
-            Defaults to `None`.
+            machine's own disk for a fast tier: every backup is committed
+            there first, then uploaded, and a restart on the same machine
+            restores from it without a download when it is at least as new
+            as the bucket's (docs/buckets.md). Defaults to `None`.
         local_save_freq: With `local_dir`, how often to back up to the local
             tier alone, between the bucket's saves: a positive integer number
             of batches, or `"epoch"`. Defaults to `None`: the local tier gets
             the bucket's saves only.
         snapshot: Where a save copies the state that training waits for:
-            `"device"`, into new buffers on the GPU or TPU holding it (a
-            few milliseconds), moved to host memory and written beside the
-            next steps; `"host"`, straight into host memory (on a GPU about
-            a second per GB, all of it holding training up); `"auto"`, on
-            the device where the state is on an accelerator with room for
-            one more copy of it (else in host memory, said once), and on the
-            CPU the host copy, which is one copy there. Defaults to `"auto"`.
+            `"device"`, into new buffers on the GPU or TPU (milliseconds),
+            moved to host memory beside the next steps; `"host"`, straight
+            into host memory (on a GPU about a second per GB); `"auto"`, on
+            the device where it has room for one more copy of the state,
+            else in host memory. Defaults to `"auto"`.
 
     Attributes:
         backup_seconds: Seconds the saves of the current `fit()` have held
@@ -255,6 +204,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         first_batch_timeout: float = 1800.0,
         snapshot: str = "auto",
     ):
+        # Long for a reason: one line per argument (as in the README's API
+        # block), each checked here so that a bad value fails when the
+        # callback is made, as Keras' own callbacks fail.
         super().__init__()
         check_platform()
         self.snapshot = validate_snapshot(snapshot)
@@ -329,22 +281,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._callbacks = callback_state.FitCallbacks(
             self, callback_list, self._on_epoch_end_after_all
         )
-        self._close_stale_state()
+        close_stale(self._state)
+        self._state = None
         self._state, self._goodput, point = open_backup(
             self, callback_list, self._callbacks.others, self._check_cluster
         )
         self._services = services.bind(self._callbacks.others, self)
-        self._saves = FitSaves(
-            self._state,
-            self._schedule,
-            self._local_schedule,
-            self._callbacks,
-            self._inputs,
-            self.on_save_error,
-            self.verbose,
-            on_raise=self._stop_threads,
-            backs_up_stopped_epochs=self._backs_up_stopped_epochs,
-        )
+        self._saves = FitSaves.of(self, self._state, self._inputs, self._stop_threads)
         task = self._state.task
         if task.num_workers > 1:
             # Only the chief's input state is backed up, and a Grain iterator's
@@ -378,31 +321,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             lambda: (self._epoch, self._batches_in_epoch),
             self._inputs.epoch_iterator,
         )
-        self._watch_cluster(task, step)
-
-    def _watch_cluster(self, task: TaskSpec, step: int) -> None:
-        """A lost peer ends this process retryably; a launcher's restarts
-        that make no progress are said."""
-        if task.num_workers > 1:
-            exits.exit_retryably_on_lost_peer()
-            warn_of_jax_default_timeouts(task.num_workers)
-        launch = launch_from_environment()
-        if launch is not None and task.is_chief:
-            restarts.check_progress(self._state.store, launch.restart, step)
-
-    def _close_stale_state(self) -> None:
-        """Closes the state a `fit()` that raised left (Keras calls no
-        `on_train_end` then): its writes are committed, its lock goes, and
-        the process's thread pools close once no training holds them."""
-        stale, self._state = self._state, None
-        if stale is None:
-            return
-        try:
-            stale.close()
-        except CheckpointWriteError as e:
-            events.warn(
-                "save", f"BackupAndRestore: a backup of the last fit() failed: {e}"
-            )
+        watch_cluster(task, self._state.store, step)
 
     def on_test_begin(self, logs: dict | None = None) -> None:
         self._deadline.test_begin()
@@ -500,13 +419,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         self._state = None
         if self.preempted_by and self.exit_on_preemption:
-            if interrupted_interactively(self._preempted_signum):
-                # In a notebook: end the cell the way an interrupt does.
-                raise KeyboardInterrupt(
-                    "BackupAndRestore: training stopped at the interrupt, "
-                    "backed up; run the cell again to continue."
-                )
-            raise SystemExit(128 + int(self._preempted_signum))
+            exit_after(self._preempted_signum)
 
     def roll_back(self) -> ResumePoint | None:
         """Loads the newest committed backup's variables, mid-`fit()`.

@@ -13,11 +13,39 @@ from typing import Any
 import keras
 
 from keras_ft import compat, events
+from keras_ft.checkpoint.store import CheckpointStore, CheckpointWriteError
 from keras_ft.distribute.cluster import TaskSpec
+from keras_ft.distribute.launch import (
+    launch_from_environment,
+    warn_of_jax_default_timeouts,
+)
 from keras_ft.state import ResumePoint
-from keras_ft.training import inputs, resume, tuner
+from keras_ft.training import exits, inputs, restarts, resume, tuner
 from keras_ft.training.goodput import GoodputRecorder
 from keras_ft.worker_training_state import WorkerTrainingState
+
+
+def close_stale(stale: WorkerTrainingState | None) -> None:
+    """Closes the state a `fit()` that raised left (Keras calls no
+    `on_train_end` then): its writes are committed, its lock goes, and the
+    process's thread pools close once no training holds them."""
+    if stale is None:
+        return
+    try:
+        stale.close()
+    except CheckpointWriteError as e:
+        events.warn("save", f"BackupAndRestore: a backup of the last fit() failed: {e}")
+
+
+def watch_cluster(task: TaskSpec, store: CheckpointStore, step: int) -> None:
+    """A lost peer ends this process retryably; a launcher's restarts that
+    make no progress are said."""
+    if task.num_workers > 1:
+        exits.exit_retryably_on_lost_peer()
+        warn_of_jax_default_timeouts(task.num_workers)
+    launch = launch_from_environment()
+    if launch is not None and task.is_chief:
+        restarts.check_progress(store, launch.restart, step)
 
 
 def open_backup(

@@ -41,6 +41,27 @@ class FitSaves:
             beyond preemption ones).
     """
 
+    @classmethod
+    def of(
+        cls,
+        callback: Any,
+        state: WorkerTrainingState,
+        position: inputs.InputPosition,
+        on_raise: Callable[[], None],
+    ) -> FitSaves:
+        """The saves of `callback`'s (a `BackupAndRestore`'s) current fit()."""
+        return cls(
+            state,
+            callback._schedule,
+            callback._local_schedule,
+            callback._callbacks,
+            position,
+            callback.on_save_error,
+            callback.verbose,
+            on_raise=on_raise,
+            backs_up_stopped_epochs=callback._backs_up_stopped_epochs,
+        )
+
     def __init__(
         self,
         state: WorkerTrainingState,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import sys
 from collections.abc import Callable, Iterator
 
 import keras
@@ -13,24 +12,16 @@ import keras
 from keras_ft import errors, events
 from keras_ft.checkpoint.format import is_url, local_path
 from keras_ft.checkpoint.lock import check_platform
-from keras_ft.checkpoint.store import (
-    Checkpoint,
-    CheckpointStore,
-    open_storage,
-    open_store,
-)
-from keras_ft.distribute.cluster import TaskSpec, chief_dir, current_task
-from keras_ft.saves.chief import ChiefSaver, write_snapshot
-from keras_ft.saves.claims import ChiefClaim
-from keras_ft.saves.queue import SaveQueue, wait_for_backups
-from keras_ft.saves.shards import ShardedSaver
-from keras_ft.saves.throwaway import ThrowawaySaver, WorkerScratch
-from keras_ft.saves.tiers import TieredStore, local_tier_dir
+from keras_ft.checkpoint.store import Checkpoint, CheckpointStore
+from keras_ft.distribute.cluster import TaskSpec, current_task
+from keras_ft.saves.chief import write_snapshot
+from keras_ft.saves.parts import assemble
+from keras_ft.saves.queue import wait_for_backups
+from keras_ft.saves.tiers import local_tier_dir
 from keras_ft.state import NonFiniteStateError, ResumePoint, TrainingState
 from keras_ft.state.snapshots import SnapshotPlace
 from keras_ft.threads import wait_for_removals
 from keras_ft.training.listeners import CheckpointListener, check_listeners, notify
-from keras_ft.training.policy import KeepLast
 
 # Where they were defined before `keras_ft/saves/`; still imported from here.
 __all__ = [
@@ -162,51 +153,20 @@ class WorkerTrainingState:
                 f"or None. Received: check_extra={check_extra!r}"
             )
         self._state.check_extra = check_extra
-        snapshots = SnapshotPlace(snapshot)
-        # A disk (rename commit, flock) or a bucket (manifest-last commit,
-        # lease): one protocol, and nothing here asks which.
-        self._chief_store = open_store(
-            chief_dir(self.backup_dir),
-            KeepLast(keep),
-            storage_options,
-            progress=sys.stdout if verbose else None,
-            manifest_key=manifest_key,
-        )
-        self._root = open_storage(self.backup_dir, storage_options)
-        self._lock = self._chief_store.writer_lock()
-        self._tiers = TieredStore.open(
-            self._chief_store,
-            self._lock,
-            self._root,
+        self._parts = assemble(
+            self,
+            self._state,
+            self.task,
+            self.backup_dir,
             self.local_dir,
             keep,
-            self.task,
-            self._state,
-            manifest_key,
+            async_save=self.async_save,
+            listeners=self.listeners,
+            storage_options=storage_options,
+            verbose=verbose,
+            manifest_key=manifest_key,
+            snapshots=SnapshotPlace(snapshot),
         )
-        self._queue = SaveQueue(self._chief_store.identity, self.async_save, self)
-        # Where a worker's throwaway saves go, under its own lock.
-        # The chief holds the backup's lock; another worker only the
-        # temporary directory its throwaway saves go to.
-        scratch = None
-        if not self.task.is_chief:
-            scratch = WorkerScratch(self._chief_store, self.task, self.backup_dir)
-        self._claim = scratch or ChiefClaim(self._chief_store, self._lock, self._root)
-        self._saver = ChiefSaver(
-            self._state,
-            self.task,
-            self._queue,
-            self._tiers,
-            self._lock,
-            self.listeners,
-            snapshots,
-        )
-        self._sharded = ShardedSaver(
-            self._state, self.task, self._queue, self._tiers, self._saver
-        )
-        self._throwaway = None
-        if scratch is not None and self._tiers.local is None:
-            self._throwaway = ThrowawaySaver(self._state, scratch)
 
     @property
     def model(self) -> keras.Model:
@@ -216,7 +176,7 @@ class WorkerTrainingState:
     def store(self) -> CheckpointStore:
         """Where the chief's checkpoints are committed (a disk or a bucket);
         every process of a cluster reads its notices through it."""
-        return self._chief_store
+        return self._parts.store
 
     def check_writable(self) -> None:
         """Fails early, naming `backup_dir`, if saves could not be written.
@@ -229,7 +189,7 @@ class WorkerTrainingState:
             ValueError: if the directory cannot be created or written.
         """
         try:
-            self._claim.check_writable()
+            self._parts.claim.check_writable()
         except ValueError as e:
             raise ValueError(f"{e} Received: backup_dir={self.backup_dir!r}") from e
 
@@ -245,13 +205,13 @@ class WorkerTrainingState:
         Raises:
             keras_ft.DirectoryInUseError: if another live process holds it.
         """
-        self._queue.hold()
+        self._parts.queue.hold()
         try:
             # A write still in flight from an earlier fit() in this process
             # owns its staging directory: let it finish before cleaning up.
-            self._queue.finish_earlier()
-            self._tiers.lock(self.task, self.model, self.local_dir)
-            self._claim.acquire()
+            self._parts.queue.finish_earlier()
+            self._parts.tiers.lock(self.task, self.model, self.local_dir)
+            self._parts.claim.acquire()
         except BaseException:
             self.unlock()
             raise
@@ -274,9 +234,9 @@ class WorkerTrainingState:
 
     def unlock(self) -> None:
         """Releases the lock (see `lock()`); the backup stays as it is."""
-        self._claim.release()
-        self._tiers.unlock()
-        self._queue.release()
+        self._parts.claim.release()
+        self._parts.tiers.unlock()
+        self._parts.queue.release()
 
     def close(self) -> None:
         """Ends this training's background work: waits for its writes to
@@ -336,12 +296,12 @@ class WorkerTrainingState:
         epochs_completed = epoch + 1 if batch is None else epoch
         batches_completed = 0 if batch is None else batch
         if self._state.sharded():
-            saver = self._sharded
-        elif self._throwaway is not None:
-            self._throwaway.back_up(epochs_completed, batches_completed, extra)
+            saver = self._parts.sharded
+        elif self._parts.throwaway is not None:
+            self._parts.throwaway.back_up(epochs_completed, batches_completed, extra)
             return None
         else:
-            saver = self._saver
+            saver = self._parts.chief
         return saver.back_up(
             epochs_completed, batches_completed, extra, replaces_last, to_bucket
         )
@@ -356,24 +316,24 @@ class WorkerTrainingState:
             keras_ft.NonFiniteStateError: if its writer refused a state
                 that was not finite (`async_save`); nothing was committed.
         """
-        checkpoint = self._queue.wait()
+        checkpoint = self._parts.queue.wait()
         wait_for_removals()
         return checkpoint
 
     @property
     def writing(self) -> bool:
         """Whether a save is being written in the background right now."""
-        return self._queue.busy
+        return self._parts.queue.busy
 
     def raise_if_failed(self) -> None:
         """Raises the error of a background write that failed, without waiting."""
-        self._queue.raise_if_failed()
+        self._parts.queue.raise_if_failed()
 
     def prepare(self) -> None:
         """Does the one-time work of the first save now (walking the model,
         laying out the weights file, and with `async_save`, allocating the
         buffer snapshots are copied into), so that no save pays for it."""
-        self._state.prepare(copy=self._throwaway is None)
+        self._state.prepare(copy=self._parts.throwaway is None)
 
     def discard_pending(self) -> None:
         """Calls off the background writes that have not committed yet.
@@ -385,7 +345,7 @@ class WorkerTrainingState:
             keras_ft.CheckpointWriteError: if one of them had failed before
                 it was called off (a failed write is never silently lost).
         """
-        self._queue.discard_pending()
+        self._parts.queue.discard_pending()
 
     def restore(self) -> ResumePoint | None:
         """Loads the newest good checkpoint into the model.
@@ -397,7 +357,7 @@ class WorkerTrainingState:
             keras_ft.NoGoodCheckpointError: if every checkpoint is damaged.
             ValueError: if the backup does not match the model.
         """
-        self._queue.finish_earlier()
+        self._parts.queue.finish_earlier()
         self._state.configuration()  # As set up, before anything is loaded.
         point = self._load_newest(variables_only=False)
         if point is not None and point.config_changes:
@@ -415,7 +375,7 @@ class WorkerTrainingState:
 
     def _load_newest(self, variables_only: bool) -> ResumePoint | None:
         """Loads the newest good checkpoint; tells the listeners."""
-        point = self._tiers.load_newest(
+        point = self._parts.tiers.load_newest(
             self._state, variables_only, self.on_config_change == "raise"
         )
         if point is not None:
@@ -458,15 +418,15 @@ class WorkerTrainingState:
 
     def checkpoints(self) -> list[Checkpoint]:
         """The committed checkpoints, oldest first."""
-        return self._chief_store.checkpoints()
+        return self._parts.store.checkpoints()
 
     def delete_backup(self) -> None:
         """Deletes what this backup wrote; other files in `backup_dir` stay."""
-        self._queue.wait()
-        self._claim.delete()  # The chief's keeps the run's goodput record.
-        self._tiers.clear_local()  # Every process's own.
-        self._root.remove_root()  # `backup_dir` itself, if nothing else is in it.
-        self._queue.release()
+        self._parts.queue.wait()
+        self._parts.claim.delete()  # The chief's keeps the run's goodput record.
+        self._parts.tiers.clear_local()  # Every process's own.
+        self._parts.root.remove_root()  # `backup_dir` itself, if nothing else is in it.
+        self._parts.queue.release()
 
 
 def validate_on_config_change(value: object) -> str:

@@ -115,7 +115,8 @@ def test_a_device_without_room_for_a_snapshot_copies_to_host_memory(
     gpu = backend.accelerator(model.weights[0]) is not None  # On the device machine.
     assert f"no room on the {'GPU' if gpu else 'device'}" in said[0], said
     assert "(140.6 KiB needed, 16.0 KiB free)" in said[0], said  # 144,024 bytes.
-    assert state._saver._snapshots.on_device(list) is False  # Decided: not asked again.
+    # Decided: not asked again.
+    assert state._parts.chief._snapshots.on_device(list) is False
     restored = make_model(units=2000)
     keras_ft.load_checkpoint(str(tmp_path), restored)
     for a, b in zip(state_of(restored), state_of(model), strict=True):

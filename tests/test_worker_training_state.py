@@ -360,7 +360,7 @@ def test_a_long_run_of_async_saves_holds_only_the_saves_in_flight(backup_dir, da
     for epoch in range(6):
         state.back_up(epoch)
     # What a save in flight needs (to be called off) is not kept past it.
-    assert len(state._queue._cancels) <= 2
+    assert len(state._parts.queue._cancels) <= 2
     assert state.wait().sequence == 6
 
 
@@ -476,7 +476,7 @@ def test_a_save_that_replaces_the_last_one_leaves_one_per_epoch(backup_dir, data
     resume = WorkerTrainingState(make_model(), backup_dir).restore()
     assert (resume.epoch, resume.extra["more"]) == (2, 1)
     older = WorkerTrainingState(make_model(), backup_dir)
-    older._chief_store.delete(checkpoints[-1])
+    older.store.delete(checkpoints[-1])
     assert older.restore().epoch == 1
 
 

@@ -182,20 +182,7 @@ def manifest_files(
     if manifest.get("digest") != _json_digest(body):
         raise CorruptCheckpointError(where, "manifest digest mismatch")
     if key is not None:
-        signature = manifest.get("signature")
-        sealed = {k: v for k, v in manifest.items() if k != "signature"}
-        if not isinstance(signature, str):
-            raise CorruptCheckpointError(
-                where,
-                "manifest is not signed, and a manifest key is set: refused "
-                "(written by a training without the key, or by someone else)",
-            )
-        if not hmac.compare_digest(signature, _signature(key, sealed)):
-            raise CorruptCheckpointError(
-                where,
-                "manifest signature does not match the manifest key: refused "
-                "(signed with another key, or altered)",
-            )
+        _check_signature(manifest, where, key)
     files = manifest.get("files")
     if not isinstance(files, dict) or METADATA_FILE not in files:
         raise CorruptCheckpointError(where, "manifest lists no files")
@@ -230,6 +217,23 @@ def manifest_files(
             f"bytes, more than the {MAX_JSON_BYTES} keras-ft reads",
         )
     return files
+
+
+def _check_signature(manifest: dict, where: str, key: bytes) -> None:
+    signature = manifest.get("signature")
+    sealed = {k: v for k, v in manifest.items() if k != "signature"}
+    if not isinstance(signature, str):
+        raise CorruptCheckpointError(
+            where,
+            "manifest is not signed, and a manifest key is set: refused "
+            "(written by a training without the key, or by someone else)",
+        )
+    if not hmac.compare_digest(signature, _signature(key, sealed)):
+        raise CorruptCheckpointError(
+            where,
+            "manifest signature does not match the manifest key: refused "
+            "(signed with another key, or altered)",
+        )
 
 
 def digest_algorithm(entry: Any) -> str | None:

@@ -273,6 +273,18 @@ def interrupted_interactively(signum: signal.Signals | None) -> bool:
     return signum == signal.SIGINT and interactive()
 
 
+def exit_after(signum: signal.Signals) -> None:
+    """Ends the process as `signum` asked, once the final backup is taken:
+    `SystemExit` with status 128 + its number (no traceback), so a scheduler
+    sees a preemption; in a notebook an interrupt ends the cell instead."""
+    if interrupted_interactively(signum):
+        raise KeyboardInterrupt(
+            "BackupAndRestore: training stopped at the interrupt, "
+            "backed up; run the cell again to continue."
+        )
+    raise SystemExit(128 + int(signum))
+
+
 def _weak(obj: Any) -> Callable[[], Any] | None:
     if obj is None:
         return None

@@ -1,0 +1,95 @@
+"""What a `WorkerTrainingState` is made of, put together in one place.
+
+The facade (`worker_training_state.py`) decides nothing about how a save is
+made; these objects do, each with one job: the backup's store and its lock,
+the tiers a save commits to, the queue of saves in flight, who holds the
+backup (the chief, or a worker's scratch directory), and a saver per kind of
+save (the chief's, a process's shards, a worker's throwaway save).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any
+
+from keras_ft.checkpoint.store import CheckpointStore, Storage, open_storage, open_store
+from keras_ft.distribute.cluster import TaskSpec, chief_dir
+from keras_ft.saves.chief import ChiefSaver
+from keras_ft.saves.claims import ChiefClaim
+from keras_ft.saves.queue import SaveQueue
+from keras_ft.saves.shards import ShardedSaver
+from keras_ft.saves.throwaway import ThrowawaySaver, WorkerScratch
+from keras_ft.saves.tiers import TieredStore
+from keras_ft.state import TrainingState
+from keras_ft.state.snapshots import SnapshotPlace
+from keras_ft.training.listeners import CheckpointListener
+from keras_ft.training.policy import KeepLast
+
+
+@dataclasses.dataclass
+class SaveParts:
+    store: CheckpointStore  # The chief's checkpoints: a disk or a bucket.
+    root: Storage  # `backup_dir` itself.
+    lock: Any  # The backup's writer lock (a file lock, or a bucket's lease).
+    tiers: TieredStore
+    queue: SaveQueue
+    claim: ChiefClaim | WorkerScratch
+    chief: ChiefSaver
+    sharded: ShardedSaver
+    # A worker's save without a local tier: written, then removed.
+    throwaway: ThrowawaySaver | None
+
+
+def assemble(
+    training: Any,
+    state: TrainingState,
+    task: TaskSpec,
+    backup_dir: str,
+    local_dir: str | os.PathLike | None,
+    keep: int,
+    *,
+    async_save: bool,
+    listeners: list[CheckpointListener],
+    storage_options: dict | None,
+    verbose: int,
+    manifest_key: str | bytes | None,
+    snapshots: SnapshotPlace,
+) -> SaveParts:
+    """The parts of `training` (a `WorkerTrainingState`, whose lifetime the
+    queue's hold on the thread pools follows)."""
+    # A disk (rename commit, flock) or a bucket (manifest-last commit,
+    # lease): one protocol, and nothing here asks which.
+    store = open_store(
+        chief_dir(backup_dir),
+        KeepLast(keep),
+        storage_options,
+        progress=sys.stdout if verbose else None,
+        manifest_key=manifest_key,
+    )
+    root = open_storage(backup_dir, storage_options)
+    lock = store.writer_lock()
+    tiers = TieredStore.open(
+        store, lock, root, local_dir, keep, task, state, manifest_key
+    )
+    queue = SaveQueue(store.identity, async_save, training)
+    # The chief holds the backup's lock; another worker only the temporary
+    # directory its throwaway saves go to.
+    scratch = None if task.is_chief else WorkerScratch(store, task, backup_dir)
+    chief = ChiefSaver(state, task, queue, tiers, lock, listeners, snapshots)
+    return SaveParts(
+        store=store,
+        root=root,
+        lock=lock,
+        tiers=tiers,
+        queue=queue,
+        claim=scratch or ChiefClaim(store, lock, root),
+        chief=chief,
+        sharded=ShardedSaver(state, task, queue, tiers, chief),
+        throwaway=(
+            ThrowawaySaver(state, scratch)
+            if scratch is not None and tiers.local is None
+            else None
+        ),
+    )
