@@ -333,3 +333,41 @@ def test_a_move_stops_between_arrays_when_told():
     assert backend.move_to_host(copies, destinations, stopped) is False
     np.testing.assert_array_equal(destinations[0], values[0])
     np.testing.assert_array_equal(destinations[1], np.zeros(5))
+
+
+def _on_cuda() -> bool:
+    if keras.backend.backend() != "torch":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _on_cuda(), reason="page-locked buffers: PyTorch on CUDA")
+def test_a_dropped_training_unlocks_its_page_locked_buffer(tmp_path):
+    """A training dropped without `close()` unlocks its copy buffer with it:
+    the driver would otherwise keep its pages and addresses, and a later
+    page-locked allocation there fail (`resource already mapped`, seen on an
+    H200)."""
+    import torch
+
+    x, y = make_data()
+    model = make_model(units=2000)
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    for run in range(3):
+        state = keras_ft.WorkerTrainingState(
+            model, str(tmp_path / str(run)), async_save=True, snapshot="device"
+        )
+        state.back_up(0)
+        state.wait()
+        buffer = state._state._weights._buffer
+        assert buffer.pinned
+        address = np.frombuffer(buffer._image, np.uint8).ctypes.data
+        del state, buffer
+        gc.collect()
+        cudart = torch.cuda.cudart()
+        assert int(cudart.cudaHostUnregister(address)) != 0  # Not locked now.
+        backend._clear_cuda_error()
+    # Page-locked memory is allocated and used afterwards without a CUDA error.
+    pinned = torch.zeros(1 << 20, dtype=torch.uint8, pin_memory=True)
+    assert int(pinned.to("cuda", non_blocking=True).sum()) == 0
