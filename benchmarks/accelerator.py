@@ -70,6 +70,16 @@ def state_values(model) -> list:
     return [raw_value(v) for v in model.weights + model.optimizer.variables]
 
 
+def SyncedBatchEnds():  # noqa: N802  A class made when Keras is imported.
+    import keras
+
+    class Synced(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
+    return Synced()
+
+
 class HeldUp:
     """Around the callbacks measured: the seconds their epoch ends and
     their train end took, where the rest of a fit's added time is steps
@@ -268,6 +278,10 @@ def measure_size(args, width: int, root: str) -> dict:
         shutil.rmtree(path, ignore_errors=True)
         if kind == "none":
             return []
+        if kind == "synced":
+            return [SyncedBatchEnds()]
+        if kind == "no saves":  # keras-ft's hooks alone: what saving adds to them.
+            return [keras_ft.BackupAndRestore(path, save_freq=False, verbose=0)]
         if kind == "keras":
             return [keras.callbacks.BackupAndRestore(path, save_freq=every)]
         if kind == "orbax":
@@ -279,7 +293,12 @@ def measure_size(args, width: int, root: str) -> dict:
         save = keras_ft.BackupAndRestore
         return [save(path, save_freq=every, snapshot=kind, verbose=0)]
 
-    kinds = ["none", *modes] if args.no_peers else ["none", "keras", *modes]
+    # "synced": no save, but a callback with a batch end of its own, as
+    # keras-ft's (and Keras' progress bar) has: Keras then hands each batch
+    # end its logs as numbers, which waits for the step on the device.
+    kinds = ["none", "synced", "no saves", *modes]
+    if not args.no_peers:
+        kinds.insert(2, "keras")
     measured = ("host", "device")  # Blocked time and memory: both, always.
     if keras.backend.backend() == "jax" and _has_orbax() and not args.no_peers:
         kinds.append("orbax")
@@ -411,7 +430,7 @@ def _has_orbax() -> bool:
     return True
 
 
-def rows_of(result: dict) -> list[tuple[str, str]]:
+def rows_of(result: dict, modes: tuple = ("host", "device")) -> list[tuple[str, str]]:
     rows = []
     for row in result["sizes"]:
         name = f"{row['params'] / 1e6:.1f}M params on {row['device']}"
@@ -429,6 +448,12 @@ def rows_of(result: dict) -> list[tuple[str, str]]:
                     f"{name}: every epoch, {kind} / none",
                     spread([a / b for a, b in ratios]),
                 ))  # fmt: skip
+                if kind in modes and "synced" in epoch:
+                    ratios = zip(epoch[kind], epoch["synced"], strict=True)
+                    rows.append((
+                        f"{name}: every epoch, {kind} / synced batch ends",
+                        spread([a / b for a, b in ratios]),
+                    ))  # fmt: skip
                 added = [a - b for a, b in zip(epoch[kind], epoch["none"],
                                                strict=True)]  # fmt: skip
                 ends, train_end = zip(*row["epoch_spent"][kind], strict=True)
