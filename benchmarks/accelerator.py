@@ -38,7 +38,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -55,6 +54,7 @@ from save_cost import (  # noqa: E402
     interleaved,
     med,
     peak_extra_rss,
+    peak_while,
     raw_read,
     raw_write,
     spread,
@@ -203,21 +203,7 @@ def peak_extra_device(fn) -> int | None:
         torch.cuda.reset_peak_memory_stats()
         fn()
         return torch.cuda.max_memory_allocated() - before
-    peak, done = [before], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], device_bytes_in_use() or 0)
-            time.sleep(0.001)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
-        fn()
-    finally:
-        done.set()
-        sampler.join()
-    return peak[0] - before
+    return peak_while(fn, lambda: device_bytes_in_use() or 0) - before
 
 
 def pinned_to_device_seconds(model) -> float:

@@ -138,13 +138,13 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def peak_extra_rss(fn) -> int:
-    """Peak resident memory above the level before `fn`, sampled every 1 ms."""
-    before, peak, done = rss_bytes(), [0], threading.Event()
+def peak_while(fn, read) -> int:
+    """The highest of `read()` while `fn()` runs, sampled every 1 ms."""
+    peak, done = [read()], threading.Event()
 
     def sample():
         while not done.is_set():
-            peak[0] = max(peak[0], rss_bytes())
+            peak[0] = max(peak[0], read())
             time.sleep(0.001)
 
     sampler = threading.Thread(target=sample)
@@ -154,7 +154,13 @@ def peak_extra_rss(fn) -> int:
     finally:
         done.set()
         sampler.join()
-    return max(peak[0], rss_bytes()) - before
+    return max(peak[0], read())
+
+
+def peak_extra_rss(fn) -> int:
+    """Peak resident memory above the level before `fn`, sampled every 1 ms."""
+    before = rss_bytes()
+    return peak_while(fn, rss_bytes) - before
 
 
 def interleaved(variants: dict, rounds: int, settle=None) -> dict[str, list[float]]:
