@@ -442,14 +442,10 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _stop_for_preemption(self, logs: dict | None, signum: signal.Signals) -> None:
         self._preempted_signum = signum
-        where = f"epoch {self._epoch + 1}, batch {self._batches_in_epoch}"
-        # A batch being skipped after a restart: the backup we restored from
-        # already holds this point.
-        saved = f"the backup already holds {where}"
-        if self._batches_in_epoch > self._skip_until:
-            saved = self._saves.save_now(
-                self.model, logs, self._epoch, self._batches_in_epoch, where
-            )
+        batch = self._batches_in_epoch
+        # A batch skipped after a restart: the backup restored from holds it.
+        held = batch <= self._skip_until
+        saved = self._saves.save_now(self.model, logs, self._epoch, batch, held)
         self.preempted_by = signum.name
         self.model.stop_training = True
         events.say(

@@ -198,10 +198,15 @@ class FitSaves:
         logs: dict | None,
         epoch: int,
         batch: int,
-        where: str,
+        held: bool = False,
     ) -> str:
-        """Backs up the state at `where` and waits for its commit (the
-        process may be gone soon); returns what became of it, in words."""
+        """Backs up the state after `batch` batches of `epoch` and waits for
+        its commit (the process may be gone soon), unless the backup already
+        `held` that point (a batch skipped after a restart); returns what
+        became of it, in words."""
+        where = f"epoch {epoch + 1}, batch {batch}"
+        if held:
+            return f"the backup already holds {where}"
         if not self.save(model, logs, epoch, batch):
             return f"{where} is not finite and was not backed up"
         checkpoint = self.run(self.state.wait)
