@@ -336,8 +336,7 @@ def move_to_host(
     stopped: Callable[[], bool] = lambda: False,
 ) -> bool:
     """Moves each of `copies` (from `device_snapshot()`) into its place in
-    host memory, `destinations` (arrays of the same shapes and dtypes), all
-    transfers started before any is waited for.
+    host memory, `destinations` (arrays of the same shapes and dtypes).
 
     PyTorch copies straight into the destinations (a DMA where they are
     page-locked, see `pin_host()`); JAX moves each array from a device in
@@ -395,10 +394,12 @@ def _jax_move(
     copies: list, destinations: list[np.ndarray], stopped: Callable[[], bool]
 ) -> bool:
     """`move_to_host()` on JAX. An array on one accelerator is moved in
-    pieces of at most `_MOVE_PIECE` bytes, the next piece's transfer started
-    before the last is copied into place: JAX lands each transfer in host
-    memory of its own, so whole arrays would need a second copy of the
-    state there. Arrays in host memory (the CPU) are read in place."""
+    pieces of rows (its first axis) of at most `_MOVE_PIECE` bytes, the next
+    piece's transfer started before the last is copied into place: JAX lands
+    each transfer in host memory of its own, so whole arrays would need a
+    second copy of the state there. Rows, not a flattened array: a slice of
+    rows is a contiguous run of bytes, and flattening could copy the whole
+    array on the device. Arrays in host memory (the CPU) are read in place."""
     import jax
 
     pending: list[tuple[Any, np.ndarray]] = []  # Started, not yet in place.
@@ -411,25 +412,25 @@ def _jax_move(
         if stopped():
             return False
         target = _bytes_of(destination)
-        if not isinstance(copy, jax.Array) or _read_in_place(copy):
+        copies[i] = None  # `copy` holds it until its last piece.
+        if not isinstance(copy, jax.Array) or copy.ndim == 0 or _read_in_place(copy):
             while pending:
                 land()
             target[:] = _bytes_of(np.asarray(view(copy)))
-            copies[i] = None
             continue
-        flat = copy.reshape(-1)
-        copies[i] = copy = None  # `flat` holds it until its last piece.
-        step = max(1, _MOVE_PIECE // destination.itemsize)
-        for start in range(0, flat.size, step):
+        rows = copy.shape[0]
+        row_bytes = target.nbytes // rows if rows else 0
+        step = max(1, _MOVE_PIECE // max(row_bytes, 1))
+        for start in range(0, rows if row_bytes else 0, step):
             if stopped():
                 return False
-            piece = flat[start : start + step]
+            piece = copy[start : start + step]
             piece.copy_to_host_async()
-            pending.append((piece, target[start * destination.itemsize :][
-                : piece.size * destination.itemsize]))  # fmt: skip
+            end = min(start + step, rows)
+            pending.append((piece, target[start * row_bytes : end * row_bytes]))
             if len(pending) > 1:
                 land()
-        del flat
+        del copy
     while pending:
         land()
     return True

@@ -270,16 +270,19 @@ def test_jax_moves_a_snapshot_to_host_memory_in_pieces(monkeypatch):
     monkeypatch.setattr(backend, "_MOVE_PIECE", 1000)
     rng = np.random.default_rng(0)
     values = [
-        jnp.asarray(rng.normal(size=(37, 29)).astype("float32")),  # 4 pieces.
+        jnp.asarray(rng.normal(size=(37, 29)).astype("float32")),  # 8 rows a piece.
         jnp.asarray(rng.normal(size=(601,))).astype("bfloat16"),
+        jnp.asarray(rng.normal(size=(3, 400)).astype("float32")),  # A row a piece.
+        jnp.asarray(rng.normal(size=(2, 5, 7)).astype("float32")),
         jnp.zeros((0, 3)),
+        jnp.zeros((3, 0)),
         jnp.asarray(7, "int32"),
     ]
     copies, made = backend.device_snapshot(values)
     made()
     destinations = [np.empty(v.shape, v.dtype) for v in copies]
     backend.move_to_host(copies, destinations)
-    assert copies == [None] * 4
+    assert copies == [None] * len(values)
     for value, moved in zip(values, destinations, strict=True):
         np.testing.assert_array_equal(moved, np.asarray(value))
         assert moved.dtype == np.asarray(value).dtype
