@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
 import weakref
 
@@ -306,8 +307,11 @@ def test_a_save_called_off_stops_its_move_to_host_memory(tmp_path, monkeypatch):
     gate = threading.Event()
     threads.submit(threads.mover, gate.wait)  # The move waits behind it.
     state.back_up(0)
-    state.discard_pending()  # Called off while its move has not begun...
-    gate.set()  # ...which then stops at once.
+    time.sleep(0.2)  # The writer now waits for the move to fill the buffer.
+    # Called off while its move has not begun; the move, let go once the
+    # call waits for the writer (which waits for the move), stops at once.
+    threading.Timer(0.5, gate.set).start()
+    state.discard_pending()
     state.wait()
     assert moves == []
     fresh = make_model(units=64)
