@@ -20,7 +20,15 @@ from keras_ft.fit_saves import FitSaves, check_on_save_error
 from keras_ft.state import ResumePoint, rng
 from keras_ft.state.snapshots import validate_snapshot
 from keras_ft.state.training_state import optimizer_step
-from keras_ft.training import callback_state, inputs, policy, resume, services, watchdog
+from keras_ft.training import (
+    batch_ends,
+    callback_state,
+    inputs,
+    policy,
+    resume,
+    services,
+    watchdog,
+)
 from keras_ft.training.goodput import GoodputRecorder
 from keras_ft.training.listeners import CheckpointListener, check_listeners
 from keras_ft.training.policy import KeepLast
@@ -258,7 +266,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._inputs = inputs.InputPosition(None)
         self._saves: FitSaves | None = None  # The last fit()'s.
         self._epoch = 0
-        self._batches_in_epoch = 0
+        self._batches_in_epoch = 0  # Handled so far, on the training thread.
+        self._batch_ends = batch_ends.BatchEnds()
         self._skip_until = 0
         self._epochs_completed = 0
         self._services: list[BackupService] = []
@@ -268,6 +277,13 @@ class BackupAndRestore(keras.callbacks.Callback):
     def backup_seconds(self) -> float:
         return 0.0 if self._saves is None else self._saves.backup_seconds
 
+    @property
+    def async_safe(self) -> bool:
+        # Where true, Keras stops waiting for every step to finish before the
+        # batch ends; each batch's end is handled at the next batch's begin
+        # (`training/batch_ends.py`).
+        return batch_ends.deferrable()
+
     # Keras hooks.
 
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -275,6 +291,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._resumption.remove()
             self._resumption = None
         compat.probe()  # Warns once for each internal this Keras lacks.
+        self._batch_ends.start()
         self._inputs.remove()  # Left by a fit() that raised.
         self._inputs = inputs.InputPosition(compat.fit_epoch_iterator())
         callback_list = compat.calling_callback_list(self)
@@ -338,6 +355,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epoch = epoch
         self._batches_in_epoch = 0
         self._skip_until = 0
+        self._batch_ends.epoch_begin()
         self._inputs.begin_epoch()
         if self._resumption is not None:
             self._skip_until = self._resumption.begin_epoch(
@@ -349,29 +367,51 @@ class BackupAndRestore(keras.callbacks.Callback):
         # run can replay it.
         self._saves.epoch_begin_rng = rng.capture()
 
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        # Past the batches handled: its end was on Keras' callback thread.
+        if batch > self._batches_in_epoch and self._batch_ended(batch, None):
+            logs = self._batch_ends.logs(batch, self.model)
+            batch_ends.skip_next_step(self.model, logs)
+
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         # With steps_per_execution > 1, `batch` is the last of several steps.
-        self._deadline.batch_ended(last_of_epoch=batch + 1 == self.params.get("steps"))
+        if self._batch_ends.here():
+            self._batch_ended(batch + 1, logs)
+        else:  # Keras' callback thread (`async_safe`): the next begin handles it.
+            self._batch_ends.note(batch + 1, logs)
+
+    def _batch_ended(self, done: int, logs: dict | None) -> bool:
+        """A batch's end, `done` batches into the epoch, on the training
+        thread; `logs` is `None` at the next batch's begin, and read only
+        for a save. Returns whether it stopped `fit()` for a preemption."""
+        self._deadline.batch_ended(last_of_epoch=done == self.params.get("steps"))
         if self._goodput is not None:
             self._goodput.batch_end(self._optimizer_step, self.backup_seconds)
-        steps = batch + 1 - self._batches_in_epoch
-        self._batches_in_epoch = batch + 1
+        steps = done - self._batches_in_epoch
+        self._batches_in_epoch = done
         self._saves.run(self._state.raise_if_failed)
         signum = self._preemption.at_batch_end(self._state.task.task_index)
         if signum is not None:
-            self._stop_for_preemption(logs, signum)
-            return
-        if self._batches_in_epoch <= self._skip_until:
-            return  # A batch trained before the restart, skipped now.
+            self._stop_for_preemption(self._logs(done, logs), signum)
+            return True
+        if done <= self._skip_until:
+            return False  # A batch trained before the restart, skipped now.
         writing = self._state.writing
         now = time.monotonic()
         if self._schedule.on_batch_end(steps, now, writing):
-            self._save(logs, self._epoch, self._batches_in_epoch)
+            self._save(self._logs(done, logs), self._epoch, done)
             self._saves.report_interval()
         elif self._local_schedule.on_batch_end(steps, now, writing):
-            self._save(logs, self._epoch, self._batches_in_epoch, to_bucket=False)
+            self._save(self._logs(done, logs), self._epoch, done, to_bucket=False)
+        return False
+
+    def _logs(self, done: int, logs: dict | None) -> dict:
+        return self._batch_ends.logs(done, self.model) if logs is None else logs
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        unhandled = self._batch_ends.unhandled(self._batches_in_epoch)
+        if unhandled is not None and not self.preempted_by:
+            self._batch_ended(*unhandled)
         self._deadline.epoch_end()
         skipped = self._resumption is not None and self._resumption.skips_epoch(epoch)
         if self.preempted_by or skipped:

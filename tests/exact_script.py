@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import signal
+import threading
 
 import keras
 import numpy as np
@@ -22,8 +23,15 @@ SAMPLES, BATCH, FEATURES = 96, 16, 8
 
 
 class KillSelf(keras.callbacks.Callback):
-    def __init__(self, after_batch: str | None, at_epoch_begin: int | None):
+    def __init__(
+        self, after_batch: str | None, at_epoch_begin: int | None, at_begin: bool
+    ):
         super().__init__()
+        # At the next batch's begin, and async-safe: where every callback is,
+        # Keras calls the batch ends on a thread of its own (JAX).
+        self.async_safe = at_begin
+        self.thread = threading.get_ident()
+        self.off_thread = set()
         self.after_batch = (
             tuple(map(int, after_batch.split(":"))) if after_batch else None
         )
@@ -38,8 +46,13 @@ class KillSelf(keras.callbacks.Callback):
         if epoch == self.at_epoch_begin:
             self.kill()
 
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.async_safe and self.after_batch == (self.epoch, batch):
+            self.kill()
+
     def on_train_batch_end(self, batch, logs=None):
-        if self.after_batch == (self.epoch, batch + 1):
+        self.off_thread.add(threading.get_ident() != self.thread)
+        if not self.async_safe and self.after_batch == (self.epoch, batch + 1):
             self.kill()
 
     def kill(self):
@@ -72,6 +85,7 @@ def main() -> None:
     parser.add_argument("--save-freq", default="epoch")
     parser.add_argument("--kill-after-batch", help="EPOCH:BATCHES_DONE")
     parser.add_argument("--kill-at-epoch-begin", type=int)
+    parser.add_argument("--kill-at-batch-begin", action="store_true")
     parser.add_argument("--stateful-callbacks", action="store_true")
     parser.add_argument("--snapshot", default="auto")
     parser.add_argument(
@@ -107,7 +121,9 @@ def main() -> None:
                 snapshot=args.snapshot,
             )
         )
-    kill = KillSelf(args.kill_after_batch, args.kill_at_epoch_begin)
+    kill = KillSelf(
+        args.kill_after_batch, args.kill_at_epoch_begin, args.kill_at_batch_begin
+    )
     callbacks.append(kill)
     best_path = args.out + ".best.weights.h5"
     if args.stateful_callbacks:
@@ -168,6 +184,7 @@ def main() -> None:
                 "history": history.history,
                 "epochs": history.epoch,
                 "first_epoch": kill.first_epoch,
+                "batch_ends_off_thread": sorted(kill.off_thread),
             },
             f,
         )

@@ -8,6 +8,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import keras
@@ -629,6 +630,38 @@ def test_preemption_chains_to_the_users_handler_and_restores_it(backup_dir, data
         signal.signal(signal.SIGTERM, old)
 
 
+class SignalAtBatchBegin(SendSignalAt):
+    """Async-safe: with keras-ft alone beside it, Keras calls the batch ends
+    on a thread of its own (JAX)."""
+
+    async_safe = True
+
+    def on_train_begin(self, logs=None):
+        self.thread, self.ends_off_thread = threading.get_ident(), set()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends_off_thread.add(threading.get_ident() != self.thread)
+
+
+def test_preemption_stops_with_the_model_as_backed_up(backup_dir, data):
+    # On JAX the signal is seen at batch 4's begin, before the step Keras
+    # then runs: that step must change nothing.
+    callback = keras_ft.BackupAndRestore(
+        backup_dir, exit_on_preemption=False, delete_checkpoint=False
+    )
+    model = make_model()
+    signals = SignalAtBatchBegin(2, signal.SIGTERM)
+    model.fit(*data, epochs=5, batch_size=16, verbose=0, callbacks=[callback, signals])
+    assert signals.ends_off_thread == {keras.backend.backend() == "jax"}
+    assert callback.preempted_by == "SIGTERM"
+    assert iterations(model) == 3
+    restored = make_model()
+    resume = keras_ft.WorkerTrainingState(restored, backup_dir).restore()
+    assert (resume.epoch, resume.batch, resume.step) == (0, 3, 3)
+    for ours, backed_up in zip(weights_of(model), weights_of(restored), strict=True):
+        np.testing.assert_array_equal(ours, backed_up)
+
+
 def test_ctrl_c_after_a_fit_that_raised_is_a_keyboard_interrupt(backup_dir, data):
     class Fails(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -1129,10 +1162,17 @@ def test_restore_line_after_the_last_batch_says_the_end_of_the_epoch(
     backup_dir, data, capsys
 ):
     # Saved after the last batch of epoch 2; its on_epoch_end never ran.
+    class InterruptWithABatchEnd(InterruptAtEpochEnd):
+        # Not async-safe: Keras calls every batch end on the training thread,
+        # where keras-ft handles the last batch before any epoch end (on
+        # Keras' thread, it would be handled at keras-ft's epoch end).
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
     with pytest.raises(RuntimeError, match="Interrupting"):
         make_model().fit(
             *data, epochs=3, batch_size=16, verbose=0,
-            callbacks=[InterruptAtEpochEnd(2),
+            callbacks=[InterruptWithABatchEnd(2),
                        keras_ft.BackupAndRestore(backup_dir, save_freq=1)],
         )  # fmt: skip
     keras_ft.wait_for_backups()
