@@ -270,9 +270,15 @@ class DiskBeside:
 
 
 class Blocking:
-    """Around the callbacks measured: how long their batch ends held training
-    up, at the batches they save at (every `every` batches, the first left
-    out: it may allocate)."""
+    """Around the callbacks measured: how long their batch hooks held
+    training up, at the batches they save at (every `every` batches, the
+    first left out: it may allocate).
+
+    A save is made at a batch end on the training thread, or, where Keras
+    calls the batch ends on a thread of its own (every callback async-safe,
+    as these two are), at the next batch's begin: what is timed is the
+    callbacks' part of both, on the training thread.
+    """
 
     def __init__(self, every: int, settle=None):
         """`settle`, if given, runs untimed after each save (waits for its
@@ -280,18 +286,32 @@ class Blocking:
         import keras
 
         self.times: list[float] = []
-        self._start = 0.0
+        self._start = self._held = 0.0
+        training = threading.get_ident()
 
         class First(keras.callbacks.Callback):
-            def on_train_batch_end(inner, batch, logs=None):
+            async_safe = True
+
+            def on_train_batch_begin(inner, batch, logs=None):
                 self._start = time.perf_counter()
 
-        class Last(keras.callbacks.Callback):
             def on_train_batch_end(inner, batch, logs=None):
-                if (batch + 1) % every:
+                if threading.get_ident() == training:
+                    self._start = time.perf_counter()
+
+        class Last(keras.callbacks.Callback):
+            async_safe = True
+
+            def on_train_batch_end(inner, batch, logs=None):
+                if threading.get_ident() == training:
+                    self._held = time.perf_counter() - self._start
+
+            def on_train_batch_begin(inner, batch, logs=None):
+                held, self._held = self._held, 0.0
+                if not batch or batch % every:  # `batch` batches done.
                     return
-                if batch + 1 > every:
-                    self.times.append(time.perf_counter() - self._start)
+                if batch > every:
+                    self.times.append(held + time.perf_counter() - self._start)
                 if settle is not None:
                     settle()
 

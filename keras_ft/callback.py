@@ -377,14 +377,20 @@ class BackupAndRestore(keras.callbacks.Callback):
         # With steps_per_execution > 1, `batch` is the last of several steps.
         if self._batch_ends.here():
             self._batch_ended(batch + 1, logs)
-        else:  # Keras' callback thread (`async_safe`): the next begin handles it.
-            self._batch_ends.note(batch + 1, logs)
+            return
+        # Keras' callback thread (`async_safe`): the stall deadline hears of
+        # it now; the rest waits for the next batch's begin.
+        self._deadline.batch_ended(last_of_epoch=batch + 1 == self.params.get("steps"))
+        self._batch_ends.note(batch + 1, logs)
 
     def _batch_ended(self, done: int, logs: dict | None) -> bool:
         """A batch's end, `done` batches into the epoch, on the training
-        thread; `logs` is `None` at the next batch's begin, and read only
-        for a save. Returns whether it stopped `fit()` for a preemption."""
-        self._deadline.batch_ended(last_of_epoch=done == self.params.get("steps"))
+        thread; `logs` is `None` at the next batch's begin (the deadline has
+        heard of it then), and read only for a save. Returns whether it
+        stopped `fit()` for a preemption."""
+        if logs is not None:
+            steps = self.params.get("steps")
+            self._deadline.batch_ended(last_of_epoch=done == steps)
         if self._goodput is not None:
             self._goodput.batch_end(self._optimizer_step, self.backup_seconds)
         steps = done - self._batches_in_epoch
@@ -411,7 +417,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         unhandled = self._batch_ends.unhandled(self._batches_in_epoch)
         if unhandled is not None and not self.preempted_by:
-            self._batch_ended(*unhandled)
+            self._batch_ended(unhandled[0], None)  # Its noted logs, if read.
         self._deadline.epoch_end()
         skipped = self._resumption is not None and self._resumption.skips_epoch(epoch)
         if self.preempted_by or skipped:

@@ -149,23 +149,26 @@ def test_mid_epoch_resume_is_exact_for_other_inputs(tmp_path, data):
     assert_bitwise_equal(reference, arrays)
 
 
-def test_mid_epoch_resume_is_exact_with_batch_ends_off_the_training_thread(tmp_path):
+@pytest.mark.parametrize("data", ["numpy", "pydataset"])
+def test_mid_epoch_resume_is_exact_with_batch_ends_off_the_training_thread(
+    tmp_path, data
+):
     """Where every callback is async-safe, Keras calls the batch ends on a
-    thread of its own and stops waiting for each step (JAX): keras-ft then
-    handles each batch's end, and its saves, at the next batch's begin."""
+    thread of its own and stops waiting for each step (JAX, PyTorch): keras-ft
+    then handles each batch's end, and its saves, at the next batch's begin.
+    A `PyDataset` draws NumPy noise as it loads, ahead of training."""
     reference_out = str(tmp_path / "reference")
-    assert run(reference_out, "--kill-at-batch-begin").returncode == 0
+    assert run(reference_out, "--kill-at-batch-begin", "--input", data).returncode == 0
     reference_summary, reference = load(reference_out)
     summary, arrays, resumed = killed_and_resumed(
         tmp_path,
         ["--kill-after-batch", "2:5"],
-        "--kill-at-batch-begin", "--save-freq", "2",
+        "--kill-at-batch-begin", "--save-freq", "2", "--input", data,
     )  # fmt: skip
     # Backed up after batch 4 at batch 5's begin; killed at batch 6's begin.
     assert "resuming at epoch 3/6, batch 5, optimizer step 16" in resumed.stdout
-    # keras-ft is async-safe on JAX only (on PyTorch the loop draws the next
-    # batch before its begin; TensorFlow's Keras never calls them so).
-    off_thread = keras.backend.backend() == "jax"
+    # TensorFlow's Keras never calls a batch end off the training thread.
+    off_thread = keras.backend.backend() != "tensorflow"
     assert summary["batch_ends_off_thread"] == [off_thread]
     assert summary["iterations"] == reference_summary["iterations"] == 6 * STEPS
     assert summary["history"] == reference_summary["history"]

@@ -17,6 +17,7 @@ from conftest import TESTS_DIR, make_model, run_once_on, subprocess_env
 import keras_ft
 from keras_ft.training.watchdog import (
     RETRYABLE_EXIT_CODE,
+    FitDeadline,
     ProgressDeadline,
     check_stall_timeout,
 )
@@ -111,6 +112,41 @@ def test_paused_holds_the_deadline_off():
     finally:
         watch.close()
     assert exits == []
+
+
+def input_only(watch: ProgressDeadline) -> FitDeadline:
+    """A fit's deadline that only the input's worker processes asked for."""
+    fit = FitDeadline()
+    fit._deadline, fit._input_only = watch, True
+    return fit
+
+
+def test_validation_holds_the_epoch_end_after_it_whenever_the_last_batch_is_heard():
+    # Where Keras calls the batch ends on its own thread, the epoch's last one
+    # may be heard once validation began: validation stays bounded, and the
+    # epoch-end work after it (another callback's, a large save) is not.
+    watch, exits = deadline(first_batch_seconds=0.5, seconds=0.5)
+    fit = input_only(watch)
+    try:
+        fit.test_begin()
+        fit.batch_ended(last_of_epoch=True)  # Heard late.
+        time.sleep(1.5)
+        assert exits == [RETRYABLE_EXIT_CODE]  # A stalled validation ends it.
+    finally:
+        watch.close()
+
+    watch, exits = deadline(first_batch_seconds=0.5, seconds=0.5)
+    fit = input_only(watch)
+    try:
+        fit.test_begin()
+        fit.test_end()
+        time.sleep(1.5)  # Epoch-end work of other callbacks.
+        assert exits == []
+        fit.epoch_begin()  # Batches again: bounded again.
+        time.sleep(1.5)
+        assert exits == [RETRYABLE_EXIT_CODE]
+    finally:
+        watch.close()
 
 
 @pytest.mark.parametrize(

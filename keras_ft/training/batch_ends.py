@@ -7,17 +7,19 @@ every callback says it is `async_safe`: then Keras calls the batch ends on a
 thread of its own and goes on dispatching steps. On an accelerator, that wait
 at every batch keeps the host from running ahead of the device.
 
-`BackupAndRestore` says it is async-safe on JAX. Its batch end then only notes
-the batch (`BatchEnds.note`). The work of that batch's end (the schedule, a
-save, a preemption stop) runs at the next batch's begin, which Keras always
-calls on the training thread, with the state as the batch left it. The
-epoch's last batch is handled at the epoch's end: Keras has run every batch
-end by then. Where Keras calls the batch end on the training thread (another
-callback is not async-safe, or the backend is not thread-safe), it is handled
-there, as before.
+`BackupAndRestore` says it is async-safe on JAX and PyTorch. Its batch end
+then only notes the batch (`BatchEnds.note`). The work of that batch's end
+(the schedule, a save, a preemption stop) runs at the next batch's begin,
+which Keras always calls on the training thread, with the state as the batch
+left it. The epoch's last batch is handled at the epoch's end: Keras has run
+every batch end by then. Where Keras calls the batch end on the training
+thread (another callback is not async-safe, or the backend is not
+thread-safe), it is handled there, as before.
 
-Not on PyTorch: its `fit()` loop draws the next batch before that batch's
-begin, so an input position noted there would be one batch ahead.
+On PyTorch, `fit()`'s loop draws the next batch before that batch's begin:
+what a backup notes of the input stays right (a `PyDataset`'s generators are
+kept per load, before each; arrays replay their epoch's order). TensorFlow's
+Keras never calls a batch end off the training thread.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from keras_ft.training.resume import FastForward
 def deferrable() -> bool:
     """Whether `BackupAndRestore` lets Keras call its batch end off the
     training thread (its `async_safe`)."""
-    return keras.backend.backend() == "jax"
+    return keras.backend.backend() in ("jax", "torch")
 
 
 class BatchEnds:

@@ -224,6 +224,9 @@ class FitDeadline:
     batches, not the work of other callbacks between epochs (saving a large
     model): it is held from an epoch's last batch to the next epoch, and
     runs again during validation, which reads its input too.
+
+    A batch's end may be heard on Keras' callback thread (`async_safe`), the
+    rest on the training thread: the hold is taken under a lock.
     """
 
     def __init__(self) -> None:
@@ -231,6 +234,12 @@ class FitDeadline:
         self._input_only = False
         self._held = False
         self._held_before_test = False
+        self._in_test = False
+        self._lock = threading.RLock()
+
+    def __deepcopy__(self, memo: dict) -> FitDeadline:
+        # Keras Tuner deep-copies the callbacks of each trial, before fit().
+        return FitDeadline()
 
     def start(
         self,
@@ -297,36 +306,47 @@ class FitDeadline:
             self._deadline.progressed()
 
     def batch_ended(self, last_of_epoch: bool) -> None:
-        if self._deadline is not None:
-            self._deadline.batch_ended()
-            if last_of_epoch:
-                self._hold(True)
+        """On the training thread or Keras' callback thread."""
+        deadline = self._deadline
+        if deadline is not None:
+            deadline.batch_ended()
+            with self._lock:
+                # Heard late, once validation began: held after it instead.
+                if last_of_epoch and not self._in_test:
+                    self._hold(True)
 
     def epoch_end(self) -> None:
         self._hold(True)  # Where the epoch's length was not known.
 
     def test_begin(self) -> None:
-        self._held_before_test = self._held
-        self._hold(False)
+        with self._lock:
+            # Validation comes once the epoch's batches are over (the last
+            # one's end may not be heard yet): held again after it.
+            self._in_test = self._held_before_test = True
+            self._hold(False)
 
     def test_batch_ended(self) -> None:
         if self._deadline is not None:  # Validation is progress too.
             self._deadline.batch_ended()
 
     def test_end(self) -> None:
-        if self._held_before_test:
-            self._hold(True)
+        with self._lock:
+            self._in_test = False
+            if self._held_before_test:
+                self._hold(True)
 
     def _hold(self, held: bool) -> None:
         """Holds a deadline only the input asked for (`True`), or lets it
         run again (`False`)."""
-        if self._deadline is None or not self._input_only or held == self._held:
-            return
-        self._held = held
-        if held:
-            self._deadline.pause()
-        else:
-            self._deadline.resume()
+        with self._lock:
+            deadline = self._deadline
+            if deadline is None or not self._input_only or held == self._held:
+                return
+            self._held = held
+            if held:
+                deadline.pause()
+            else:
+                deadline.resume()
 
 
 def _exit_now(code: int) -> None:
