@@ -185,6 +185,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             or `None`.
     """
 
+    # Keras then stops waiting for every step before the batch ends; each
+    # batch's end is handled at the next batch's begin (`batch_ends.py`).
+    async_safe = batch_ends.deferrable()
+
     def __init__(
         self,
         backup_dir: str | os.PathLike,
@@ -277,13 +281,6 @@ class BackupAndRestore(keras.callbacks.Callback):
     def backup_seconds(self) -> float:
         return 0.0 if self._saves is None else self._saves.backup_seconds
 
-    @property
-    def async_safe(self) -> bool:
-        # Where true, Keras stops waiting for every step to finish before the
-        # batch ends; each batch's end is handled at the next batch's begin
-        # (`training/batch_ends.py`).
-        return batch_ends.deferrable()
-
     # Keras hooks.
 
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -370,7 +367,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         # Past the batches handled: its end was on Keras' callback thread.
         if batch > self._batches_in_epoch and self._batch_ended(batch, None):
-            logs = self._batch_ends.logs(batch, self.model)
+            logs = self._batch_ends.logs(batch, self.model, None)
             batch_ends.skip_next_step(self.model, logs)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
@@ -389,8 +386,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         heard of it then), and read only for a save. Returns whether it
         stopped `fit()` for a preemption."""
         if logs is not None:
-            steps = self.params.get("steps")
-            self._deadline.batch_ended(last_of_epoch=done == steps)
+            last = done == self.params.get("steps")
+            self._deadline.batch_ended(last_of_epoch=last)
         if self._goodput is not None:
             self._goodput.batch_end(self._optimizer_step, self.backup_seconds)
         steps = done - self._batches_in_epoch
@@ -398,21 +395,20 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._saves.run(self._state.raise_if_failed)
         signum = self._preemption.at_batch_end(self._state.task.task_index)
         if signum is not None:
-            self._stop_for_preemption(self._logs(done, logs), signum)
+            logs = self._batch_ends.logs(done, self.model, logs)
+            self._stop_for_preemption(logs, signum)
             return True
         if done <= self._skip_until:
             return False  # A batch trained before the restart, skipped now.
         writing = self._state.writing
         now = time.monotonic()
-        if self._schedule.on_batch_end(steps, now, writing):
-            self._save(self._logs(done, logs), self._epoch, done)
-            self._saves.report_interval()
-        elif self._local_schedule.on_batch_end(steps, now, writing):
-            self._save(self._logs(done, logs), self._epoch, done, to_bucket=False)
+        to_bucket = self._schedule.on_batch_end(steps, now, writing)
+        if to_bucket or self._local_schedule.on_batch_end(steps, now, writing):
+            logs = self._batch_ends.logs(done, self.model, logs)
+            self._save(logs, self._epoch, done, to_bucket=to_bucket)
+            if to_bucket:
+                self._saves.report_interval()
         return False
-
-    def _logs(self, done: int, logs: dict | None) -> dict:
-        return self._batch_ends.logs(done, self.model) if logs is None else logs
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         unhandled = self._batch_ends.unhandled(self._batches_in_epoch)

@@ -52,9 +52,9 @@ def test_logs_are_the_noted_ones_or_else_the_models_metrics():
     ends = BatchEnds()
     ends.start()
     ends.note(2, {"loss": 0.25})
-    assert ends.logs(2, model) == {"loss": 0.25}
+    assert ends.logs(2, model, None) == {"loss": 0.25}
     # Not noted yet for batch 3: the metrics after it, as numbers.
-    logs = ends.logs(3, model)
+    logs = ends.logs(3, model, None)
     assert set(logs) == {"loss"}
     assert isinstance(logs["loss"], float)
     expected = keras.ops.convert_to_numpy(model.get_metrics_result()["loss"])

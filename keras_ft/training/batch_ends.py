@@ -80,10 +80,13 @@ class BatchEnds:
             return noted
         return None
 
-    def logs(self, done: int, model: keras.Model) -> dict[str, Any]:
-        """The logs after `done` batches, for a save at the next batch's
-        begin: as noted if the callback thread has got there, else the
-        model's metrics now (what Keras' batch logs are made of)."""
+    def logs(self, done: int, model: keras.Model, given: dict | None) -> dict[str, Any]:
+        """The logs after `done` batches, for a save: those Keras `given`
+        with the batch end, if it was on the training thread; else as noted
+        if the callback thread has got there, else the model's metrics now
+        (what Keras' batch logs are made of)."""
+        if given is not None:
+            return given
         noted = self._noted
         if noted is not None and noted[0] == done and noted[1] is not None:
             return noted[1]

@@ -233,7 +233,6 @@ class FitDeadline:
         self._deadline: ProgressDeadline | None = None
         self._input_only = False
         self._held = False
-        self._held_before_test = False
         self._in_test = False
         self._lock = threading.RLock()
 
@@ -283,7 +282,7 @@ class FitDeadline:
         self._input_only = (
             loads_in_processes and task.num_workers <= 1 and stall_timeout is None
         )
-        self._held = self._held_before_test = False
+        self._held = self._in_test = False
         self._deadline = start_deadline(
             stall_timeout,
             first_batch_timeout,
@@ -322,7 +321,7 @@ class FitDeadline:
         with self._lock:
             # Validation comes once the epoch's batches are over (the last
             # one's end may not be heard yet): held again after it.
-            self._in_test = self._held_before_test = True
+            self._in_test = True
             self._hold(False)
 
     def test_batch_ended(self) -> None:
@@ -332,8 +331,7 @@ class FitDeadline:
     def test_end(self) -> None:
         with self._lock:
             self._in_test = False
-            if self._held_before_test:
-                self._hold(True)
+            self._hold(True)
 
     def _hold(self, held: bool) -> None:
         """Holds a deadline only the input asked for (`True`), or lets it
