@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import logging
 import os
-import signal
 import time
 from collections.abc import Sequence
 
 import keras
 
-from keras_ft import compat, events
+from keras_ft import compat
 from keras_ft.checkpoint.format import signing_key
 from keras_ft.checkpoint.lock import check_platform
 from keras_ft.checkpoint.remote import check_storage_options
 from keras_ft.distribute.cluster import TaskSpec
+from keras_ft.fit_batches import FitBatches
 from keras_ft.fit_begin import close_stale, open_backup, resume_fit, watch_cluster
 from keras_ft.fit_saves import FitSaves, check_on_save_error
 from keras_ft.state import ResumePoint, rng
@@ -259,20 +258,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.on_save_error = on_save_error
         self.async_save = bool(async_save)
         self.exit_on_preemption = bool(exit_on_preemption)
-        self.preempted_by: str | None = None
         self._preemption = Preemption(
             parse_signals(preemption_signals), check_grace_period(grace_period)
         )
-        self._preempted_signum: signal.Signals | None = None
         self._state: WorkerTrainingState | None = None
         self._callbacks: callback_state.FitCallbacks | None = None
         self._resumption: resume.Resumption | None = None
         self._inputs = inputs.InputPosition(None)
         self._saves: FitSaves | None = None  # The last fit()'s.
-        self._epoch = 0
-        self._batches_in_epoch = 0  # Handled so far, on the training thread.
-        self._batch_ends = batch_ends.BatchEnds()
-        self._skip_until = 0
+        self._batches: FitBatches | None = None  # The last fit()'s.
         self._epochs_completed = 0
         self._services: list[BackupService] = []
         self._nothing_to_train: str | None = None
@@ -281,6 +275,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     def backup_seconds(self) -> float:
         return 0.0 if self._saves is None else self._saves.backup_seconds
 
+    @property
+    def preempted_by(self) -> str | None:
+        return None if self._batches is None else self._batches.preempted_by
+
     # Keras hooks.
 
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -288,7 +286,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._resumption.remove()
             self._resumption = None
         compat.probe()  # Warns once for each internal this Keras lacks.
-        self._batch_ends.start()
+        self._batches = None
         self._inputs.remove()  # Left by a fit() that raised.
         self._inputs = inputs.InputPosition(compat.fit_epoch_iterator())
         callback_list = compat.calling_callback_list(self)
@@ -307,10 +305,21 @@ class BackupAndRestore(keras.callbacks.Callback):
             # Only the chief's input state is backed up, and a Grain iterator's
             # state may differ between processes (each reads its own shard).
             self._inputs.leave_grain()
-        self.preempted_by = None
         step = point.step if point else 0
         self._preemption.start(
             callback_list, self._state.store, task.num_workers, task.is_chief, step
+        )
+        self._batches = FitBatches(
+            lambda: self.model,
+            self.params.get("steps"),
+            self._state,
+            self._saves,
+            self._schedule,
+            self._local_schedule,
+            self._preemption,
+            self._deadline,
+            self._goodput,
+            self._optimizer_step,
         )
         self._epochs_completed = point.epoch if point else 0
         self._nothing_to_train = services.finished(self._callbacks.others, point)
@@ -332,7 +341,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self.first_batch_timeout,
             task,
             callback_list,
-            lambda: (self._epoch, self._batches_in_epoch),
+            lambda: (self._batches.epoch, self._batches.done),
             self._inputs.epoch_iterator,
         )
         watch_cluster(task, self._state.store, step)
@@ -349,13 +358,10 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._deadline.epoch_begin()
         compat.set_initial_epoch(self.model, None)
-        self._epoch = epoch
-        self._batches_in_epoch = 0
-        self._skip_until = 0
-        self._batch_ends.epoch_begin()
+        self._batches.epoch_begin(epoch)
         self._inputs.begin_epoch()
         if self._resumption is not None:
-            self._skip_until = self._resumption.begin_epoch(
+            self._batches.skip_until = self._resumption.begin_epoch(
                 epoch, self.params.get("steps"), self._callbacks.others
             )
             if self._resumption.skips_epoch(epoch):
@@ -365,65 +371,23 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._saves.epoch_begin_rng = rng.capture()
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
-        # Past the batches handled: its end was on Keras' callback thread.
-        if batch > self._batches_in_epoch and self._batch_ended(batch, None):
-            logs = self._batch_ends.logs(batch, self.model, None)
-            batch_ends.skip_next_step(self.model, logs)
+        self._batches.train_batch_begin(batch)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        # With steps_per_execution > 1, `batch` is the last of several steps.
-        if self._batch_ends.here():
-            self._batch_ended(batch + 1, logs)
-            return
-        # Keras' callback thread (`async_safe`): the stall deadline hears of
-        # it now; the rest waits for the next batch's begin.
-        self._deadline.batch_ended(last_of_epoch=batch + 1 == self.params.get("steps"))
-        self._batch_ends.note(batch + 1, logs)
-
-    def _batch_ended(self, done: int, logs: dict | None) -> bool:
-        """A batch's end, `done` batches into the epoch, on the training
-        thread; `logs` is `None` at the next batch's begin (the deadline has
-        heard of it then), and read only for a save. Returns whether it
-        stopped `fit()` for a preemption."""
-        if logs is not None:
-            last = done == self.params.get("steps")
-            self._deadline.batch_ended(last_of_epoch=last)
-        if self._goodput is not None:
-            self._goodput.batch_end(self._optimizer_step, self.backup_seconds)
-        steps = done - self._batches_in_epoch
-        self._batches_in_epoch = done
-        self._saves.run(self._state.raise_if_failed)
-        signum = self._preemption.at_batch_end(self._state.task.task_index)
-        if signum is not None:
-            logs = self._batch_ends.logs(done, self.model, logs)
-            self._stop_for_preemption(logs, signum)
-            return True
-        if done <= self._skip_until:
-            return False  # A batch trained before the restart, skipped now.
-        writing = self._state.writing
-        now = time.monotonic()
-        to_bucket = self._schedule.on_batch_end(steps, now, writing)
-        if to_bucket or self._local_schedule.on_batch_end(steps, now, writing):
-            logs = self._batch_ends.logs(done, self.model, logs)
-            self._save(logs, self._epoch, done, to_bucket=to_bucket)
-            if to_bucket:
-                self._saves.report_interval()
-        return False
+        self._batches.train_batch_end(batch, logs)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
-        unhandled = self._batch_ends.unhandled(self._batches_in_epoch)
-        if unhandled is not None and not self.preempted_by:
-            self._batch_ended(unhandled[0], None)  # Its noted logs, if read.
+        self._batches.epoch_end()
         self._deadline.epoch_end()
         skipped = self._resumption is not None and self._resumption.skips_epoch(epoch)
         if self.preempted_by or skipped:
             return  # Backed up at the exact step already, or a skipped epoch.
         steps = self.params.get("steps")
         stopper = services.stopped_by(self._services)
-        if steps and self._batches_in_epoch < steps:
+        if steps and self._batches.done < steps:
             # Stopped mid-epoch by another callback.
-            batch = self._batches_in_epoch
-            if batch > self._skip_until:
+            batch = self._batches.done
+            if batch > self._batches.skip_until:
                 self._saves.at_stopped_epoch(self.model, logs, epoch, batch, stopper)
             return
         # Run, whether or not its state can be backed up: a fit() that ran
@@ -461,7 +425,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             )
         self._state = None
         if self.preempted_by and self.exit_on_preemption:
-            exit_after(self._preempted_signum)
+            exit_after(self._batches.signum)
 
     def roll_back(self) -> ResumePoint | None:
         """Loads the newest committed backup's variables, mid-`fit()`.
@@ -481,27 +445,6 @@ class BackupAndRestore(keras.callbacks.Callback):
         policy.check_same_step_on_every_worker(
             self._schedule, task.num_workers, self.save_freq, self.save_every_seconds
         )
-
-    def _stop_for_preemption(self, logs: dict | None, signum: signal.Signals) -> None:
-        self._preempted_signum = signum
-        batch = self._batches_in_epoch
-        # A batch skipped after a restart: the backup restored from holds it.
-        held = batch <= self._skip_until
-        saved = self._saves.save_now(self.model, logs, self._epoch, batch, held)
-        self.preempted_by = signum.name
-        self.model.stop_training = True
-        events.say(
-            "preemption",
-            self._preemption.report(signum, saved),
-            level=logging.WARNING,
-            write=compat.print_msg,
-        )
-
-    def _save(self, logs: dict | None, epoch: int, batch: int | None, **how) -> bool:
-        """`FitSaves.save()`: backs up the state now, if it is finite."""
-        # On JAX, reading `self.model` syncs the trainer's state back into
-        # the model's variables, which fit() leaves stale mid-epoch.
-        return self._saves.save(self.model, logs, epoch, batch, **how)
 
     def _stop_threads(self) -> None:
         """Before a write error ends fit() (no `on_train_end` follows)."""
