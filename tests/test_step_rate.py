@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy as copy_module
 import csv
 import glob
 import os
+import threading
 
 import keras
 import pytest
@@ -44,6 +46,57 @@ def test_csv_logger_records_the_rate_and_backup_time(backup_dir, data, tmp_path)
     # Sync saves hold training up: the sum is what the callback measured.
     total = sum(float(r["backup_seconds"]) for r in rows)
     assert total == pytest.approx(callback.backup_seconds, rel=1e-6)
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() == "tensorflow",
+    reason="TensorFlow's Keras calls every batch end on the training thread",
+)
+def test_batch_ends_run_off_the_training_thread_and_count_every_step(backup_dir, data):
+    x, y = data
+    training = threading.get_ident()
+    seen = []
+
+    class Look(keras.callbacks.Callback):
+        async_safe = True
+
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append((threading.get_ident(), batch, dict(logs)))
+
+    backup = keras_ft.BackupAndRestore(backup_dir, save_freq=2, verbose=0)
+    rate = keras_ft.StepRate()
+    history = make_model().fit(
+        x, y, epochs=3, batch_size=16, verbose=0,
+        callbacks=[backup, rate, Look()],
+    )  # fmt: skip
+    # Keras no longer waits for each step before the batch ends.
+    assert len(seen) == 3 * STEPS_PER_EPOCH
+    assert all(thread != training for thread, _, _ in seen)
+    # Each batch end's rate, unless Keras' pool ran it after a later one's.
+    rated = [logs["steps_per_second"] for _, _, logs in seen if logs]
+    assert len(rated) >= STEPS_PER_EPOCH and all(r > 0 for r in rated)
+    # Every step counted once in the epochs' rates; every save's time in them.
+    assert len(history.history["steps_per_second"]) == 3
+    assert all(r > 0 for r in history.history["steps_per_second"])
+    assert sum(history.history["backup_seconds"]) > 0
+    assert rate._steps == 3 * STEPS_PER_EPOCH
+
+
+def test_a_batch_end_after_a_later_ones_adds_nothing():
+    rate = keras_ft.StepRate()
+    rate.on_train_begin()
+    rate.on_epoch_begin(0)
+    later, earlier = {"loss": 1.0}, {"loss": 2.0}
+    rate.on_train_batch_end(5, later)
+    rate.on_train_batch_end(4, earlier)
+    assert "steps_per_second" in later and earlier == {"loss": 2.0}
+    rate.on_train_batch_end(6, {})
+    logs = {}
+    rate.on_epoch_end(0, logs)
+    assert rate._steps == 7 and logs["steps_per_second"] > 0
+    # Keras Tuner deep-copies callbacks: the copy is fresh and safe to use.
+    copy = copy_module.deepcopy(rate)
+    assert copy.async_safe and copy is not rate
 
 
 def test_without_a_backup_the_backup_time_is_zero(data):
