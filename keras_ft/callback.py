@@ -341,7 +341,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             self.first_batch_timeout,
             task,
             callback_list,
-            lambda: (self._batches.epoch, self._batches.done),
+            self._batches.position,
             self._inputs.epoch_iterator,
         )
         watch_cluster(task, self._state.store, step)

@@ -69,6 +69,10 @@ class FitBatches:
         self.preempted_by: str | None = None
         self.signum: signal.Signals | None = None
 
+    def position(self) -> tuple[int, int]:
+        """The epoch, and the batches of it handled."""
+        return self.epoch, self.done
+
     def epoch_begin(self, epoch: int) -> None:
         self.epoch = epoch
         self.done = self.skip_until = 0
