@@ -277,7 +277,10 @@ class Blocking:
     A save is made at a batch end on the training thread, or, where Keras
     calls the batch ends on a thread of its own (every callback async-safe,
     as these two are), at the next batch's begin: what is timed is the
-    callbacks' part of both, on the training thread.
+    callbacks' part of both, on the training thread. Keras then dispatches
+    steps ahead of the device (JAX, PyTorch on a GPU), so before a save's
+    batch begin the steps queued are waited for, untimed: the device is busy
+    with them meanwhile, and a save would wait for them at any batch.
     """
 
     def __init__(self, every: int, settle=None):
@@ -293,6 +296,11 @@ class Blocking:
             async_safe = True
 
             def on_train_batch_begin(inner, batch, logs=None):
+                if batch and not batch % every:
+                    # On JAX, `inner.model` also syncs the trainer's state
+                    # into the variables, as the save would.
+                    iterations = inner.model.optimizer.iterations
+                    keras.ops.convert_to_numpy(iterations)
                 self._start = time.perf_counter()
 
             def on_train_batch_end(inner, batch, logs=None):
