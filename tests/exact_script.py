@@ -92,6 +92,7 @@ def main() -> None:
         "--input", choices=["numpy", "numpy-unshuffled", "pydataset", "tf.data"],
         default="numpy",
     )  # fmt: skip
+    parser.add_argument("--steps-per-execution", type=int, default=1)
     args = parser.parse_args()
 
     keras.utils.set_random_seed(7)
@@ -108,7 +109,12 @@ def main() -> None:
             keras.layers.Dense(1),
         ]
     )
-    model.compile(keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    model.compile(
+        keras.optimizers.Adam(1e-2),
+        loss="mse",
+        metrics=["mae"],
+        steps_per_execution=args.steps_per_execution,
+    )
 
     callbacks = []
     if args.backup_dir:

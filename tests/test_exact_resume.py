@@ -173,3 +173,27 @@ def test_mid_epoch_resume_is_exact_with_batch_ends_off_the_training_thread(
     assert summary["iterations"] == reference_summary["iterations"] == 6 * STEPS
     assert summary["history"] == reference_summary["history"]
     assert_bitwise_equal(reference, arrays)
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() == "torch",
+    reason="Keras' PyTorch trainer runs one step per execution",
+)
+def test_mid_epoch_resume_is_exact_with_several_steps_per_execution(tmp_path):
+    """With `steps_per_execution=2`, Keras calls a batch begin and end per
+    two steps (off the training thread on JAX): saves and the resume point
+    fall on whole executions, and the resumed run is the uninterrupted one."""
+    common = ("--steps-per-execution", "2", "--kill-at-batch-begin")
+    reference_out = str(tmp_path / "reference")
+    assert run(reference_out, *common).returncode == 0
+    reference_summary, reference = load(reference_out)
+    summary, arrays, resumed = killed_and_resumed(
+        tmp_path, ["--kill-after-batch", "2:4"], *common, "--save-freq", "2"
+    )
+    # Backed up after 4 batches at the next execution's begin, then killed.
+    assert "resuming at epoch 3/6, batch 5, optimizer step 16" in resumed.stdout
+    off_thread = keras.backend.backend() == "jax"
+    assert summary["batch_ends_off_thread"] == [off_thread]
+    assert summary["iterations"] == reference_summary["iterations"] == 6 * STEPS
+    assert summary["history"] == reference_summary["history"]
+    assert_bitwise_equal(reference, arrays)
