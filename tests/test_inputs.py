@@ -309,22 +309,21 @@ def tf_data_fit(tmp_path, backup_dir=None, crash=False, reshuffle=False):
     return model, calls
 
 
-@pytest.mark.skipif(
-    keras.backend.backend() != "tensorflow", reason="tf.data is TensorFlow's"
-)
+# On JAX and PyTorch Keras reads a tf.data pipeline through NumPy: no iterator
+# state is saved, and the trained batches are replayed.
 def test_tf_data_that_cannot_be_saved_is_replayed_exactly(tmp_path):
     reference, _ = tf_data_fit(tmp_path)
     backup = tmp_path / "backup"
     tf_data_fit(tmp_path, backup, crash=True)
     model, calls = tf_data_fit(tmp_path, backup)
-    # The trained batches of the epoch went through the pipeline again.
-    assert len(calls) == ITEMS
+    # The trained batches of the epoch went through the pipeline again (JAX
+    # and PyTorch read a few items ahead of training, past the last step).
+    if keras.backend.backend() == "tensorflow":
+        assert len(calls) == ITEMS
+    assert ITEMS <= len(calls) <= ITEMS + 4
     assert_same_weights(reference, model)
 
 
-@pytest.mark.skipif(
-    keras.backend.backend() != "tensorflow", reason="tf.data is TensorFlow's"
-)
 def test_tf_data_that_cannot_be_saved_and_reshuffles_says_so(tmp_path):
     backup = tmp_path / "backup"
     tf_data_fit(tmp_path, backup, crash=True, reshuffle=True)

@@ -51,6 +51,17 @@ def input_kind(epoch_iterator: Any) -> str | None:
     return None if adapter is None else type(adapter).__name__
 
 
+def fit_tf_dataset(epoch_iterator: Any) -> Any:
+    """The user's `tf.data.Dataset` that `fit()` reads, on any backend, or
+    `None` if its input is something else."""
+    if input_kind(epoch_iterator) != "TFDatasetAdapter":
+        return None
+    try:
+        return epoch_iterator.data_adapter.get_tf_dataset()
+    except Exception:  # Not one to look into: no warning depends on it alone.
+        return None
+
+
 def loads_in_processes(epoch_iterator: Any) -> bool:
     """Whether `fit()`'s input loads in worker processes: a `PyDataset` with
     `use_multiprocessing` (Keras waits, without a bound, for an item whose

@@ -201,7 +201,8 @@ def stack_holds(frame: Any, obj: Any) -> bool:
     "tf_data_reshuffle",
     "no warning is given when a tf.data pipeline that reshuffles each epoch "
     "is resumed mid-epoch (its batches then come in another order)",
-    applies=lambda: keras.backend.backend() == "tensorflow",
+    # A tf.data pipeline has TensorFlow imported, whatever Keras' backend.
+    applies=lambda: "tensorflow" in sys.modules,
 )
 def _check_tf_data_reshuffle() -> bool:
     import tensorflow as tf
@@ -212,17 +213,18 @@ def _check_tf_data_reshuffle() -> bool:
     )
 
 
-def tf_dataset_reshuffles(iterator: Any) -> bool:
-    """Whether a TensorFlow iterator reads a `tf.data` pipeline that reshuffles.
+def tf_dataset_reshuffles(dataset: Any) -> bool:
+    """Whether a `tf.data.Dataset` (or a pipeline it reads) reshuffles.
 
     `Dataset.shuffle()` draws a new order for every new iterator from a seed
-    generator inside the pipeline, which no saved state can set; a restarted
-    process therefore sees the order of the first epoch, not of the one it
-    resumes. (Keras' own pipeline for NumPy arrays shuffles differently.)
+    generator inside the pipeline, which only the iterator's own saved state
+    carries; a restarted process that replays the epoch therefore sees the
+    order of the first epoch, not of the one it resumes. (Keras' own pipeline
+    for NumPy arrays shuffles differently.)
     """
-    if keras.backend.backend() != "tensorflow" or not usable("tf_data_reshuffle"):
+    if dataset is None or not usable("tf_data_reshuffle"):
         return False
-    pending, seen = [getattr(iterator, "_dataset", None)], set()
+    pending, seen = [dataset], set()
     while pending:
         dataset = pending.pop()
         if dataset is None or id(dataset) in seen:

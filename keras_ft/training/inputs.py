@@ -29,6 +29,9 @@ buffers included, and the resumed epoch's new iterator takes it before it
 yields anything. The rest of the epoch, and the order of later epochs of a
 pipeline that reshuffles, come out as in an uninterrupted run. A pipeline
 with state outside the graph (a `py_function`) cannot be saved: replayed.
+On JAX and PyTorch, Keras reads the pipeline through NumPy, so no iterator
+state is saved: replayed too, exact unless the pipeline reshuffles (then a
+warning says so).
 
 A Grain `MapDataset` or `IterDataset` is saved as Grain checkpoints its
 iterators (`compat.GrainView`): the backup holds the state of the epoch's
@@ -154,8 +157,24 @@ class InputPosition:
 
     def replaying(self, count: int) -> None:
         """Says so where the input can only replay the `count` batches of the
-        resumed epoch trained before the restart (a Python generator)."""
-        if compat.input_kind(self.epoch_iterator) == "GeneratorDataAdapter":
+        resumed epoch trained before the restart (a Python generator), or
+        cannot replay them in their order (a `tf.data` pipeline that
+        reshuffles, whose iterator's state was not saved: on JAX and PyTorch,
+        Keras reads it through NumPy)."""
+        if compat.tf_dataset_reshuffles(compat.fit_tf_dataset(self.epoch_iterator)):
+            events.warn(
+                "restore",
+                "BackupAndRestore: the tf.data pipeline reshuffles at every "
+                "iteration (`Dataset.shuffle()`), and a new process cannot "
+                "replay the interrupted epoch's order: the rest of this epoch "
+                "is trained on batches in another order. For an exact resume "
+                "pass NumPy arrays or a keras.utils.PyDataset with "
+                "fit(shuffle=True), or a tf.data pipeline that does not "
+                "reshuffle (on the TensorFlow backend, one whose state is all "
+                "in the graph: no `py_function`).",
+                stacklevel=2,
+            )
+        elif compat.input_kind(self.epoch_iterator) == "GeneratorDataAdapter":
             events.warn(
                 "restore",
                 "BackupAndRestore: a Python generator cannot skip what it "

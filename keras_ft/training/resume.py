@@ -82,18 +82,6 @@ class FastForward:
             first(getattr(iterator, "element_spec", None))
         if batches and self.on_first_batch is not None:
             first, self.on_first_batch = self.on_first_batch, None
-            if compat.tf_dataset_reshuffles(iterator):
-                events.warn(
-                    "restore",
-                    "BackupAndRestore: the tf.data pipeline reshuffles at every "
-                    "iteration (`Dataset.shuffle()`), and a new process cannot "
-                    "replay the interrupted epoch's order: the rest of this "
-                    "epoch is trained on batches in another order. For an "
-                    "exact resume pass NumPy arrays or a keras.utils.PyDataset "
-                    "with fit(shuffle=True), or a tf.data pipeline that does "
-                    "not reshuffle.",
-                    stacklevel=2,
-                )
             first(batches[0])
         if self.remaining <= 0:
             self.remove()
