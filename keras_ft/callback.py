@@ -277,6 +277,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     @property
     def preempted_by(self) -> str | None:
+        """The name of the signal that stopped the last `fit()`, or `None`."""
         return None if self._batches is None else self._batches.preempted_by
 
     # Keras hooks.
