@@ -72,9 +72,13 @@ def test_batch_ends_run_off_the_training_thread_and_count_every_step(backup_dir,
     # Keras no longer waits for each step before the batch ends.
     assert len(seen) == 3 * STEPS_PER_EPOCH
     assert all(thread != training for thread, _, _ in seen)
-    # Each batch end's rate, unless Keras' pool ran it after a later one's.
-    rated = [logs["steps_per_second"] for _, _, logs in seen if logs]
-    assert len(rated) >= STEPS_PER_EPOCH and all(r > 0 for r in rated)
+    # Each batch end's rate, unless Keras' pool ran it after a later one's
+    # (often: the pool's threads wait for the steps' logs side by side); the
+    # epoch's first to arrive always has one.
+    rated = [
+        logs["steps_per_second"] for *_, logs in seen if "steps_per_second" in logs
+    ]
+    assert len(rated) >= 3 and all(r > 0 for r in rated)
     # Every step counted once in the epochs' rates; every save's time in them.
     assert len(history.history["steps_per_second"]) == 3
     assert all(r > 0 for r in history.history["steps_per_second"])
