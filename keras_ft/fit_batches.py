@@ -81,8 +81,8 @@ class FitBatches:
     def train_batch_begin(self, batch: int) -> None:
         # Past the batches handled: its end was on Keras' callback thread.
         if batch > self.done and self._ended(batch, None):
-            logs = self._ends.logs(batch, self._model(), None)
-            batch_ends.skip_next_step(self._model(), logs)
+            model = self._model()
+            batch_ends.skip_next_step(model, self._ends.logs(batch, model, None))
 
     def train_batch_end(self, batch: int, logs: dict | None) -> None:
         # With steps_per_execution > 1, `batch` is the last of several steps.
@@ -114,9 +114,7 @@ class FitBatches:
         self._saves.run(self._state.raise_if_failed)
         signum = self._preemption.at_batch_end(self._state.task.task_index)
         if signum is not None:
-            self._stop_for_preemption(
-                self._ends.logs(done, self._model(), logs), signum
-            )
+            self._stop_for_preemption(logs, signum)
             return True
         if done <= self.skip_until:
             return False  # A batch trained before the restart, skipped now.
@@ -124,19 +122,21 @@ class FitBatches:
         now = time.monotonic()
         to_bucket = self._schedule.on_batch_end(steps, now, writing)
         if to_bucket or self._local_schedule.on_batch_end(steps, now, writing):
-            logs = self._ends.logs(done, self._model(), logs)
             # On JAX, reading the model syncs the trainer's state back into
             # its variables, which fit() leaves stale mid-epoch.
-            self._saves.save(self._model(), logs, self.epoch, done, to_bucket=to_bucket)
+            model = self._model()
+            logs = self._ends.logs(done, model, logs)
+            self._saves.save(model, logs, self.epoch, done, to_bucket=to_bucket)
             if to_bucket:
                 self._saves.report_interval()
         return False
 
-    def _stop_for_preemption(self, logs: dict, signum: signal.Signals) -> None:
+    def _stop_for_preemption(self, logs: dict | None, signum: signal.Signals) -> None:
         self.signum = signum
         # A batch skipped after a restart: the backup restored from holds it.
         held = self.done <= self.skip_until
         model = self._model()
+        logs = self._ends.logs(self.done, model, logs)
         saved = self._saves.save_now(model, logs, self.epoch, self.done, held)
         self.preempted_by = signum.name
         model.stop_training = True

@@ -76,7 +76,7 @@ class StepRate(BackupService):
     def __deepcopy__(self, memo: dict) -> StepRate:
         # Keras Tuner deep-copies the callbacks for each trial; a lock cannot
         # be copied, and the counts start again at train begin.
-        return StepRate()
+        return type(self)()
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         # With steps_per_execution > 1, `batch` is the last of several.
