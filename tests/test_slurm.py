@@ -5,6 +5,7 @@ by hand: `keras_ft.initialize_cluster()` reads SLURM's own variables."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -137,7 +138,9 @@ def _stop(pid: int) -> None:
         except ProcessLookupError:
             return
         time.sleep(0.1)
-    os.kill(pid, 9)
+    # It may have exited between the last look and now.
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, 9)
 
 
 def _run(env: dict, *command: str) -> str:
