@@ -268,6 +268,11 @@ def measure_size(args, width: int, root: str) -> dict:
             return [SyncedBatchEnds()]
         if kind == "no saves":  # keras-ft's hooks alone: what saving adds to them.
             return [keras_ft.BackupAndRestore(path, save_freq=False, verbose=0)]
+        if kind == "nan guard":  # Its check of the weights at every batch.
+            return [
+                keras_ft.BackupAndRestore(path, save_freq=False, verbose=0),
+                keras_ft.NanGuard(verbose=0),
+            ]
         if kind == "keras":
             return [keras.callbacks.BackupAndRestore(path, save_freq=every)]
         if kind == "orbax":
@@ -288,6 +293,9 @@ def measure_size(args, width: int, root: str) -> dict:
     measured = ("host", "device")  # Blocked time and memory: both, always.
     if keras.backend.backend() == "jax" and _has_orbax() and not args.no_peers:
         kinds.append("orbax")
+    # NanGuard, beside the epoch saves' rows only: it saves nothing.
+    after = kinds.index("no saves") + 1
+    epoch_kinds = [*kinds[:after], "nan guard", *kinds[after:]]
 
     spent: dict[str, list[tuple[float, float]]] = {}  # Per kind, per fit.
 
@@ -315,7 +323,7 @@ def measure_size(args, width: int, root: str) -> dict:
     # 1. Saving every epoch, and every batch (fewer steps).
     if args.epoch_widths is None or width in args.epoch_widths:
         row["epoch"] = interleaved(
-            {k: fit(k, "epoch", args.epochs, steps, "epoch") for k in kinds},
+            {k: fit(k, "epoch", args.epochs, steps, "epoch") for k in epoch_kinds},
             args.rounds,
         )
         row["epoch_spent"] = spent

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What keras-ft checks on a GPU machine, in one run of about 9 minutes: the
-# snapshot and exact-resume tests on the GPU (JAX with XLA's deterministic
+# snapshot, exact-resume and NaN-guard tests on the GPU (JAX with XLA's deterministic
 # ops, PyTorch with its deterministic algorithms), then benchmarks/accelerator.py
 # for a ~10M and a ~200M-parameter model. Logs go to $OUT (default: ./gpu-out).
 #
@@ -24,8 +24,9 @@ $py -c 'import keras, jax, torch; print("keras", keras.__version__, "jax",
   torch.cuda.is_available())' 2>&1 | tail -1
 
 stages=" ${STAGES:-tests jax torch} "
-tests="tests/test_snapshots.py tests/test_exact_resume.py tests/test_rng.py"
-select="snapshot or mid_epoch_resumes or rng"
+tests="tests/test_snapshots.py tests/test_exact_resume.py tests/test_rng.py
+  tests/test_nan_guard.py"
+select="snapshot or mid_epoch_resumes or rng or device_check or rollback"
 if [[ $stages == *" tests "* ]]; then
 # Both backends at once (small models); JAX takes memory as it goes.
 XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_deterministic_ops=true \

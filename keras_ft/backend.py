@@ -547,6 +547,66 @@ def _tf_copy() -> Callable[[list], list]:
     return _jitted["tensorflow"]
 
 
+def device_all_finite(values: list) -> bool:
+    """Whether `values` (Keras variables or backend tensors) hold no NaN or
+    infinity, checked where they live: one reduction on the device, and one
+    boolean read back, rather than every value copied to host memory (on a
+    GPU that copy, at every batch, would cost more than the step)."""
+    tensors = [raw_value(v) for v in values if _floating(v)]
+    if not tensors:
+        return True
+    backend = keras.backend.backend()
+    if backend == "jax":
+        return bool(_jax_all_finite()(tensors))
+    if backend == "torch":
+        import torch
+
+        with torch.no_grad():
+            # One sum per value (in float32 for narrower types): a NaN or an
+            # infinity makes it not finite; only an overflowing sum of finite
+            # values needs the exact check.
+            sums = torch.stack(
+                [torch.sum(t, dtype=torch.float32).reshape(()) for t in tensors]
+            )
+            if bool(torch.isfinite(sums).all()):
+                return True
+            return all(bool(torch.isfinite(t).all()) for t in tensors)
+    if backend == "tensorflow":
+        return bool(_tf_all_finite()(tensors))
+    return all(all_finite(np.asarray(t).reshape(-1)) for t in tensors)
+
+
+def _floating(value: Any) -> bool:
+    dtype = getattr(value, "dtype", None)
+    name = keras.backend.standardize_dtype(dtype) if dtype is not None else ""
+    return name.startswith(("float", "bfloat"))
+
+
+def _jax_all_finite() -> Callable[[list], Any]:
+    if "jax_finite" not in _jitted:
+        import jax
+        import jax.numpy as jnp
+
+        # One executable for every value, one boolean out.
+        _jitted["jax_finite"] = jax.jit(
+            lambda xs: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in xs]))
+        )
+    return _jitted["jax_finite"]
+
+
+def _tf_all_finite() -> Callable[[list], Any]:
+    if "tensorflow_finite" not in _jitted:
+        import tensorflow as tf
+
+        _jitted["tensorflow_finite"] = tf.function(
+            lambda xs: tf.reduce_all(
+                tf.stack([tf.reduce_all(tf.math.is_finite(x)) for x in xs])
+            ),
+            reduce_retracing=True,
+        )
+    return _jitted["tensorflow_finite"]
+
+
 def device_free_bytes(value: Any) -> int | None:
     """Bytes free on the accelerator holding `value`, as far as its backend
     says (`None`: not known, or host memory)."""

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 
 import keras
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import BATCH_SIZE, STEPS_PER_EPOCH, iterations, make_model, weights_of
 
 import keras_ft
+from keras_ft import backend
 
 NAN_BATCH = 2  # Zero-based: the third batch of each epoch is poisoned.
 
@@ -93,6 +95,66 @@ def test_weights_gone_non_finite_with_a_finite_loss_are_caught(backup_dir, data)
     assert [step for _, step in guard.rollbacks] == [2]
     assert iterations(model) == 3
     assert all(np.isfinite(w).all() for w in weights_of(model))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_the_device_check_finds_a_nan_or_an_infinity_in_any_variable(dtype):
+    """The check a GPU runs (one reduction, one boolean back), on this
+    backend's own tensors."""
+    big = float(ml_dtypes.finfo(dtype).max) / 10  # Finite; its sum overflows.
+    values = [
+        keras.Variable(np.full((40, 25), big), dtype=dtype),
+        keras.Variable(np.arange(5), dtype="int32", trainable=False),
+        keras.Variable(np.ones(7), dtype=dtype),
+    ]
+    assert backend.device_all_finite(values)
+    for bad in (np.nan, np.inf, -np.inf):
+        for variable in (values[0], values[2]):
+            before = keras.ops.convert_to_numpy(variable)
+            poisoned_value = np.array(before, copy=True)
+            poisoned_value.reshape(-1)[-1] = bad
+            variable.assign(poisoned_value)
+            assert not backend.device_all_finite(values), (bad, variable.path)
+            variable.assign(before)
+    assert backend.device_all_finite(values)
+    assert backend.device_all_finite([values[1]])
+    assert backend.device_all_finite([])
+
+
+def test_on_an_accelerator_the_weights_are_checked_there(backup_dir, data, monkeypatch):
+    """No weight is read into host memory at a batch whose state is finite;
+    the one that is not is still named, and rolled back from."""
+    monkeypatch.setattr(backend, "accelerator", lambda value: "gpu")
+    real_view, read = backend.view, []
+
+    def counted_view(value):
+        read.append(value)
+        return real_view(value)
+
+    monkeypatch.setattr(backend, "view", counted_view)
+    x, y = data
+    guard = keras_ft.NanGuard()
+    model = make_model()
+    model.fit(x, y, epochs=1, batch_size=BATCH_SIZE, shuffle=False, verbose=0,
+              callbacks=[guard])  # fmt: skip
+    assert guard.stopped is None
+    assert read == []
+
+    class Poison(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == NAN_BATCH:
+                bias = self.model.trainable_variables[-1]
+                bias.assign(np.full(bias.shape, np.inf, "float32"))
+
+    model = make_model()
+    guard = keras_ft.NanGuard(on_nan="stop")
+    model.fit(
+        x, y, epochs=1, batch_size=BATCH_SIZE, shuffle=False, verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(backup_dir, save_freq=1), Poison(), guard],
+    )  # fmt: skip
+    bias = model.trainable_variables[-1]
+    assert f"{bias.path} holds NaN or infinity" in guard.stopped
+    assert iterations(model) == NAN_BATCH + 1
 
 
 def test_lr_factor_and_skip_batches(backup_dir, data):

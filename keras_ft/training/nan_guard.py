@@ -25,8 +25,10 @@ class NanGuard(BackupService):
 
     After every batch it checks the loss and the model's trainable weights
     (one sum per variable, in place: on TensorFlow a batch of NaN inputs
-    through a ReLU gives a finite loss and NaN weights). On a NaN or an
-    infinity:
+    through a ReLU gives a finite loss and NaN weights). On a GPU or TPU the
+    weights are checked there, in one reduction that reads back a single
+    boolean; only a state found not finite is read, to name the variable.
+    On a NaN or an infinity:
 
     - `on_nan="stop"`: training stops with a message; the backup of the
       last good state is kept (and never replaced by the diverged one), so
@@ -225,7 +227,13 @@ def _non_finite(logs: dict | None, model: keras.Model) -> str | None:
             value = 0.0
         if not math.isfinite(value):
             return f"the loss is {value}"
-    for variable in model.trainable_variables:
+    variables = model.trainable_variables
+    on_device = bool(variables) and backend.accelerator(variables[0]) is not None
+    # On the device: one boolean read back, not every weight copied to host
+    # memory at every batch.
+    if on_device and backend.device_all_finite(variables):
+        return None
+    for variable in variables:  # In host memory: read in place.
         if not backend.all_finite(backend.view(variable).reshape(-1)):
             return f"{variable.path} holds NaN or infinity"
     return None
