@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import keras
@@ -22,6 +24,7 @@ from conftest import (
 )
 
 import keras_ft
+from keras_ft.training import stops
 
 
 def committed_steps(backup_dir: str) -> list[int]:
@@ -241,3 +244,138 @@ def test_without_backup_and_restore_the_stop_still_stops(data):
               callbacks=[keras_ft.StopAtStep(3)])  # fmt: skip
     assert iterations(model) == 3
     assert np.isfinite(model.evaluate(x, y, verbose=0))
+
+
+class OffThread(keras.callbacks.Callback):
+    """Records the thread of each batch end (async-safe: Keras may call it
+    on its callback thread)."""
+
+    async_safe = True
+
+    def __init__(self):
+        super().__init__()
+        self.threads: list[int] = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.threads.append(threading.get_ident())
+
+
+def counted_reads(monkeypatch) -> list[int]:
+    """The optimizer steps `StopAtStep` reads (each waits for the device)."""
+    real, reads = stops.optimizer_step, []
+
+    def counted(model):
+        reads.append(real(model))
+        return reads[-1]
+
+    monkeypatch.setattr(stops, "optimizer_step", counted)
+    return reads
+
+
+ASYNC = pytest.mark.skipif(
+    keras.backend.backend() == "tensorflow",
+    reason="TensorFlow's Keras calls every batch end on the training thread",
+)
+
+
+@ASYNC
+def test_the_stops_leave_keras_dispatching_steps_ahead(backup_dir, data):
+    """With every callback async-safe, Keras calls the batch ends on its own
+    thread: neither stop makes it wait for every step again."""
+    x, y = data
+    training = threading.get_ident()
+    for stop in (keras_ft.StopAtStep(6), keras_ft.StopAtTime(3600)):
+        seen = OffThread()
+        model = make_model()
+        model.fit(
+            x, y, epochs=2, batch_size=16, verbose=0,
+            callbacks=[keras_ft.BackupAndRestore(backup_dir, save_freq=3), stop, seen],
+        )  # fmt: skip
+        assert seen.threads and training not in seen.threads, stop
+    assert iterations(model) == 2 * STEPS_PER_EPOCH
+
+    # A budget spent with the batch ends off the training thread: training
+    # stops a step or a few later, and that step is backed up.
+    stop, seen = keras_ft.StopAtTime(0.5), OffThread()
+    model = make_model()
+    model.fit(
+        x, y, epochs=100_000, batch_size=16, verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(backup_dir, save_freq=3), stop, seen],
+    )  # fmt: skip
+    assert stop.stopped is not None and training not in seen.threads
+    assert iterations(model) < 100_000 * STEPS_PER_EPOCH
+    assert committed_steps(backup_dir)[-1] == iterations(model)
+
+
+def test_stop_at_step_reads_the_step_rarely_and_stops_exactly(
+    backup_dir, data, monkeypatch
+):
+    """At the start, after the first step (how far one step goes), and when
+    the count says the batch about to run reaches `last_step`; also after a
+    resume that skips the epoch's trained batches (their steps do not
+    count)."""
+    x, y = data
+    reads = counted_reads(monkeypatch)
+    model = make_model()
+    model.fit(
+        x, y, epochs=5, batch_size=16, verbose=0, shuffle=False,
+        callbacks=[keras_ft.BackupAndRestore(backup_dir, save_freq=4),
+                   keras_ft.StopAtStep(6), OffThread()],
+    )  # fmt: skip
+    assert iterations(model) == 6 and committed_steps(backup_dir)[-1] == 6
+    assert reads == [0, 1, 5]
+
+    # Resumed at step 6, mid-epoch: 2 batches skipped, then 3 more trained.
+    reads.clear()
+    resumed = make_model()
+    resumed.fit(
+        x, y, epochs=5, batch_size=16, verbose=0, shuffle=False,
+        callbacks=[keras_ft.BackupAndRestore(backup_dir, save_freq=4),
+                   keras_ft.StopAtStep(9), OffThread()],
+    )  # fmt: skip
+    assert iterations(resumed) == 9 and committed_steps(backup_dir)[-1] == 9
+    assert reads == [6, 7, 8]
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() == "torch",
+    reason="Keras' PyTorch trainer runs one step per execution",
+)
+def test_stop_at_step_stops_after_the_execution_that_reaches_it(backup_dir, data):
+    x, y = data
+    model = make_model()
+    model.compile(keras.optimizers.Adam(1e-2), loss="mse", steps_per_execution=2)
+    model.fit(
+        x, y, epochs=5, batch_size=16, verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(backup_dir), keras_ft.StopAtStep(5)],
+    )  # fmt: skip
+    assert iterations(model) == 6 and committed_steps(backup_dir)[-1] == 6
+
+
+def test_stop_at_step_learns_a_step_that_applies_the_optimizer_twice(data):
+    """A custom train step that updates twice: learned from the first step,
+    then the stop is at the first batch end at or past `last_step`."""
+
+    class Twice(keras.Sequential):
+        def train_step(self, *args, **kwargs):
+            self.optimizer.iterations.assign_add(1)
+            return super().train_step(*args, **kwargs)
+
+    if keras.backend.backend() == "jax":
+        pytest.skip("JAX's train step is stateless: iterations is its state")
+    x, y = data
+    model = Twice([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(1e-3), loss="mse")
+    stop = keras_ft.StopAtStep(9)
+    model.fit(x, y, epochs=5, batch_size=16, verbose=0, callbacks=[stop])
+    assert iterations(model) == 10  # 2, 4, ..., 10.
+    assert "reached optimizer step 10" in stop.stopped
+
+
+def test_stop_at_time_can_be_deep_copied_after_a_fit(data):
+    """Keras Tuner deep-copies the callbacks of each trial."""
+    x, y = data
+    stop = keras_ft.StopAtTime(3600)
+    make_model().fit(x, y, epochs=1, batch_size=16, verbose=0, callbacks=[stop])
+    copied = copy.deepcopy(stop)
+    assert copied.seconds == 3600 and copied.stopped is None

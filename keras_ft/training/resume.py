@@ -89,6 +89,11 @@ class FastForward:
         return result
 
 
+def skipping(model: keras.Model) -> bool:
+    """Whether the model's next training step is skipped (`FastForward`)."""
+    return isinstance(getattr(model.train_function, "__self__", None), FastForward)
+
+
 class Resumption:
     """Carries a restored training state through the `fit()` that resumes it.
 

@@ -37,10 +37,12 @@ class BackupService(keras.callbacks.Callback):
         self.backup: Any = None
         self.stopped: str | None = None
 
-    def _stop(self, reason: str) -> None:
-        """Stops training after this batch, saying why."""
+    def _stop(self, reason: str, model: keras.Model | None = None) -> None:
+        """Stops training after this batch, saying why. Off the training
+        thread, pass the `model` read on it: on JAX, reading `self.model`
+        syncs the trainer's state into the variables."""
         self.stopped = reason
-        self.model.stop_training = True
+        (model if model is not None else self.model).stop_training = True
 
     def finished(self, step: int, saved_state: dict | None) -> str | None:
         """Why a run restored at optimizer step `step` must not train at all.

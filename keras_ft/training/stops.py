@@ -7,13 +7,21 @@ up that exact step first, so a later run continues from it.
 
 from __future__ import annotations
 
+import math
+import threading
 import time
+
+import keras
 
 from keras_ft import events
 from keras_ft.compat import print_msg
 from keras_ft.state.training_state import optimizer_step
 from keras_ft.training.policy import check_seconds
+from keras_ft.training.resume import skipping
 from keras_ft.training.services import BackupService
+
+# One stop at a time: batch ends on Keras' callback threads may race to it.
+_stopping = threading.Lock()
 
 
 class StopAtStep(BackupService):
@@ -26,6 +34,12 @@ class StopAtStep(BackupService):
     at or past `last_step` (with `steps_per_execution > 1`, at the end of
     the execution that reaches it), and `BackupAndRestore` backs up that
     step.
+
+    It counts the steps at each batch's begin, and reads the optimizer's
+    step (which waits for the steps queued on the device) only at the start
+    of a `fit()`, after its first step, and where the count says the batch
+    about to run may reach `last_step`. It has no batch end of its own, so
+    Keras need not wait for every step on its account.
 
     Example:
 
@@ -61,16 +75,55 @@ class StopAtStep(BackupService):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.stopped = None
+        # The optimizer's step when last read, the steps counted since, and
+        # the most it was seen to advance per training step (1 for Keras'
+        # own train step; a custom one may apply the optimizer twice).
+        self._read: int | None = None
+        self._since = 0
+        self._per_step = 1
+        self._learned = False
 
-    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
-        # On JAX, `self.model` syncs the trainer's state into the variables.
-        step = optimizer_step(self.model)
-        if step >= self.last_step and self.stopped is None:
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self.stopped is not None:
+            return
+        ahead = self._steps_ahead(batch)
+        # Read at the start, once after the first step trained (how far a
+        # step takes the optimizer), and where the batch may reach the end.
+        learn = not self._learned and self._since > 0
+        if self._read is None or learn or self._reach(ahead) >= self.last_step:
+            # On JAX, `self.model` syncs the trainer's state into the variables.
+            step = optimizer_step(self.model)
+            if self._since > 0:
+                self._learned = True
+                per_step = math.ceil((step - self._read) / self._since)
+                self._per_step = max(self._per_step, per_step)
+            self._read, self._since = step, 0
+        reach = self._reach(ahead)
+        if reach >= self.last_step:
+            # Keras looks at `stop_training` after this batch's end.
             self._stop(
-                f"StopAtStep: reached optimizer step {step} (last_step="
+                f"StopAtStep: reached optimizer step {reach} (last_step="
                 f"{self.last_step}); stopping."
             )
             events.say("stop", self.stopped, verbose=self.verbose, write=print_msg)
+        else:
+            self._since += ahead
+
+    def _reach(self, ahead: int) -> int:
+        """The optimizer's step once the batch beginning now has run (at
+        most: a step that skips its update counts less)."""
+        return self._read + (self._since + ahead) * self._per_step
+
+    def _steps_ahead(self, batch: int) -> int:
+        """Training steps the batch beginning now runs: none where its steps
+        are skipped (a resumed epoch's trained batches), else one execution
+        (the epoch's last may be shorter)."""
+        model = self.model
+        if skipping(model):
+            return 0
+        per_execution = getattr(model, "steps_per_execution", 1) or 1
+        steps = self.params.get("steps") if self.params else None
+        return min(per_execution, steps - batch) if steps else per_execution
 
     def finished(self, step: int, saved_state: dict | None) -> str | None:
         if step >= self.last_step:
@@ -83,6 +136,11 @@ class StopAtStep(BackupService):
 
 class StopAtTime(BackupService):
     """Stops training at the first batch end past a wall-clock budget.
+
+    Where Keras calls the batch ends on a thread of its own (every callback
+    of the `fit()` is async-safe, on JAX or PyTorch), training stops at the
+    first batch end Keras' loop sees after the budget is spent: a step or
+    a few later. `BackupAndRestore` backs up the step where it stopped.
 
     The budget counts from the start of `fit()`. With `total=True` it counts
     across restarts: the time used so far is part of the backup, so a run
@@ -109,6 +167,9 @@ class StopAtTime(BackupService):
             Defaults to `1`.
     """
 
+    # Its batch end reads a clock: Keras may call it on its callback thread.
+    async_safe = True
+
     def __init__(self, seconds: float, total: bool = False, verbose: int = 1):
         super().__init__()
         self.seconds = check_seconds("seconds", seconds)
@@ -116,6 +177,7 @@ class StopAtTime(BackupService):
         self.verbose = verbose
         self._used_before = 0.0  # By earlier runs, with `total`.
         self._started = time.monotonic()
+        self._fit_model: keras.Model | None = None
 
     @property
     def used(self) -> float:
@@ -126,16 +188,26 @@ class StopAtTime(BackupService):
         self.stopped = None
         self._used_before = 0.0
         self._started = time.monotonic()
+        # Read here, on the training thread, for batch ends off it.
+        self._fit_model = self.model
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self._fit_model = None  # Keras Tuner deep-copies callbacks.
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         used = self.used
-        if used >= self.seconds and self.stopped is None:
+        if used < self.seconds or self.stopped is not None:
+            return
+        with _stopping:
+            if self.stopped is not None:
+                return  # Another of Keras' threads got there first.
             spent = "the total budget" if self.total else "the budget"
             self._stop(
                 f"StopAtTime: {used:.1f} s used of {spent} of {self.seconds:g} s; "
-                "stopping."
+                "stopping.",
+                self._fit_model,
             )
-            events.say("stop", self.stopped, verbose=self.verbose, write=print_msg)
+        events.say("stop", self.stopped, verbose=self.verbose, write=print_msg)
 
     def get_state(self) -> dict:
         return {"used": self.used}
