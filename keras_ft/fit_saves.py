@@ -19,7 +19,7 @@ from keras_ft import compat, events
 from keras_ft.checkpoint.errors import CheckpointWriteError
 from keras_ft.state import NonFiniteStateError, rng
 from keras_ft.state.training_state import progress_text
-from keras_ft.training import callback_state, inputs, policy
+from keras_ft.training import batch_ends, callback_state, inputs, policy
 from keras_ft.worker_training_state import WorkerTrainingState
 
 
@@ -247,7 +247,7 @@ class FitSaves:
         extra = {
             # At an epoch end, the next epoch begins with the generators as now.
             "epoch_begin_rng": rng.capture() if batch is None else self.epoch_begin_rng,
-            "logs": _float_logs(logs),
+            "logs": batch_ends.numbers(logs),
             "callbacks": callback_state.capture(
                 callback_state.with_epoch_recorded(others, epoch, logs, batch)
             ),
@@ -321,16 +321,6 @@ def check_on_save_error(value: object) -> None:
 def _non_finite_text(error: NonFiniteStateError, where: str | None = None) -> str:
     shown = ", ".join(error.variables[:3])
     return f"{shown} hold NaN or infinity at {error.at or where}"
-
-
-def _float_logs(logs: dict | None) -> dict[str, float]:
-    result = {}
-    for key, value in (logs or {}).items():
-        try:
-            result[key] = float(value)
-        except (TypeError, ValueError):
-            continue
-    return result
 
 
 def _finite_loss(logs: dict | None) -> bool:

@@ -94,13 +94,19 @@ class BatchEnds:
             result = model.get_metrics_result()
         except Exception:  # A model whose metrics cannot be read: no logs.
             return {}
-        logs = {}
-        for key, value in result.items():
-            try:
-                logs[key] = float(keras.ops.convert_to_numpy(value))
-            except (TypeError, ValueError):
-                continue
-        return logs
+        return numbers(result)
+
+
+def numbers(logs: dict | None) -> dict[str, float]:
+    """The entries of `logs` that are numbers (Python, NumPy or backend
+    scalars), as floats; the rest left out."""
+    result = {}
+    for key, value in (logs or {}).items():
+        try:
+            result[key] = float(keras.ops.convert_to_numpy(value))
+        except (TypeError, ValueError):
+            continue
+    return result
 
 
 def skip_next_step(model: keras.Model, logs: dict) -> None:

@@ -14,6 +14,7 @@ import keras
 
 from keras_ft import backend, events
 from keras_ft.compat import print_msg
+from keras_ft.training import batch_ends
 from keras_ft.training.resume import FastForward
 from keras_ft.training.services import BackupService
 
@@ -240,12 +241,4 @@ def _non_finite(logs: dict | None, model: keras.Model) -> str | None:
 
 
 def _finite_logs(logs: dict | None) -> dict[str, float]:
-    result = {}
-    for key, value in (logs or {}).items():
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            continue
-        if math.isfinite(number):
-            result[key] = number
-    return result
+    return {k: v for k, v in batch_ends.numbers(logs).items() if math.isfinite(v)}
