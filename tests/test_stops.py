@@ -316,23 +316,23 @@ def test_stop_at_step_reads_the_step_rarely_and_stops_exactly(
     count)."""
     x, y = data
     reads = counted_reads(monkeypatch)
-    model = make_model()
-    model.fit(
-        x, y, epochs=5, batch_size=16, verbose=0, shuffle=False,
-        callbacks=[keras_ft.BackupAndRestore(backup_dir, save_freq=4),
-                   keras_ft.StopAtStep(6), OffThread()],
-    )  # fmt: skip
+
+    def fit_to(last_step: int) -> keras.Model:
+        model = make_model()
+        model.fit(
+            x, y, epochs=5, batch_size=16, verbose=0, shuffle=False,
+            callbacks=[keras_ft.BackupAndRestore(backup_dir, save_freq=4),
+                       keras_ft.StopAtStep(last_step), OffThread()],
+        )  # fmt: skip
+        return model
+
+    model = fit_to(6)
     assert iterations(model) == 6 and committed_steps(backup_dir)[-1] == 6
     assert reads == [0, 1, 5]
 
     # Resumed at step 6, mid-epoch: 2 batches skipped, then 3 more trained.
     reads.clear()
-    resumed = make_model()
-    resumed.fit(
-        x, y, epochs=5, batch_size=16, verbose=0, shuffle=False,
-        callbacks=[keras_ft.BackupAndRestore(backup_dir, save_freq=4),
-                   keras_ft.StopAtStep(9), OffThread()],
-    )  # fmt: skip
+    resumed = fit_to(9)
     assert iterations(resumed) == 9 and committed_steps(backup_dir)[-1] == 9
     assert reads == [6, 7, 8]
 
