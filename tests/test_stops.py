@@ -379,3 +379,25 @@ def test_stop_at_time_can_be_deep_copied_after_a_fit(data):
     make_model().fit(x, y, epochs=1, batch_size=16, verbose=0, callbacks=[stop])
     copied = copy.deepcopy(stop)
     assert copied.seconds == 3600 and copied.stopped is None
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX's state sync")
+def test_stop_at_step_leaves_jax_state_where_it_is_between_reads(data, monkeypatch):
+    """Reading `self.model` on JAX copies the trainer's state back into every
+    variable; the count at each batch begin does without it."""
+    x, y = data
+    reads = counted_reads(monkeypatch)
+
+    def syncs(callbacks: list, epochs: int) -> int:
+        model = make_model()
+        real, calls = model.jax_state_sync, []
+        model.jax_state_sync = lambda: (calls.append(1), real())[1]
+        model.fit(x, y, epochs=epochs, batch_size=16, verbose=0, callbacks=callbacks)
+        return len(calls)
+
+    last_step = 3 * STEPS_PER_EPOCH + 1  # In the fourth epoch.
+    with_stop = syncs([keras_ft.StopAtStep(last_step)], epochs=10)
+    assert len(reads) == 3
+    # Keras' own syncs over the same four epochs, one per read, and two of
+    # the callbacks' (train begin; the stop). Not one per batch (13 more).
+    assert with_stop <= syncs([], epochs=4) + len(reads) + 2

@@ -72,9 +72,13 @@ class StopAtStep(BackupService):
             )
         self.last_step = last_step
         self.verbose = verbose
+        self._fit_model: keras.Model | None = None
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.stopped = None
+        # Its train function and steps per execution, read at every batch
+        # begin without `self.model`'s sync of JAX's state (at each batch).
+        self._fit_model = self.model
         # The optimizer's step when last read, the steps counted since, and
         # the most it was seen to advance per training step (1 for Keras'
         # own train step; a custom one may apply the optimizer twice).
@@ -109,6 +113,9 @@ class StopAtStep(BackupService):
         else:
             self._since += ahead
 
+    def on_train_end(self, logs: dict | None = None) -> None:
+        self._fit_model = None  # Keras Tuner deep-copies callbacks.
+
     def _reach(self, ahead: int) -> int:
         """The optimizer's step once the batch beginning now has run (at
         most: a step that skips its update counts less)."""
@@ -118,7 +125,7 @@ class StopAtStep(BackupService):
         """Training steps the batch beginning now runs: none where its steps
         are skipped (a resumed epoch's trained batches), else one execution
         (the epoch's last may be shorter)."""
-        model = self.model
+        model = self._fit_model
         if skipping(model):
             return 0
         per_execution = getattr(model, "steps_per_execution", 1) or 1
