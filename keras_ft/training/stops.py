@@ -39,7 +39,11 @@ class StopAtStep(BackupService):
     step (which waits for the steps queued on the device) only at the start
     of a `fit()`, after its first step, and where the count says the batch
     about to run may reach `last_step`. It has no batch end of its own, so
-    Keras need not wait for every step on its account.
+    Keras need not wait for every step on its account. One case it cannot
+    foresee: with a `keras.optimizers.LossScaleOptimizer` (mixed precision),
+    a step whose gradients overflow is skipped and not counted; if that is
+    the very step that was to reach `last_step`, training stops one step
+    short of it (and a resumed run takes that step).
 
     Example:
 
