@@ -401,3 +401,21 @@ def test_stop_at_step_leaves_jax_state_where_it_is_between_reads(data, monkeypat
     # Keras' own syncs over the same four epochs, one per read, and two of
     # the callbacks' (train begin; the stop). Not one per batch (13 more).
     assert with_stop <= syncs([], epochs=4) + len(reads) + 2
+
+
+def test_stop_at_step_does_not_count_a_step_a_loss_scale_optimizer_skipped(data):
+    """Mixed precision's loss scaling skips a step whose gradients overflow
+    (the optimizer's step stays): the stop waits for the step that counts."""
+    x, y = data
+    x = x.copy()
+    x[2 * 16 : 3 * 16] = 1e30  # The third batch's loss overflows.
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1e-3))
+    model.compile(optimizer, loss="mse")
+    stop = keras_ft.StopAtStep(3)
+    model.fit(x, y, epochs=3, batch_size=16, shuffle=False, verbose=0,
+              callbacks=[stop, OffThread()])  # fmt: skip
+    assert iterations(model) == 3
+    assert "reached optimizer step 3" in stop.stopped
+    # The wrapper that read the step after the batch is gone.
+    assert not hasattr(model.train_function, "keras_ft_train")

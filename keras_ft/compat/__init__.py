@@ -56,6 +56,7 @@ from keras_ft.compat.training import (
     set_initial_epoch,
     set_keras_global_seed_state,
     stack_holds,
+    step_after,
     tf_dataset_reshuffles,
     tf_op_determinism,
 )
@@ -97,6 +98,7 @@ __all__ = [
     "set_initial_epoch",
     "set_keras_global_seed_state",
     "stack_holds",
+    "step_after",
     "tensorflow_left_unimported",
     "start_data_at_epoch",
     "strategy_cluster",

@@ -198,6 +198,48 @@ def stack_holds(frame: Any, obj: Any) -> bool:
 
 
 @register(
+    "jax_step_state",
+    "StopAtStep may stop one step short of `last_step` where a "
+    "LossScaleOptimizer skips the step due to reach it",
+    applies=lambda: keras.backend.backend() == "jax",
+)
+def _check_jax_step_state() -> bool:
+    # fit() unpacks the state its train function returns: the optimizer's
+    # variables, in `optimizer.variables`' order, are its third part. (The
+    # JAX trainer's class is `keras.Model`'s base; its name has changed.)
+    code = inspect.unwrap(keras.Model.fit).__code__
+    return "train_function" in code.co_names and "optimizer_variables" in (
+        code.co_varnames
+    )
+
+
+def step_after(result: Any, model: keras.Model) -> int | None:
+    """The optimizer's step once a call of `model.train_function` returned
+    `result` (waits for the step); `None` where it cannot be read.
+
+    On JAX the step is in the state the call returned (`(logs, state)`,
+    not yet the model's); elsewhere in the optimizer's variable."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return None
+    iterations = optimizer.iterations
+    if keras.backend.backend() != "jax":
+        return int(keras.ops.convert_to_numpy(iterations))
+    if not usable("jax_step_state"):
+        return None
+    try:
+        _, state = result
+        values = state[2]
+        for variable, value in zip(optimizer.variables, values, strict=True):
+            if variable is iterations:
+                return int(keras.ops.convert_to_numpy(value))
+        raise ValueError("the optimizer's iterations are not among its variables")
+    except (TypeError, ValueError, IndexError) as e:
+        fail("jax_step_state", e)
+        return None
+
+
+@register(
     "tf_data_reshuffle",
     "no warning is given when a tf.data pipeline that reshuffles each epoch "
     "is resumed mid-epoch (its batches then come in another order)",

@@ -10,10 +10,11 @@ from __future__ import annotations
 import math
 import threading
 import time
+from typing import Any
 
 import keras
 
-from keras_ft import events
+from keras_ft import compat, events
 from keras_ft.compat import print_msg
 from keras_ft.state.training_state import optimizer_step
 from keras_ft.training.policy import check_seconds
@@ -38,12 +39,11 @@ class StopAtStep(BackupService):
     It counts the steps at each batch's begin, and reads the optimizer's
     step (which waits for the steps queued on the device) only at the start
     of a `fit()`, after its first step, and where the count says the batch
-    about to run may reach `last_step`. It has no batch end of its own, so
-    Keras need not wait for every step on its account. One case it cannot
-    foresee: with a `keras.optimizers.LossScaleOptimizer` (mixed precision),
-    a step whose gradients overflow is skipped and not counted; if that is
-    the very step that was to reach `last_step`, training stops one step
-    short of it (and a resumed run takes that step).
+    about to run may reach `last_step`; that batch's step is followed by one
+    more read (a step a `LossScaleOptimizer` skips on overflow does not
+    count), and the stop comes after it if it did reach `last_step`. It has
+    no batch end of its own, so Keras need not wait for every step on its
+    account.
 
     Example:
 
@@ -83,6 +83,7 @@ class StopAtStep(BackupService):
         # Its train function and steps per execution, read at every batch
         # begin without `self.model`'s sync of JAX's state (at each batch).
         self._fit_model = self.model
+        _put_back(self._fit_model)  # Left by a fit() that raised.
         # The optimizer's step when last read, the steps counted since, and
         # the most it was seen to advance per training step (1 for Keras'
         # own train step; a custom one may apply the optimizer twice).
@@ -106,18 +107,40 @@ class StopAtStep(BackupService):
                 per_step = math.ceil((step - self._read) / self._since)
                 self._per_step = max(self._per_step, per_step)
             self._read, self._since = step, 0
-        reach = self._reach(ahead)
-        if reach >= self.last_step:
-            # Keras looks at `stop_training` after this batch's end.
-            self._stop(
-                f"StopAtStep: reached optimizer step {reach} (last_step="
-                f"{self.last_step}); stopping."
-            )
-            events.say("stop", self.stopped, verbose=self.verbose, write=print_msg)
+        if self._reach(ahead) >= self.last_step:
+            self._look_after_step(ahead)
         else:
             self._since += ahead
 
+    def _look_after_step(self, ahead: int) -> None:
+        """Reads the step right after the batch beginning now ran, and stops
+        there if it reached `last_step` (Keras looks at `stop_training`
+        after the batch's end); else counts on from it."""
+        model = self._fit_model
+        train = model.train_function
+
+        def train_and_look(*args: Any) -> Any:
+            model.train_function = train  # This batch only.
+            result = train(*args)
+            step = compat.step_after(result, model)
+            if step is None:  # Not readable here: as counted.
+                step = self._reach(ahead)
+            if step >= self.last_step:
+                self._stop(
+                    f"StopAtStep: reached optimizer step {step} (last_step="
+                    f"{self.last_step}); stopping.",
+                    model,
+                )
+                events.say("stop", self.stopped, verbose=self.verbose, write=print_msg)
+            else:
+                self._read, self._since = step, 0
+            return result
+
+        train_and_look.keras_ft_train = train  # See `_put_back()`.
+        model.train_function = train_and_look
+
     def on_train_end(self, logs: dict | None = None) -> None:
+        _put_back(self._fit_model)
         self._fit_model = None  # Keras Tuner deep-copies callbacks.
 
     def _reach(self, ahead: int) -> int:
@@ -236,3 +259,12 @@ class StopAtTime(BackupService):
                 f"budget of {self.seconds:g} s"
             )
         return None
+
+
+def _put_back(model: keras.Model | None) -> None:
+    """Gives `model` back the train function `StopAtStep` wrapped for one
+    batch, if its wrapper is still there (a fit() that ended first)."""
+    train = getattr(model, "train_function", None)
+    original = getattr(train, "keras_ft_train", None)
+    if original is not None:
+        model.train_function = original
