@@ -122,9 +122,12 @@ class StopAtStep(BackupService):
         def train_and_look(*args: Any) -> Any:
             model.train_function = train  # This batch only.
             result = train(*args)
-            step = compat.step_after(result, model)
-            if step is None:  # Not readable here: as counted.
-                step = self._reach(ahead)
+            if keras.backend.backend() != "jax":
+                step = optimizer_step(model)
+            else:  # The model's variables are not yet the step's.
+                step = compat.jax_step_after(result, model)
+                if step is None:  # Not readable here: as counted.
+                    step = self._reach(ahead)
             if step >= self.last_step:
                 self._stop(
                     f"StopAtStep: reached optimizer step {step} (last_step="
@@ -141,7 +144,7 @@ class StopAtStep(BackupService):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         _put_back(self._fit_model)
-        self._fit_model = None  # Keras Tuner deep-copies callbacks.
+        self._fit_model = None  # Not held past its fit().
 
     def _reach(self, ahead: int) -> int:
         """The optimizer's step once the batch beginning now has run (at
@@ -226,7 +229,7 @@ class StopAtTime(BackupService):
         self._fit_model = self.model
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        self._fit_model = None  # Keras Tuner deep-copies callbacks.
+        self._fit_model = None  # Not held past its fit().
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         used = self.used
