@@ -261,21 +261,14 @@ class OffThread(keras.callbacks.Callback):
 
 
 def counted_reads(monkeypatch) -> list[int]:
-    """The optimizer steps `StopAtStep` reads (each waits for the device):
-    from the model, or on JAX right after a step, from its state."""
-    reads = []
+    """The optimizer steps `StopAtStep` reads (each waits for the device)."""
+    real, reads = stops.optimizer_step, []
 
-    def counting(real):
-        def counted(*args):
-            reads.append(real(*args))
-            return reads[-1]
+    def counted(model):
+        reads.append(real(model))
+        return reads[-1]
 
-        return counted
-
-    monkeypatch.setattr(stops, "optimizer_step", counting(stops.optimizer_step))
-    monkeypatch.setattr(
-        stops.compat, "jax_step_after", counting(stops.compat.jax_step_after)
-    )
+    monkeypatch.setattr(stops, "optimizer_step", counted)
     return reads
 
 
@@ -317,10 +310,10 @@ def test_the_stops_leave_keras_dispatching_steps_ahead(backup_dir, data):
 def test_stop_at_step_reads_the_step_rarely_and_stops_exactly(
     backup_dir, data, monkeypatch
 ):
-    """At the start, after the first step (how far one step goes), when the
-    count says the batch about to run reaches `last_step`, and right after
-    that batch; also after a resume that skips the epoch's trained batches
-    (their steps do not count)."""
+    """At the start, after the first step (how far one step goes), and when
+    the count says the batch about to run reaches `last_step`; also after a
+    resume that skips the epoch's trained batches (their steps do not
+    count)."""
     x, y = data
     reads = counted_reads(monkeypatch)
 
@@ -335,13 +328,13 @@ def test_stop_at_step_reads_the_step_rarely_and_stops_exactly(
 
     model = fit_to(6)
     assert iterations(model) == 6 and committed_steps(backup_dir)[-1] == 6
-    assert reads == [0, 1, 5, 6]
+    assert reads == [0, 1, 5]
 
     # Resumed at step 6, mid-epoch: 2 batches skipped, then 3 more trained.
     reads.clear()
     resumed = fit_to(9)
     assert iterations(resumed) == 9 and committed_steps(backup_dir)[-1] == 9
-    assert reads == [6, 7, 8, 9]
+    assert reads == [6, 7, 8]
 
 
 @pytest.mark.skipif(
@@ -380,8 +373,7 @@ def test_stop_at_step_learns_a_step_that_applies_the_optimizer_twice(data):
 
 
 def test_stop_at_time_can_be_deep_copied_after_a_fit(data):
-    """Keras Tuner deep-copies the callbacks of each trial: the lock that
-    keeps two of Keras' threads from both stopping is not the instance's."""
+    """Keras Tuner deep-copies the callbacks of each trial."""
     x, y = data
     stop = keras_ft.StopAtTime(3600)
     make_model().fit(x, y, epochs=1, batch_size=16, verbose=0, callbacks=[stop])
@@ -405,12 +397,10 @@ def test_stop_at_step_leaves_jax_state_where_it_is_between_reads(data, monkeypat
 
     last_step = 3 * STEPS_PER_EPOCH + 1  # In the fourth epoch.
     with_stop = syncs([keras_ft.StopAtStep(last_step)], epochs=10)
-    # Three from the model, then one from the state the last step returned.
-    assert len(reads) == 4
-    # Keras' own syncs over the same four epochs, one per read from the
-    # model, and two of the callbacks' (train begin; the stop). Not one per
-    # batch (13 more).
-    assert with_stop <= syncs([], epochs=4) + 3 + 2
+    assert len(reads) == 3
+    # Keras' own syncs over the same four epochs, one per read, and two of
+    # the callbacks' (train begin; the stop). Not one per batch (13 more).
+    assert with_stop <= syncs([], epochs=4) + len(reads) + 2
 
 
 def test_stop_at_step_does_not_count_a_step_a_loss_scale_optimizer_skipped(data):

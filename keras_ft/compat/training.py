@@ -213,18 +213,25 @@ def _check_jax_step_state() -> bool:
     )
 
 
-def jax_step_after(result: Any, model: keras.Model) -> int | None:
-    """On JAX, the optimizer's step once a call of `model.train_function`
-    returned `result` (`(logs, state)`; the state is not yet the model's):
-    waits for the step. `None` where it cannot be read."""
+def step_after(result: Any, model: keras.Model) -> int | None:
+    """The optimizer's step once a call of `model.train_function` returned
+    `result` (waits for the step); `None` where it cannot be read.
+
+    On JAX the step is in the state the call returned (`(logs, state)`,
+    not yet the model's); elsewhere in the optimizer's variable."""
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is None or not usable("jax_step_state"):
+    if optimizer is None:
+        return None
+    iterations = optimizer.iterations
+    if keras.backend.backend() != "jax":
+        return int(keras.ops.convert_to_numpy(iterations))
+    if not usable("jax_step_state"):
         return None
     try:
         _, state = result
         values = state[2]
         for variable, value in zip(optimizer.variables, values, strict=True):
-            if variable is optimizer.iterations:
+            if variable is iterations:
                 return int(keras.ops.convert_to_numpy(value))
         raise ValueError("the optimizer's iterations are not among its variables")
     except (TypeError, ValueError, IndexError) as e:

@@ -122,12 +122,9 @@ class StopAtStep(BackupService):
         def train_and_look(*args: Any) -> Any:
             model.train_function = train  # This batch only.
             result = train(*args)
-            if keras.backend.backend() != "jax":
-                step = optimizer_step(model)
-            else:  # The model's variables are not yet the step's.
-                step = compat.jax_step_after(result, model)
-                if step is None:  # Not readable here: as counted.
-                    step = self._reach(ahead)
+            step = compat.step_after(result, model)
+            if step is None:  # Not readable here: as counted.
+                step = self._reach(ahead)
             if step >= self.last_step:
                 self._stop(
                     f"StopAtStep: reached optimizer step {step} (last_step="
@@ -144,7 +141,7 @@ class StopAtStep(BackupService):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         _put_back(self._fit_model)
-        self._fit_model = None  # Not held past its fit().
+        self._fit_model = None  # Keras Tuner deep-copies callbacks.
 
     def _reach(self, ahead: int) -> int:
         """The optimizer's step once the batch beginning now has run (at
@@ -229,7 +226,7 @@ class StopAtTime(BackupService):
         self._fit_model = self.model
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        self._fit_model = None  # Not held past its fit().
+        self._fit_model = None  # Keras Tuner deep-copies callbacks.
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         used = self.used
