@@ -373,7 +373,8 @@ def test_stop_at_step_learns_a_step_that_applies_the_optimizer_twice(data):
 
 
 def test_stop_at_time_can_be_deep_copied_after_a_fit(data):
-    """Keras Tuner deep-copies the callbacks of each trial."""
+    """Keras Tuner deep-copies the callbacks of each trial: the lock that
+    keeps two of Keras' threads from both stopping is not the instance's."""
     x, y = data
     stop = keras_ft.StopAtTime(3600)
     make_model().fit(x, y, epochs=1, batch_size=16, verbose=0, callbacks=[stop])

@@ -141,7 +141,7 @@ class StopAtStep(BackupService):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         _put_back(self._fit_model)
-        self._fit_model = None  # Keras Tuner deep-copies callbacks.
+        self._fit_model = None  # Not held past its fit().
 
     def _reach(self, ahead: int) -> int:
         """The optimizer's step once the batch beginning now has run (at
@@ -226,7 +226,7 @@ class StopAtTime(BackupService):
         self._fit_model = self.model
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        self._fit_model = None  # Keras Tuner deep-copies callbacks.
+        self._fit_model = None  # Not held past its fit().
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         used = self.used
