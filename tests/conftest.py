@@ -112,8 +112,11 @@ def _gdb(commands: list[str], seconds: float) -> str:
     gdb stops every thread of this process, this one included: its output
     goes to a file (a pipe this thread cannot drain would block gdb, and
     with it the process, for good), and `timeout`, outside the process,
-    bounds it (the kernel detaches a killed gdb and this process goes on)."""
-    command = ["timeout", "-s", "KILL", str(seconds), "gdb", "-p", str(os.getpid()),
+    bounds it (TERM first: gdb then detaches as it does at the end of a batch;
+    KILL ten seconds later, and the kernel detaches it). The commands only
+    read memory: gdb resumes nothing in this process and plants no
+    breakpoint in it."""
+    command = ["timeout", "-k", "10", str(seconds), "gdb", "-p", str(os.getpid()),
                "-batch", "-nx"]  # fmt: skip
     for line in commands:
         command += ["-ex", line]
@@ -144,9 +147,13 @@ def _finalized_python_objects(stacks: str) -> list[str]:
             found.append(marker.split(" ")[0] + " " + address)
             # Each object's values after a line of its own: a print that
             # fails (freed memory) leaves the others where they belong.
+            # Read, never called: a function gdb calls runs in the stopped
+            # process without its GIL (and a fault in it is left pending there
+            # when gdb detaches), so each name is read as the compact ASCII
+            # string CPython stores it as.
             commands += ["echo @@\\n",
-                         f"p (char*)PyUnicode_AsUTF8({f}->co_qualname)",
-                         f"p (char*)PyUnicode_AsUTF8({f}->co_filename)",
+                         f"p (char*)((PyASCIIObject*)({f}->co_qualname) + 1)",
+                         f"p (char*)((PyASCIIObject*)({f}->co_filename) + 1)",
                          f"p {f}->co_firstlineno"]  # fmt: skip
     if not found:
         return []
