@@ -261,14 +261,20 @@ class OffThread(keras.callbacks.Callback):
 
 
 def counted_reads(monkeypatch) -> list[int]:
-    """The optimizer steps `StopAtStep` reads (each waits for the device)."""
-    real, reads = stops.optimizer_step, []
+    """The optimizer steps `StopAtStep` reads (each waits for the device):
+    from the model, and from what the step it watched returned."""
+    real, real_after, reads = stops.optimizer_step, stops.compat.step_after, []
 
     def counted(model):
         reads.append(real(model))
         return reads[-1]
 
+    def counted_after(result, model, read):
+        reads.append(real_after(result, model, real))
+        return reads[-1]
+
     monkeypatch.setattr(stops, "optimizer_step", counted)
+    monkeypatch.setattr(stops.compat, "step_after", counted_after)
     return reads
 
 
@@ -310,10 +316,9 @@ def test_the_stops_leave_keras_dispatching_steps_ahead(backup_dir, data):
 def test_stop_at_step_reads_the_step_rarely_and_stops_exactly(
     backup_dir, data, monkeypatch
 ):
-    """At the start, after the first step (how far one step goes), and when
-    the count says the batch about to run reaches `last_step`; also after a
-    resume that skips the epoch's trained batches (their steps do not
-    count)."""
+    """At the start, after the first step (how far one step goes), and right
+    after the batch the count says reaches `last_step`; also after a resume
+    that skips the epoch's trained batches (their steps do not count)."""
     x, y = data
     reads = counted_reads(monkeypatch)
 
@@ -328,13 +333,13 @@ def test_stop_at_step_reads_the_step_rarely_and_stops_exactly(
 
     model = fit_to(6)
     assert iterations(model) == 6 and committed_steps(backup_dir)[-1] == 6
-    assert reads == [0, 1, 5]
+    assert reads == [0, 1, 6]
 
     # Resumed at step 6, mid-epoch: 2 batches skipped, then 3 more trained.
     reads.clear()
     resumed = fit_to(9)
     assert iterations(resumed) == 9 and committed_steps(backup_dir)[-1] == 9
-    assert reads == [6, 7, 8]
+    assert reads == [6, 7, 9]
 
 
 @pytest.mark.skipif(

@@ -213,18 +213,21 @@ def _check_jax_step_state() -> bool:
     )
 
 
-def step_after(result: Any, model: keras.Model) -> int | None:
+def step_after(
+    result: Any, model: keras.Model, read: Callable[[keras.Model], int]
+) -> int | None:
     """The optimizer's step once a call of `model.train_function` returned
     `result` (waits for the step); `None` where it cannot be read.
 
     On JAX the step is in the state the call returned (`(logs, state)`,
-    not yet the model's); elsewhere in the optimizer's variable."""
+    not yet the model's variables); elsewhere the variable holds it, and
+    `read(model)` (the caller's reader of it) reads it."""
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
         return None
-    iterations = optimizer.iterations
     if keras.backend.backend() != "jax":
-        return int(keras.ops.convert_to_numpy(iterations))
+        return read(model)
+    iterations = optimizer.iterations
     if not usable("jax_step_state"):
         return None
     try:

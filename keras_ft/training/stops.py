@@ -96,10 +96,11 @@ class StopAtStep(BackupService):
         if self.stopped is not None:
             return
         ahead = self._steps_ahead(batch)
-        # Read at the start, once after the first step trained (how far a
-        # step takes the optimizer), and where the batch may reach the end.
+        # Read at the start and once after the first step trained (how far a
+        # step takes the optimizer); where the batch may reach the end, the
+        # step is read right after it (`_look_after_step`), not before too.
         learn = not self._learned and self._since > 0
-        if self._read is None or learn or self._reach(ahead) >= self.last_step:
+        if self._read is None or learn:
             # On JAX, `self.model` syncs the trainer's state into the variables.
             step = optimizer_step(self.model)
             if self._since > 0:
@@ -122,7 +123,7 @@ class StopAtStep(BackupService):
         def train_and_look(*args: Any) -> Any:
             model.train_function = train  # This batch only.
             result = train(*args)
-            step = compat.step_after(result, model)
+            step = compat.step_after(result, model, optimizer_step)
             if step is None:  # Not readable here: as counted.
                 step = self._reach(ahead)
             if step >= self.last_step:
