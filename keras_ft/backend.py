@@ -552,27 +552,43 @@ def device_all_finite(values: list) -> bool:
     infinity, checked where they live: one reduction on the device, and one
     boolean read back, rather than every value copied to host memory (on a
     GPU that copy, at every batch, would cost more than the step)."""
+    flag = finite_flag(values)
+    if flag is None or bool(flag):
+        return True
+    if keras.backend.backend() == "torch":
+        import torch
+
+        # The flag sums each value: only an overflowing sum of finite values
+        # needs the exact check.
+        with torch.no_grad():
+            tensors = [raw_value(v) for v in values if _floating(v)]
+            return all(bool(torch.isfinite(t).all()) for t in tensors)
+    return False
+
+
+def finite_flag(values: list) -> Any:
+    """One boolean on the device, launched and not read: whether `values`
+    hold no NaN or infinity (`None` where none is floating). Reading it
+    waits for the reduction, and for the steps queued before it. On
+    PyTorch it is the sums' (in float32 for narrower types): `False` also
+    where a sum of finite values overflowed (`device_all_finite` is
+    exact)."""
     tensors = [raw_value(v) for v in values if _floating(v)]
     if not tensors:
-        return True
+        return None
     backend = keras.backend.backend()
     if backend == "jax":
-        return bool(_jax_all_finite()(tensors))
+        return _jax_all_finite()(tensors)
     if backend == "torch":
         import torch
 
         with torch.no_grad():
-            # One sum per value (in float32 for narrower types): a NaN or an
-            # infinity makes it not finite; only an overflowing sum of finite
-            # values needs the exact check.
             sums = torch.stack(
                 [torch.sum(t, dtype=torch.float32).reshape(()) for t in tensors]
             )
-            if bool(torch.isfinite(sums).all()):
-                return True
-            return all(bool(torch.isfinite(t).all()) for t in tensors)
+            return torch.isfinite(sums).all()
     if backend == "tensorflow":
-        return bool(_tf_all_finite()(tensors))
+        return _tf_all_finite()(tensors)
     return all(all_finite(np.asarray(t).reshape(-1)) for t in tensors)
 
 

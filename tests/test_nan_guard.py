@@ -12,8 +12,20 @@ from conftest import BATCH_SIZE, STEPS_PER_EPOCH, iterations, make_model, weight
 
 import keras_ft
 from keras_ft import backend
+from keras_ft.training import batch_ends
 
 NAN_BATCH = 2  # Zero-based: the third batch of each epoch is poisoned.
+# With keras-ft's callbacks alone, Keras calls the batch ends off the training
+# thread (JAX, PyTorch): the guard finds a NaN one batch later.
+DEFERRED = batch_ends.deferrable()
+
+
+class Synced(keras.callbacks.Callback):
+    """A batch end that is not async-safe: Keras then calls every batch end
+    on the training thread, with the step's logs."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        pass
 
 
 def poisoned(data):
@@ -45,8 +57,9 @@ def optimizer_values(model):
 
 
 @pytest.mark.parametrize("async_save", [True, False])
+@pytest.mark.parametrize("synced", [True, False], ids=["synced", "deferred"])
 def test_rollback_restores_the_last_backup_bitwise_and_finishes(
-    backup_dir, data, async_save
+    backup_dir, data, async_save, synced, capsys
 ):
     x, y = poisoned(data)
     model = make_model()
@@ -60,18 +73,51 @@ def test_rollback_restores_the_last_backup_bitwise_and_finishes(
                 listeners=[record], delete_checkpoint=False,
             ),
             guard,
-        ],
+        ] + ([Synced()] if synced else []),
     )  # fmt: skip
     # The NaN batch came after two good ones: rolled back to step 2.
     assert [step for _, step in guard.rollbacks] == [2]
+    assert f"at epoch 1, batch {NAN_BATCH + 1}; rolled back" in capsys.readouterr().out
     assert len(record.after) == 1
     for now, saved in zip(record.after[0], record.saved[0], strict=True):
         np.testing.assert_array_equal(now, saved)
-    # Then the last batch trained: the fit finished, finite.
-    assert iterations(model) == 3
     assert all(np.isfinite(w).all() for w in weights_of(model))
-    assert np.isfinite(history.history["loss"]).all()
     assert guard.stopped is None
+    if synced or not DEFERRED:
+        # Then the last batch trained: the fit finished, finite.
+        assert iterations(model) == 3
+        assert np.isfinite(history.history["loss"]).all()
+    else:
+        # Found at the epoch's end, the last batch trained on the NaN state
+        # and was undone with it.
+        assert iterations(model) == 2
+
+
+@pytest.mark.parametrize("skip_batches", [0, 2])
+@pytest.mark.parametrize("synced", [True, False], ids=["synced", "deferred"])
+def test_a_nan_found_a_batch_later_skips_as_many_batches(
+    backup_dir, data, skip_batches, synced
+):
+    """Found one batch behind, the batch trained on the diverged state is
+    undone by the rollback: it is one of the `skip_batches`."""
+    x, y = data
+    x = x.copy()
+    batch_size = BATCH_SIZE // 2  # 8 batches: found at a batch's begin.
+    x[NAN_BATCH * batch_size : (NAN_BATCH + 1) * batch_size] = np.nan
+    model = make_model()
+    guard = keras_ft.NanGuard(skip_batches=skip_batches)
+    model.fit(
+        x, y, epochs=1, batch_size=batch_size, shuffle=False, verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(backup_dir, save_freq=1), guard]
+        + ([Synced()] if synced else []),
+    )  # fmt: skip
+    assert [step for _, step in guard.rollbacks] == [NAN_BATCH]
+    after = 2 * STEPS_PER_EPOCH - NAN_BATCH - 1  # Batches after the NaN one.
+    if skip_batches:  # The same in either case.
+        assert iterations(model) == NAN_BATCH + after - skip_batches
+    else:  # The one trained on the NaN state is not replayed.
+        lost = 0 if synced or not DEFERRED else 1
+        assert iterations(model) == NAN_BATCH + after - lost
 
 
 def test_weights_gone_non_finite_with_a_finite_loss_are_caught(backup_dir, data):
@@ -185,7 +231,8 @@ def test_after_max_rollbacks_it_stops_and_keeps_the_backup(backup_dir, data, cap
     assert "backup of the last good state is kept" in capsys.readouterr().out
     steps = [c.step for c in keras_ft.watch(backup_dir, timeout=0)]
     # Epoch 1 ended at step 3 (rolled back once); epoch 2 backed up 2 more.
-    assert steps[-1] == 3 + NAN_BATCH
+    # (Found at the epoch's end, a batch later: the last batch was undone.)
+    assert steps[-1] == (2 if DEFERRED else 3) + NAN_BATCH
 
 
 def test_stop_keeps_the_backup_even_after_the_last_epoch(backup_dir, data, capsys):
@@ -211,7 +258,8 @@ def test_without_a_backup_it_stops(data):
     model.fit(x, y, epochs=2, batch_size=BATCH_SIZE, shuffle=False, verbose=0,
               callbacks=[guard])  # fmt: skip
     assert "no keras_ft.BackupAndRestore" in guard.stopped
-    assert iterations(model) == NAN_BATCH + 1
+    # Found a batch later: at the end of this 4-batch epoch.
+    assert iterations(model) == (STEPS_PER_EPOCH if DEFERRED else NAN_BATCH + 1)
 
 
 @pytest.mark.parametrize(
@@ -228,3 +276,29 @@ def test_bad_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match="Invalid value for argument") as raised:
         keras_ft.NanGuard(**kwargs)
     assert message in str(raised.value)
+
+
+@pytest.mark.skipif(not DEFERRED, reason="TensorFlow's Keras calls batch ends in line")
+def test_the_guard_leaves_keras_dispatching_steps_ahead(backup_dir, data):
+    """Async-safe: with the guard, Keras still calls the batch ends on a
+    thread of its own rather than waiting for every step's logs."""
+    import threading
+
+    class Where(keras.callbacks.Callback):
+        async_safe = True
+
+        def __init__(self):
+            super().__init__()
+            self.threads = set()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.threads.add(threading.get_ident())
+
+    x, y = data
+    where = Where()
+    model = make_model()
+    model.fit(
+        x, y, epochs=2, batch_size=BATCH_SIZE, verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(backup_dir), keras_ft.NanGuard(), where],
+    )  # fmt: skip
+    assert where.threads and threading.get_ident() not in where.threads

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
+from typing import Any
 
 import keras
 
@@ -19,6 +21,10 @@ from keras_ft.training.resume import FastForward
 from keras_ft.training.services import BackupService
 
 ON_NAN = ("rollback", "stop")
+
+# Keras' callback threads note a non-finite loss under it (module-level: a
+# lock in the instance could not be deep-copied, as Keras Tuner does).
+_noting = threading.Lock()
 
 
 class NanGuard(BackupService):
@@ -42,6 +48,16 @@ class NanGuard(BackupService):
       batches are drawn from the data but not trained on, and training goes
       on, up to `max_rollbacks` times; after that, or if nothing was backed
       up yet, it stops as with `"stop"`.
+
+    Where Keras calls the batch ends off the training thread (on JAX and
+    PyTorch, when every callback of the `fit()` is async-safe, as keras-ft's
+    are), the guard does not make Keras wait for each step: at each batch's
+    begin it launches the weights' check of the state the last batch left,
+    and reads it at the next batch's begin (or the epoch's end), by when the
+    device is done with it. A NaN is then found one batch later: the batch
+    trained on the diverged state is undone by the rollback, and counts as
+    one of `skip_batches`. A non-finite loss with finite weights (a step a
+    `LossScaleOptimizer` skipped) is acted on at the epoch's end there.
 
     A non-finite state is never backed up: `BackupAndRestore` skips it. After
     a rollback the epoch's metrics start afresh (their means held the NaN),
@@ -81,6 +97,9 @@ class NanGuard(BackupService):
     """
 
     backs_up_stop = False  # The state it stops at is not finite.
+    # Where Keras calls the batch ends on a thread of its own, the weights
+    # are checked from each batch's begin, one batch behind (class docstring).
+    async_safe = batch_ends.deferrable()
 
     def __init__(
         self,
@@ -119,17 +138,102 @@ class NanGuard(BackupService):
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.stopped = None
         self.rollbacks = []
+        self._thread = threading.get_ident()
+        # Whether a batch end ran on the training thread this fit() (Keras
+        # then waits for every step's logs: each is checked there).
+        self._synced = False
+        self._lag_state()
+
+    def _lag_state(self) -> None:
+        # The weights' check launched at a batch begin, not yet read: the
+        # flag, and the batch whose state it checks.
+        self._pending: tuple[Any, int] | None = None
+        # From Keras' callback thread: the last batch ended, and the first
+        # one whose loss was not finite (batch, what, logs).
+        self._last_end = -1
+        self._lossy: tuple[int, str, dict | None] | None = None
+        # Batches trained before the last rollback: their losses held the NaN
+        # (the callback thread may note them after it).
+        self._undone_through = -1
 
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
+        self._lag_state()
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self._synced or self.stopped is not None or not self.async_safe:
+            return
+        if self._read_pending(batch - 1):
+            return  # Acted on it: the state is the backup's, or training stops.
+        if batch > 0:
+            # The state the last batch left (`self.model` syncs it, on JAX,
+            # without waiting for the device), checked on the device; read
+            # at the next batch's begin.
+            flag = backend.finite_flag(self.model.trainable_variables)
+            if flag is not None:
+                self._pending = (flag, batch - 1)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         if self.stopped is not None:
             return
-        what = _non_finite(logs, self.model)  # `self.model` syncs, on JAX.
-        if what is None:
+        if threading.get_ident() != self._thread:
+            self._note(batch, logs)  # Keras' callback thread.
             return
+        self._synced = True
+        what = _non_finite(logs, self.model)  # `self.model` syncs, on JAX.
+        if what is not None:
+            self._act(what, batch, logs)
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        # Keras has run every batch end of the epoch by now.
+        if self._synced or self.stopped is not None or self._last_end < 0:
+            return
+        last = self._last_end
+        if self._read_pending(last):
+            return
+        what = _non_finite(None, self.model)  # The epoch's last state.
+        if what is not None:
+            self._act(what, last, None)
+        elif self._lossy is not None:
+            batch, what, noted = self._lossy
+            self._act(what, batch, noted, lag=last - batch)
+
+    def _note(self, batch: int, logs: dict | None) -> None:
+        """A batch end on Keras' callback thread: its logs (numbers by now)
+        are noted; the model is not touched here."""
+        loss = _loss(logs)
+        with _noting:
+            self._last_end = max(self._last_end, batch)
+            first = self._lossy is None or batch < self._lossy[0]
+            diverged = loss is not None and not math.isfinite(loss)
+            if diverged and first and batch > self._undone_through:
+                self._lossy = (batch, f"the loss is {loss}", logs)
+
+    def _read_pending(self, last: int) -> bool:
+        """Reads the check launched at an earlier batch begin (`last` is the
+        last batch trained since); acts on a state found not finite, and
+        returns whether it did."""
+        if self._pending is None:
+            return False
+        flag, batch = self._pending
+        self._pending = None
+        if bool(flag):
+            return False
+        # Named from the state now (a NaN stays in the weights it reached;
+        # a sum of finite values that overflowed finds nothing).
+        what = _non_finite(None, self.model)
+        if what is None:
+            return False
+        self._act(what, batch, None, lag=last - batch)
+        return True
+
+    def _act(self, what: str, batch: int, logs: dict | None, lag: int = 0) -> None:
+        """Stops or rolls back for a non-finite `what` after `batch`; `lag`
+        batches have trained since (found one batch behind)."""
         where = f"{what} at epoch {self._epoch + 1}, batch {batch + 1}"
+        with _noting:  # What the callback thread noted of them is moot.
+            self._undone_through = batch + lag
+            self._lossy = None
         if self.on_nan == "stop":
             self._give_up(f"NanGuard: {where}; stopping.")
         elif len(self.rollbacks) >= self.max_rollbacks:
@@ -143,9 +247,10 @@ class NanGuard(BackupService):
                 "in this fit() to roll back to; stopping."
             )
         else:
-            self._roll_back(where, logs)
+            self._roll_back(where, logs, lag)
 
     def on_train_end(self, logs: dict | None = None) -> None:
+        self._lag_state()  # Nothing of the fit's state is held past it.
         if self._skipping is not None:
             self._skipping.remove()
             self._skipping = None
@@ -156,7 +261,7 @@ class NanGuard(BackupService):
         self._stop(reason)
         events.say("stop", reason, verbose=self.verbose, write=print_msg)
 
-    def _roll_back(self, where: str, logs: dict | None) -> None:
+    def _roll_back(self, where: str, logs: dict | None, lag: int) -> None:
         point = self.backup.roll_back()
         if point is None:
             self._give_up(f"NanGuard: {where}, and nothing is backed up yet; stopping.")
@@ -171,13 +276,16 @@ class NanGuard(BackupService):
         )
         if self.lr_factor is not None:
             message += self._lower_learning_rate()
+        # The batches trained since the NaN are undone: already skipped.
+        skip = max(0, self.skip_batches - lag)
         if self.skip_batches:
             message += f", skipping the next {self.skip_batches} batches"
+        if skip:
             if self._skipping is not None:
                 self._skipping.remove()
             self._skipping = FastForward(
                 self.model,
-                self.skip_batches,
+                skip,
                 point.extra.get("logs") or _finite_logs(logs),
                 on_done=self._skipped,
             )
@@ -218,16 +326,21 @@ def _check_count(name: str, value: object) -> None:
         )
 
 
+def _loss(logs: dict | None) -> float | None:
+    loss = (logs or {}).get("loss")
+    if loss is None:
+        return None
+    try:
+        return float(loss)
+    except (TypeError, ValueError):
+        return None
+
+
 def _non_finite(logs: dict | None, model: keras.Model) -> str | None:
     """What is not finite (the loss, or a weight), or `None`."""
-    loss = (logs or {}).get("loss")
-    if loss is not None:
-        try:
-            value = float(loss)
-        except (TypeError, ValueError):
-            value = 0.0
-        if not math.isfinite(value):
-            return f"the loss is {value}"
+    loss = _loss(logs)
+    if loss is not None and not math.isfinite(loss):
+        return f"the loss is {loss}"
     variables = model.trainable_variables
     on_device = bool(variables) and backend.accelerator(variables[0]) is not None
     # On the device: one boolean read back, not every weight copied to host
