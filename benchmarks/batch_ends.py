@@ -11,7 +11,11 @@ the end of its one epoch:
 - "synced": a callback whose batch end does nothing, not async-safe;
 - Keras' `BackupAndRestore` (`save_freq="epoch"`; it has a batch end);
 - keras-ft's `BackupAndRestore` (`save_freq="epoch"`; async-safe on JAX and
-  PyTorch).
+  PyTorch);
+- the same with keras-ft's `NanGuard` (its check of the weights at every batch,
+  launched at a batch's begin and read at the next; async-safe as well), and
+  with a not-async-safe batch end beside it (the guard then checks at each
+  batch end, after Keras waited for the step: as before it was async-safe).
 
 On a CPU the gain is small (the step is on the same cores as the loop); on a
 GPU the synced rows are where a host that waits for every step shows. Run:
@@ -35,6 +39,7 @@ from save_cost import interleaved, med, spread  # noqa: E402
 
 BACKENDS = ("tensorflow", "jax", "torch")
 KINDS = ("none", "synced", "keras", "keras-ft")
+KINDS += ("keras-ft + guard", "keras-ft + guard, synced")
 
 
 def callbacks(kind: str, path: str) -> list:
@@ -44,16 +49,20 @@ def callbacks(kind: str, path: str) -> list:
 
     if kind == "none":
         return []
+
+    class Synced(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
     if kind == "synced":
-
-        class Synced(keras.callbacks.Callback):
-            def on_train_batch_end(self, batch, logs=None):
-                pass
-
         return [Synced()]
     if kind == "keras":
         return [keras.callbacks.BackupAndRestore(path)]
-    return [keras_ft.BackupAndRestore(path, verbose=0)]
+    backup = keras_ft.BackupAndRestore(path, verbose=0)
+    if kind.startswith("keras-ft + guard"):
+        synced = [Synced()] if kind.endswith("synced") else []
+        return [backup, keras_ft.NanGuard(verbose=0), *synced]
+    return [backup]
 
 
 def measure(args) -> dict:
