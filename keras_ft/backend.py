@@ -594,7 +594,13 @@ def finite_flag(values: list) -> Any:
 
 def _floating(value: Any) -> bool:
     dtype = getattr(value, "dtype", None)
-    name = keras.backend.standardize_dtype(dtype) if dtype is not None else ""
+    if dtype is None:
+        return False
+    # A Keras variable's dtype is its name, a NumPy or JAX dtype has one;
+    # the rest (PyTorch's, TensorFlow's) are named by Keras.
+    name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None)
+    if not isinstance(name, str) or isinstance(dtype, type):
+        name = keras.backend.standardize_dtype(dtype)
     return name.startswith(("float", "bfloat"))
 
 

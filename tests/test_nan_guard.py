@@ -11,7 +11,7 @@ import pytest
 from conftest import BATCH_SIZE, STEPS_PER_EPOCH, iterations, make_model, weights_of
 
 import keras_ft
-from keras_ft import backend
+from keras_ft import backend, compat
 from keras_ft.training import batch_ends
 
 NAN_BATCH = 2  # Zero-based: the third batch of each epoch is poisoned.
@@ -302,3 +302,32 @@ def test_the_guard_leaves_keras_dispatching_steps_ahead(backup_dir, data):
         callbacks=[keras_ft.BackupAndRestore(backup_dir), keras_ft.NanGuard(), where],
     )  # fmt: skip
     assert where.threads and threading.get_ident() not in where.threads
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX's state sync")
+@pytest.mark.parametrize("live", [True, False], ids=["live state", "synced"])
+def test_the_guard_checks_jax_state_without_syncing_it(backup_dir, data, live):
+    """Reading `self.model` on JAX copies the trainer's state back into every
+    variable (and the next step gathers it again): the guard's check at each
+    batch begin reads the state the step returned; without that internal, it
+    syncs, and still finds a NaN."""
+    x, y = data
+
+    def syncs(callbacks: list, x=x) -> int:
+        model = make_model()
+        real, calls = model.jax_state_sync, []
+        model.jax_state_sync = lambda: (calls.append(1), real())[1]
+        model.fit(x, y, epochs=4, batch_size=BATCH_SIZE, verbose=0, shuffle=False,
+                  callbacks=callbacks)  # fmt: skip
+        return len(calls)
+
+    with compat.disabled(*([] if live else ["jax_live_state"])):
+        with_guard = syncs([keras_ft.NanGuard()])
+        # Keras' own, and the guard's: at train begin, each epoch's end.
+        if live:
+            assert with_guard <= syncs([]) + 1 + 4
+        else:  # And at each batch begin after the first.
+            assert with_guard >= syncs([]) + 4 * (STEPS_PER_EPOCH - 1)
+        guard = keras_ft.NanGuard(on_nan="stop")
+        syncs([guard], x=poisoned(data)[0])
+    assert f"at epoch 1, batch {NAN_BATCH + 1}; stopping" in guard.stopped

@@ -213,6 +213,49 @@ def _check_jax_step_state() -> bool:
     )
 
 
+@register(
+    "jax_live_state",
+    "NanGuard syncs JAX's training state into the model's variables at every "
+    "batch (a Python loop over them) to check the weights",
+    applies=lambda: keras.backend.backend() == "jax",
+)
+def _check_jax_live_state() -> bool:
+    # fit() keeps the state its last step returned in `_jax_state` (a dict
+    # with "trainable_variables", in `trainable_variables`' order) until a
+    # callback syncs it (`_jax_state_synced`).
+    code = inspect.unwrap(keras.Model.fit).__code__
+    # The dict's keys are one tuple constant where it is built in one go.
+    constants = set()
+    for constant in code.co_consts:
+        constants.update(constant if isinstance(constant, tuple) else [constant])
+    return (
+        "_jax_state" in code.co_names
+        and "_jax_state_synced" in code.co_names
+        and "trainable_variables" in constants
+    )
+
+
+def live_trainable_values(model: keras.Model) -> list | None:
+    """On JAX, inside `fit()`: the trainable variables' values as the last
+    step left them, without syncing the state into the model's variables
+    (which the next step would gather back); `None` where there is no such
+    state (other backends, outside a step, already synced): the variables
+    themselves are current then."""
+    if keras.backend.backend() != "jax" or not usable("jax_live_state"):
+        return None
+    state = getattr(model, "_jax_state", None)
+    if not state or getattr(model, "_jax_state_synced", True):
+        return None
+    try:
+        values = state["trainable_variables"]
+        if not isinstance(values, (list, tuple)):
+            raise TypeError(f"trainable_variables is a {type(values).__name__}")
+        return list(values)
+    except (KeyError, TypeError) as e:
+        fail("jax_live_state", e)
+        return None
+
+
 def step_after(
     result: Any, model: keras.Model, read: Callable[[keras.Model], int]
 ) -> int | None:

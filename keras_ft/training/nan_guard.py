@@ -14,7 +14,7 @@ from typing import Any
 
 import keras
 
-from keras_ft import backend, events
+from keras_ft import backend, compat, events
 from keras_ft.compat import print_msg
 from keras_ft.training import batch_ends
 from keras_ft.training.resume import FastForward
@@ -134,11 +134,13 @@ class NanGuard(BackupService):
         self.rollbacks: list[tuple[str, int]] = []
         self._epoch = 0
         self._skipping: FastForward | None = None
+        self._fit_model: keras.Model | None = None
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.stopped = None
         self.rollbacks = []
         self._thread = threading.get_ident()
+        self._fit_model = self.model  # Read at batch begins without a sync.
         # Whether a batch end ran on the training thread this fit() (Keras
         # then waits for every step's logs: each is checked there).
         self._synced = False
@@ -166,10 +168,14 @@ class NanGuard(BackupService):
         if self._read_pending(batch - 1):
             return  # Acted on it: the state is the backup's, or training stops.
         if batch > 0:
-            # The state the last batch left (`self.model` syncs it, on JAX,
-            # without waiting for the device), checked on the device; read
-            # at the next batch's begin.
-            flag = backend.finite_flag(self.model.trainable_variables)
+            # The weights the last batch left, checked on the device; read at
+            # the next batch's begin. On JAX, from the state the step returned
+            # (`self.model` would sync it into every variable, and the next
+            # step gather it back).
+            values = compat.live_trainable_values(self._fit_model)
+            if values is None:
+                values = self.model.trainable_variables
+            flag = backend.finite_flag(values)
             if flag is not None:
                 self._pending = (flag, batch - 1)
 
@@ -251,6 +257,7 @@ class NanGuard(BackupService):
 
     def on_train_end(self, logs: dict | None = None) -> None:
         self._lag_state()  # Nothing of the fit's state is held past it.
+        self._fit_model = None
         if self._skipping is not None:
             self._skipping.remove()
             self._skipping = None
