@@ -334,9 +334,14 @@ def move_to_host(
     copies: list,
     destinations: list[np.ndarray],
     stopped: Callable[[], bool] = lambda: False,
+    before: Callable[[int], None] = lambda i: None,
+    landed: Callable[[int], None] = lambda i: None,
 ) -> bool:
     """Moves each of `copies` (from `device_snapshot()`) into its place in
-    host memory, `destinations` (arrays of the same shapes and dtypes).
+    host memory, `destinations` (arrays of the same shapes and dtypes), in
+    order: `before(i)` is called before anything lands in `destinations[i]`
+    (it may wait for that memory to be free), and `landed(i)` once all of
+    it has, in the order of `i`.
 
     PyTorch copies straight into the destinations (a DMA where they are
     page-locked, see `pin_host()`); JAX moves each array from a device in
@@ -351,32 +356,62 @@ def move_to_host(
     """
     backend = keras.backend.backend()
     if backend == "torch":
-        import torch
-
-        cuda, done = False, True
-        for copy, destination in zip(copies, destinations, strict=True):
-            if stopped():
-                done = False
-                break
-            if not isinstance(copy, torch.Tensor):
-                _bytes_of(destination)[:] = _bytes_of(np.asarray(copy))
-                continue
-            target = torch.from_numpy(_bytes_of(destination))
-            source = copy.detach().reshape(-1).contiguous().view(torch.uint8)
-            cuda = cuda or source.device.type == "cuda"
-            target.copy_(source, non_blocking=source.device.type == "cuda")
-        if cuda:
-            torch.cuda.synchronize()
-        copies[:] = [None] * len(copies)  # Every move from them has landed.
-        return done
+        return _torch_move(copies, destinations, stopped, before, landed)
     if backend == "jax":
-        return _jax_move(copies, destinations, stopped)
+        return _jax_move(copies, destinations, stopped, before, landed)
     for i, (copy, destination) in enumerate(zip(copies, destinations, strict=True)):
         if stopped():
             return False
+        before(i)
         _bytes_of(destination)[:] = _bytes_of(np.asarray(view(copy)))
         copies[i] = None
+        landed(i)
     return True
+
+
+def _torch_move(
+    copies: list,
+    destinations: list[np.ndarray],
+    stopped: Callable[[], bool],
+    before: Callable[[int], None],
+    landed: Callable[[int], None],
+) -> bool:
+    """`move_to_host()` on PyTorch: each copy from a GPU is queued on the
+    current stream with an event after it; what has landed is told as the
+    queue goes on, and the rest at its end."""
+    import torch
+
+    pending: list[tuple[int, Any]] = []  # Queued: (index, its event).
+
+    def tell(wait: bool) -> None:
+        while pending and (wait or pending[0][1].query()):
+            i, event = pending.pop(0)
+            event.synchronize()
+            copies[i] = None  # Its move has landed.
+            landed(i)
+
+    done = True
+    for i, (copy, destination) in enumerate(zip(copies, destinations, strict=True)):
+        if stopped():
+            done = False
+            break
+        before(i)
+        if not isinstance(copy, torch.Tensor) or copy.device.type != "cuda":
+            tell(wait=True)  # In order.
+            source = copy.detach() if isinstance(copy, torch.Tensor) else copy
+            _bytes_of(destination)[:] = _bytes_of(np.asarray(source))
+            copies[i] = None
+            landed(i)
+            continue
+        target = torch.from_numpy(_bytes_of(destination))
+        source = copy.detach().reshape(-1).contiguous().view(torch.uint8)
+        target.copy_(source, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        pending.append((i, event))
+        tell(wait=False)
+    tell(wait=True)  # Every move queued has landed, also when stopped.
+    return done
 
 
 # A piece of an array JAX moves to host memory at a time (`_jax_move()`).
@@ -391,7 +426,11 @@ def _read_in_place(array: Any) -> bool:
 
 
 def _jax_move(
-    copies: list, destinations: list[np.ndarray], stopped: Callable[[], bool]
+    copies: list,
+    destinations: list[np.ndarray],
+    stopped: Callable[[], bool],
+    before: Callable[[int], None],
+    landed: Callable[[int], None],
 ) -> bool:
     """`move_to_host()` on JAX. An array on one accelerator is moved in
     pieces of rows (its first axis) of at most `_MOVE_PIECE` bytes, the next
@@ -402,11 +441,20 @@ def _jax_move(
     array on the device. Arrays in host memory (the CPU) are read in place."""
     import jax
 
-    pending: list[tuple[Any, np.ndarray]] = []  # Started, not yet in place.
+    # Started, not yet in place: (piece, where it goes, the index of its
+    # destination, whether it is the destination's last piece).
+    pending: list[tuple[Any, np.ndarray, int, bool]] = []
+    waited = -1  # The last destination `before()` was called for.
 
     def land() -> None:
-        piece, destination = pending.pop(0)
+        nonlocal waited
+        piece, destination, index, last = pending.pop(0)
+        if waited < index:
+            before(index)
+            waited = index
         destination[:] = _bytes_of(np.asarray(view(piece)))
+        if last:
+            landed(index)
 
     for i, (copy, destination) in enumerate(zip(copies, destinations, strict=True)):
         if stopped():
@@ -416,18 +464,30 @@ def _jax_move(
         if not isinstance(copy, jax.Array) or copy.ndim == 0 or _read_in_place(copy):
             while pending:
                 land()
+            before(i)
+            waited = i
             target[:] = _bytes_of(np.asarray(view(copy)))
+            landed(i)
             continue
         rows = copy.shape[0]
         row_bytes = target.nbytes // rows if rows else 0
         step = max(1, _MOVE_PIECE // max(row_bytes, 1))
-        for start in range(0, rows if row_bytes else 0, step):
+        starts = range(0, rows if row_bytes else 0, step)
+        if not starts:  # No bytes: nothing to move.
+            while pending:
+                land()
+            before(i)
+            waited = i
+            landed(i)
+            continue
+        for start in starts:
             if stopped():
                 return False
             piece = copy[start : start + step]
             piece.copy_to_host_async()
             end = min(start + step, rows)
-            pending.append((piece, target[start * row_bytes : end * row_bytes]))
+            place = target[start * row_bytes : end * row_bytes]
+            pending.append((piece, place, i, end == rows))
             if len(pending) > 1:
                 land()
         del copy

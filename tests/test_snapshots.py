@@ -21,7 +21,7 @@ from conftest import make_data, make_model, subprocess_env
 
 import keras_ft
 from keras_ft import backend, threads
-from keras_ft.state import snapshots
+from keras_ft.state import snapshots, weights_copy, weights_layout
 from keras_ft.state.snapshots import SnapshotPlace
 
 
@@ -287,6 +287,78 @@ def test_jax_moves_a_snapshot_to_host_memory_in_pieces(monkeypatch):
     for value, moved in zip(values, destinations, strict=True):
         np.testing.assert_array_equal(moved, np.asarray(value))
         assert moved.dtype == np.asarray(value).dtype
+
+
+@pytest.mark.parametrize("pieces", [False, True], ids=["whole", "in pieces"])
+def test_a_move_says_where_each_value_may_land_and_where_it_has(monkeypatch, pieces):
+    """`before(i)` comes before anything lands in the i-th destination (it
+    may wait for that memory), `landed(i)` once all of it has, in order."""
+    if pieces:
+        if keras.backend.backend() != "jax":
+            pytest.skip("JAX's own move in pieces")
+        monkeypatch.setattr(backend, "_read_in_place", lambda array: False)
+        monkeypatch.setattr(backend, "_MOVE_PIECE", 1000)
+    rng = np.random.default_rng(0)
+    values = [rng.normal(size=shape).astype("float32")
+              for shape in [(37, 29), (5,), (3, 400), (0, 3), ()]]  # fmt: skip
+    copies, made = backend.device_snapshot(
+        [keras.ops.convert_to_tensor(v) for v in values]
+    )
+    made()
+    destinations = [np.zeros_like(v) for v in values]
+    told = []
+
+    def before(i):
+        assert not destinations[i].any(), i  # Nothing of it has landed.
+        told.append(("before", i))
+
+    def landed(i):
+        np.testing.assert_array_equal(destinations[i], values[i])
+        told.append(("landed", i))
+
+    assert backend.move_to_host(copies, destinations, before=before, landed=landed)
+    assert told == [
+        (what, i) for i in range(len(values)) for what in ("before", "landed")
+    ]
+
+
+def test_a_device_snapshot_lands_behind_the_last_write_and_is_written_as_it_lands(
+    monkeypatch,
+):
+    """Saving every batch, a snapshot's move into the one host buffer does not
+    wait for the whole last write: each value lands once the write has passed
+    its place, and the writer follows the values landed (the check between),
+    so a save takes about the longer of the move and the write, not both."""
+    monkeypatch.setattr(weights_copy, "_COPY_BATCH", 1)  # A batch per piece.
+    model = make_model(units=64)
+    model.optimizer.build(model.trainable_variables)
+    layout = weights_layout.WeightsLayout(model)
+    first = layout.capture(fill=False, on_device=True)
+    first.fill()
+    first.filled.wait_for(first.filled.total)
+    total = first.filled.total
+    half = total // 2
+    first.written.advance(half)  # Its writer is halfway through.
+
+    second = layout.capture(fill=False, on_device=True)
+    moving = threading.Thread(target=second.fill, daemon=True)
+    moving.start()
+    reached = threading.Event()
+    threading.Thread(
+        target=lambda: (second.filled.wait_for(1), reached.set()), daemon=True
+    ).start()
+    assert reached.wait(30), "the writer could not start before the last write ended"
+    assert 0 < second.filled.level <= half
+    moving.join(0.2)
+    assert moving.is_alive()  # Waiting for the last write to pass a value's place.
+
+    first.written.finish()
+    moving.join(30)
+    second.filled.wait_for(total)
+    assert not second.non_finite
+    second.written.finish()  # Its write (as a writer would mark it).
+    whole = layout.capture(copy=True, fill=True)
+    assert b"".join(map(bytes, second.chunks)) == b"".join(map(bytes, whole.chunks))
 
 
 def test_a_save_called_off_stops_its_move_to_host_memory(tmp_path, monkeypatch):

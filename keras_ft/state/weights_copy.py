@@ -119,6 +119,7 @@ class CopyBuffer:
         self._written: Watermark | None = None  # Of the last copy's write.
         self._allocating: threading.Thread | None = None
         self._views: list[np.ndarray] = []  # Each slot's place in the image.
+        self._move_order: tuple[list[int], list[int]] = ([], [])
         # The device the buffer is page-locked for (see `pin()`), and what
         # unlocks it (`_lock()`).
         self._pin_for: Any = None
@@ -162,9 +163,12 @@ class CopyBuffer:
     ) -> CapturedWeights:
         """A copy of `values` in the buffer (see `WeightsLayout.capture()`);
         `values` may be a function that gives them, called by `fill()`.
-        With `move`, `values` is ignored: `fill()` calls `move(views)` to
-        put every value into its place (`views`, in `slots` order) itself,
-        once the last write is over, and the check follows it."""
+        With `move`, `values` is ignored: `fill()` calls `move(views,
+        stopped, order, before, landed)` to put every value into its place
+        itself: `views` in file order (`order` gives each one's index in
+        `slots`), calling `before(k)` before the k-th lands (it waits for
+        the last write to pass its place) and `landed(k)` once it has; the
+        check and the writer follow it."""
         self._allocate()
         previous, filled = self._written, Watermark(self.size)
         if previous is not None and previous.level < previous.total:
@@ -265,36 +269,58 @@ class CopyBuffer:
 
     def _move(
         self,
-        move: Callable[[list[np.ndarray], Callable[[], bool]], bool],
+        move: Callable[..., bool],
         previous: Watermark | None,
         filled: Watermark,
         non_finite: list[str],
         stop: threading.Event,
     ) -> None:
-        """`move()` into the buffer, then the check in a thread of its own;
-        neither once `stop` is set."""
+        """`move()` into the buffer in file order, with the check in a
+        thread of its own following it, and the writer following the check;
+        none once `stop` is set.
+
+        Each value lands once the last write from the buffer has passed its
+        place, and the next value's move goes on while this save's write
+        of the values before it does: a save every batch takes about the
+        longer of the move and the write, not both, in one buffer."""
+        order, ends = self._move_order
+        moved = Watermark(self.size)
+        batches = self._copy_batches
+        threads.submit(threads.checker, self._check, batches, filled, non_finite, moved)
+
+        def before(k: int) -> None:  # The k-th value moved, in file order.
+            if previous is not None:
+                previous.wait_for(ends[k])
+
         try:
-            if previous is not None:  # A move lands anywhere in the buffer.
-                previous.wait_for(previous.total)
-            if stop.is_set() or not move(self._views, stop.is_set):
-                filled.abandon(threads.Cancelled("the save was called off"))
+            if stop.is_set() or not move(
+                [self._views[i] for i in order],
+                stop.is_set,
+                order,
+                before,
+                lambda k: moved.advance(ends[k]),
+            ):
+                moved.abandon(threads.Cancelled("the save was called off"))
                 return
         except BaseException as e:
-            filled.abandon(e)
+            moved.abandon(e)
             raise
-        batches = self._copy_batches
-        threads.submit(threads.checker, self._check, batches, filled, non_finite)
+        moved.finish()
 
     def _check(
         self,
         batches: list[tuple[int, list[_Piece], int]],
         filled: Watermark,
         non_finite: list[str],
+        moved: Watermark | None = None,
     ) -> None:
-        """Checks a copy made, batch by batch, raising `filled` as it goes."""
+        """Checks a copy made (or being `moved` into the buffer), batch by
+        batch, raising `filled` as it goes."""
         bad: set[int] = set()
         try:
             for ready, pieces, _ in batches:
+                if moved is not None:
+                    moved.wait_for(ready)
                 bad.update(_non_finite_pieces(pieces))
                 filled.advance(ready)
         except BaseException as e:
@@ -327,6 +353,11 @@ class CopyBuffer:
             image[offset : offset + len(gap)] = gap
         self._copy_batches = _copy_batches(self._slots, buffer, self.size)
         self._views = [slot_view(buffer, slot) for slot in self._slots]
+        # A move's order (the slots, in file order) and how much of the file
+        # is final once each has landed (up to the next one's place).
+        order = sorted(range(len(self._slots)), key=lambda i: self._slots[i].offset)
+        offsets = [self._slots[i].offset for i in order]
+        self._move_order = (order, offsets[1:] + [self.size])
         if self._pin_for is not None:
             self._lock(buffer, self._pin_for)
         self._image, self._written = image, None
@@ -345,7 +376,7 @@ class CopyBuffer:
             self._unpin()
             self._unpin = None
         self._image, self._copy_batches, self._written = None, [], None
-        self._views = []
+        self._views, self._move_order = [], ([], [])
 
 
 # A piece of a value to copy: (index in `_data_slots()`, first and last

@@ -155,10 +155,17 @@ class WeightsLayout:
             copies, made = host.device_snapshot(values)
 
             def move(
-                destinations: list[np.ndarray], stopped: Callable[[], bool]
+                destinations: list[np.ndarray],
+                stopped: Callable[[], bool],
+                order: list[int],
+                before: Callable[[int], None],
+                landed: Callable[[int], None],
             ) -> bool:
                 made()
-                return host.move_to_host(copies, destinations, stopped)
+                # In the buffer's file order; each copy let go once moved.
+                ordered = [copies[i] for i in order]
+                copies.clear()
+                return host.move_to_host(ordered, destinations, stopped, before, landed)
 
             buffer = self._copy_buffer()
             if values:
