@@ -26,7 +26,7 @@ $py -c 'import keras, jax, torch; print("keras", keras.__version__, "jax",
 stages=" ${STAGES:-tests jax torch} "
 tests="tests/test_snapshots.py tests/test_exact_resume.py tests/test_rng.py
   tests/test_nan_guard.py"
-select="snapshot or mid_epoch_resumes or rng or device_check or rollback"
+select="snapshot or mid_epoch_resumes or rng or device_check or rollback or guard or batch_later"
 if [[ $stages == *" tests "* ]]; then
 # Both backends at once (small models); JAX takes memory as it goes.
 XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_deterministic_ops=true \
