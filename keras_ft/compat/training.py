@@ -197,6 +197,16 @@ def stack_holds(frame: Any, obj: Any) -> bool:
     return False
 
 
+def _jax_fit_names() -> set[str]:
+    """The names and string constants of the JAX trainer's `fit()` (the
+    JAX trainer's class is `keras.Model`'s base; its name has changed)."""
+    code = inspect.unwrap(keras.Model.fit).__code__
+    names = set(code.co_names) | set(code.co_varnames)
+    for constant in code.co_consts:  # A dict's keys are one tuple constant.
+        names.update(constant if isinstance(constant, tuple) else [constant])
+    return {name for name in names if isinstance(name, str)}
+
+
 @register(
     "jax_step_state",
     "StopAtStep may stop one step short of `last_step` where a "
@@ -205,12 +215,8 @@ def stack_holds(frame: Any, obj: Any) -> bool:
 )
 def _check_jax_step_state() -> bool:
     # fit() unpacks the state its train function returns: the optimizer's
-    # variables, in `optimizer.variables`' order, are its third part. (The
-    # JAX trainer's class is `keras.Model`'s base; its name has changed.)
-    code = inspect.unwrap(keras.Model.fit).__code__
-    return "train_function" in code.co_names and "optimizer_variables" in (
-        code.co_varnames
-    )
+    # variables, in `optimizer.variables`' order, are its third part.
+    return {"train_function", "optimizer_variables"} <= _jax_fit_names()
 
 
 @register(
@@ -223,15 +229,8 @@ def _check_jax_live_state() -> bool:
     # fit() keeps the state its last step returned in `_jax_state` (a dict
     # with "trainable_variables", in `trainable_variables`' order) until a
     # callback syncs it (`_jax_state_synced`).
-    code = inspect.unwrap(keras.Model.fit).__code__
-    # The dict's keys are one tuple constant where it is built in one go.
-    constants = set()
-    for constant in code.co_consts:
-        constants.update(constant if isinstance(constant, tuple) else [constant])
-    return (
-        "_jax_state" in code.co_names
-        and "_jax_state_synced" in code.co_names
-        and "trainable_variables" in constants
+    return {"_jax_state", "_jax_state_synced", "trainable_variables"} <= (
+        _jax_fit_names()
     )
 
 
