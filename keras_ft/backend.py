@@ -461,26 +461,22 @@ def _jax_move(
             return False
         target = _bytes_of(destination)
         copies[i] = None  # `copy` holds it until its last piece.
-        if not isinstance(copy, jax.Array) or copy.ndim == 0 or _read_in_place(copy):
-            while pending:
-                land()
-            before(i)
-            waited = i
-            target[:] = _bytes_of(np.asarray(view(copy)))
-            landed(i)
-            continue
-        rows = copy.shape[0]
+        whole = not isinstance(copy, jax.Array) or copy.ndim == 0
+        rows = 0 if whole else copy.shape[0]
         row_bytes = target.nbytes // rows if rows else 0
-        step = max(1, _MOVE_PIECE // max(row_bytes, 1))
-        starts = range(0, rows if row_bytes else 0, step)
-        if not starts:  # No bytes: nothing to move.
+        if whole or not row_bytes or _read_in_place(copy):
+            # Read at once (no bytes: nothing to read), after the pieces
+            # before it have landed.
             while pending:
                 land()
             before(i)
             waited = i
+            if target.nbytes:
+                target[:] = _bytes_of(np.asarray(view(copy)))
             landed(i)
             continue
-        for start in starts:
+        step = max(1, _MOVE_PIECE // row_bytes)
+        for start in range(0, rows, step):
             if stopped():
                 return False
             piece = copy[start : start + step]
