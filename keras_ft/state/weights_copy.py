@@ -119,7 +119,9 @@ class CopyBuffer:
         self._written: Watermark | None = None  # Of the last copy's write.
         self._allocating: threading.Thread | None = None
         self._views: list[np.ndarray] = []  # Each slot's place in the image.
-        self._move_order: tuple[list[int], list[int]] = ([], [])
+        # A move's order (the slots, in file order), the views in it, and how
+        # much of the file is final once each has landed.
+        self._move_order: tuple[list[int], list[np.ndarray], list[int]] = ([], [], [])
         # The device the buffer is page-locked for (see `pin()`), and what
         # unlocks it (`_lock()`).
         self._pin_for: Any = None
@@ -283,7 +285,7 @@ class CopyBuffer:
         place, and the next value's move goes on while this save's write
         of the values before it does: a save every batch takes about the
         longer of the move and the write, not both, in one buffer."""
-        order, ends = self._move_order
+        order, views, ends = self._move_order
         moved = Watermark(self.size)
         batches = self._copy_batches
         threads.submit(threads.checker, self._check, batches, filled, non_finite, moved)
@@ -294,7 +296,7 @@ class CopyBuffer:
 
         try:
             if stop.is_set() or not move(
-                [self._views[i] for i in order],
+                views,
                 stop.is_set,
                 order,
                 before,
@@ -353,11 +355,11 @@ class CopyBuffer:
             image[offset : offset + len(gap)] = gap
         self._copy_batches = _copy_batches(self._slots, buffer, self.size)
         self._views = [slot_view(buffer, slot) for slot in self._slots]
-        # A move's order (the slots, in file order) and how much of the file
-        # is final once each has landed (up to the next one's place).
+        # Once a value has landed, the file is final up to the next one's place.
         order = sorted(range(len(self._slots)), key=lambda i: self._slots[i].offset)
         offsets = [self._slots[i].offset for i in order]
-        self._move_order = (order, offsets[1:] + [self.size])
+        views = [self._views[i] for i in order]
+        self._move_order = (order, views, offsets[1:] + [self.size])
         if self._pin_for is not None:
             self._lock(buffer, self._pin_for)
         self._image, self._written = image, None
@@ -376,7 +378,7 @@ class CopyBuffer:
             self._unpin()
             self._unpin = None
         self._image, self._copy_batches, self._written = None, [], None
-        self._views, self._move_order = [], ([], [])
+        self._views, self._move_order = [], ([], [], [])
 
 
 # A piece of a value to copy: (index in `_data_slots()`, first and last
