@@ -52,6 +52,24 @@ class RecordRollback(keras_ft.CheckpointListener):
         self.saved.append(weights_of(fresh) + optimizer_values(fresh))
 
 
+class LastBatchLogs(keras.callbacks.Callback):
+    """The logs of every batch end, by epoch and batch (on whatever thread
+    Keras calls it)."""
+
+    async_safe = True
+
+    def __init__(self):
+        super().__init__()
+        self.epoch = 0
+        self.logs: dict[tuple[int, int], dict] = {}
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.logs[self.epoch, batch] = {k: float(v) for k, v in (logs or {}).items()}
+
+
 def optimizer_values(model):
     return [keras.ops.convert_to_numpy(v) for v in model.optimizer.variables]
 
@@ -65,6 +83,7 @@ def test_rollback_restores_the_last_backup_bitwise_and_finishes(
     model = make_model()
     record = RecordRollback(model)
     guard = keras_ft.NanGuard()
+    batches = LastBatchLogs()
     history = model.fit(
         x, y, epochs=1, batch_size=BATCH_SIZE, shuffle=False, verbose=0,
         callbacks=[
@@ -73,6 +92,7 @@ def test_rollback_restores_the_last_backup_bitwise_and_finishes(
                 listeners=[record], delete_checkpoint=False,
             ),
             guard,
+            batches,
         ] + ([Synced()] if synced else []),
     )  # fmt: skip
     # The NaN batch came after two good ones: rolled back to step 2.
@@ -84,13 +104,74 @@ def test_rollback_restores_the_last_backup_bitwise_and_finishes(
     assert all(np.isfinite(w).all() for w in weights_of(model))
     assert guard.stopped is None
     if synced or not DEFERRED:
-        # Then the last batch trained: the fit finished, finite.
+        # Then the last batch trained: the fit finished, finite, and the
+        # epoch logs the metrics of the batch after the rollback.
         assert iterations(model) == 3
-        assert np.isfinite(history.history["loss"]).all()
+        assert history.history["loss"] == [batches.logs[0, NAN_BATCH + 1]["loss"]]
     else:
         # Found at the epoch's end, the last batch trained on the NaN state
         # and was undone with it.
         assert iterations(model) == 2
+
+
+@pytest.mark.parametrize("synced", [True, False], ids=["synced", "deferred"])
+def test_an_epoch_rolled_back_at_its_end_logs_the_state_it_went_back_to(
+    backup_dir, data, synced
+):
+    """No step followed the rollback in that epoch: `History` gets the logs of
+    the backup rolled back to, not a mean that held the NaN (found at the
+    epoch's end) or the 0 of metrics reset with no batch since (found at the
+    last batch's end)."""
+    x, y = data
+    x = x.copy()
+    last = STEPS_PER_EPOCH - 1
+    x[last * BATCH_SIZE :] = np.nan  # The epoch's last batch.
+    model = make_model()
+    guard = keras_ft.NanGuard()
+    batches = LastBatchLogs()
+    history = model.fit(
+        x, y, epochs=2, batch_size=BATCH_SIZE, shuffle=False, verbose=0,
+        callbacks=[keras_ft.BackupAndRestore(backup_dir, save_freq=1), guard, batches]
+        + ([Synced()] if synced else []),
+    )  # fmt: skip
+    # Each epoch went back to the backup taken after its batch `last - 1`.
+    assert [step for _, step in guard.rollbacks] == [last, 2 * last]
+    assert guard.stopped is None
+    expected = [batches.logs[epoch, last - 1]["loss"] for epoch in (0, 1)]
+    assert np.isfinite(expected).all() and min(expected) > 0
+    assert history.history["loss"] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("synced", [True, False], ids=["synced", "deferred"])
+def test_an_epoch_rolled_back_to_an_epoch_end_logs_its_metrics(
+    backup_dir, data, synced
+):
+    """Back to the last epoch's end, the epoch logs what that one did: its
+    validation too where it ran on the diverged state (found at the epoch's
+    end), and its own where it ran on the state rolled back to."""
+    x, y = data
+
+    def batches():
+        for epoch in range(3):
+            for i in range(STEPS_PER_EPOCH):
+                xb = x[i * BATCH_SIZE : (i + 1) * BATCH_SIZE]
+                if epoch == 1 and i == STEPS_PER_EPOCH - 1:
+                    xb = np.full_like(xb, np.nan)
+                yield xb, y[i * BATCH_SIZE : (i + 1) * BATCH_SIZE]
+
+    model = make_model()
+    guard = keras_ft.NanGuard()
+    history = model.fit(
+        batches(), epochs=3, steps_per_epoch=STEPS_PER_EPOCH, shuffle=False, verbose=0,
+        validation_data=(x, y),
+        callbacks=[keras_ft.BackupAndRestore(backup_dir), guard]
+        + ([Synced()] if synced else []),
+    )  # fmt: skip
+    assert [step for _, step in guard.rollbacks] == [STEPS_PER_EPOCH]
+    logged = history.history
+    assert np.isfinite(logged["loss"]).all() and np.isfinite(logged["val_loss"]).all()
+    assert logged["loss"][1] == pytest.approx(logged["loss"][0])
+    assert logged["val_loss"][1] == pytest.approx(logged["val_loss"][0])
 
 
 @pytest.mark.parametrize("skip_batches", [0, 2])

@@ -16,6 +16,7 @@ import keras
 
 from keras_ft import backend, compat, events
 from keras_ft.compat import print_msg
+from keras_ft.state.training_state import optimizer_step
 from keras_ft.training import batch_ends
 from keras_ft.training.resume import FastForward
 from keras_ft.training.services import BackupService
@@ -62,8 +63,10 @@ class NanGuard(BackupService):
     A non-finite state is never backed up: `BackupAndRestore` skips it. After
     a rollback the epoch's metrics start afresh (their means held the NaN),
     and the data go on where they were: the batches between the checkpoint
-    and the NaN are not replayed. One process only: in a cluster, every
-    worker would have to roll back at the same step.
+    and the NaN are not replayed. An epoch whose rollback no batch followed
+    (the NaN was in its last batch) logs the metrics the backup was taken
+    with, so `History` holds no NaN for it. One process only: in a cluster,
+    every worker would have to roll back at the same step.
 
     Example:
 
@@ -135,6 +138,7 @@ class NanGuard(BackupService):
         self._epoch = 0
         self._skipping: FastForward | None = None
         self._fit_model: keras.Model | None = None
+        self._rolled_back: tuple[int, dict[str, float]] | None = None
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         self.stopped = None
@@ -161,6 +165,9 @@ class NanGuard(BackupService):
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
         self._lag_state()
+        # The last rollback of this epoch: the step and the logs it went
+        # back to.
+        self._rolled_back: tuple[int, dict[str, float]] | None = None
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if self._synced or self.stopped is not None or not self.async_safe:
@@ -192,8 +199,14 @@ class NanGuard(BackupService):
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         # Keras has run every batch end of the epoch by now.
-        if self._synced or self.stopped is not None or self._last_end < 0:
-            return
+        if not (self._synced or self.stopped is not None or self._last_end < 0):
+            self._check_epoch_end()
+        if self._rolled_back is not None and self.stopped is None and logs:
+            self._log_rolled_back(logs)
+
+    def _check_epoch_end(self) -> None:
+        """The checks still owed once the batch ends ran off the training
+        thread: the state the last batch left, and a loss noted not finite."""
         last = self._last_end
         if self._read_pending(last):
             return
@@ -203,6 +216,21 @@ class NanGuard(BackupService):
         elif self._lossy is not None:
             batch, what, noted = self._lossy
             self._act(what, batch, noted, lag=last - batch)
+
+    def _log_rolled_back(self, logs: dict) -> None:
+        """Where no step followed this epoch's last rollback, its logs are
+        the backup's: Keras computed them from metrics that either held the
+        NaN (found at the epoch's end) or were reset with no batch since
+        (found at its last batch). Changed in place, before `History` (which
+        Keras puts after every callback of the `fit()`) records them."""
+        step, saved = self._rolled_back
+        if optimizer_step(self.model) != step:
+            return  # Batches trained since: their metrics are the epoch's.
+        for key, value in saved.items():
+            # Validation ran before this epoch end: on the state rolled back
+            # to where a batch end found the NaN, so only a NaN is replaced.
+            if key in logs and not (key.startswith("val_") and _finite(logs[key])):
+                logs[key] = value
 
     def _note(self, batch: int, logs: dict | None) -> None:
         """A batch end on Keras' callback thread: its logs (numbers by now)
@@ -274,6 +302,8 @@ class NanGuard(BackupService):
             self._give_up(f"NanGuard: {where}, and nothing is backed up yet; stopping.")
             return
         self.rollbacks.append((point.checkpoint, point.step))
+        saved = point.extra.get("logs") or _finite_logs(logs)
+        self._rolled_back = (point.step, saved)
         # The epoch's mean loss holds the NaN: its metrics start afresh.
         self.model.reset_metrics()
         message = (
@@ -290,12 +320,7 @@ class NanGuard(BackupService):
         if skip:
             if self._skipping is not None:
                 self._skipping.remove()
-            self._skipping = FastForward(
-                self.model,
-                skip,
-                point.extra.get("logs") or _finite_logs(logs),
-                on_done=self._skipped,
-            )
+            self._skipping = FastForward(self.model, skip, saved, on_done=self._skipped)
         events.say(
             "stop",
             message + ".",
@@ -358,6 +383,13 @@ def _non_finite(logs: dict | None, model: keras.Model) -> str | None:
         if not backend.all_finite(backend.view(variable).reshape(-1)):
             return f"{variable.path} holds NaN or infinity"
     return None
+
+
+def _finite(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return True  # Not a number: nothing to replace.
 
 
 def _finite_logs(logs: dict | None) -> dict[str, float]:
