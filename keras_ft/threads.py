@@ -229,12 +229,14 @@ class _Pool:
 
     def __init__(self, workers: int, prefix: str, needs_two_cores: bool = False):
         self.workers, self.prefix = workers, prefix
-        self.needs_two_cores = needs_two_cores
+        # Counted once: `os.cpu_count()` reads /sys at each call (20 us on
+        # the VMs measured), and a copy asks at each of its batches.
+        self._unwanted = needs_two_cores and (os.cpu_count() or 1) < 2
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
     def __call__(self) -> ThreadPoolExecutor | None:
-        if self.needs_two_cores and (os.cpu_count() or 1) < 2:
+        if self._unwanted:
             return None
         with self._lock:
             if self._executor is None:

@@ -49,6 +49,17 @@ def pytest_runtest_logstart(nodeid, location):
             f.write(nodeid)
 
 
+def pytest_runtest_logfinish(nodeid, location):
+    # TensorFlow keeps what every fit() traced (about 6,000 objects a fit,
+    # with or without keras-ft), so a suite's heap grows by millions, and
+    # each full collection walked all of it again: seconds each, 60-90 s of
+    # a TensorFlow suite, and tests that read as stalled. What outlives a
+    # test, once its garbage is collected, is left out of later collections,
+    # which then walk only what later tests make.
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_sessionfinish(session):
     # The process's last collection, which ran after pytest's summary: a
     # TensorFlow suite beside another once took two minutes more to exit.
