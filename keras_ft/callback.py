@@ -438,7 +438,12 @@ class BackupAndRestore(keras.callbacks.Callback):
             The checkpoint loaded, or `None` if nothing is backed up yet.
         """
         self.model  # noqa: B018  On JAX, syncs: the next step reads them.
-        return self._saves.run(self._state.roll_back)
+        point = self._saves.run(self._state.roll_back)
+        if point is not None:
+            # The state is the backup's again: nothing diverged is left
+            # unsaved (no warning at train end that the last state was not).
+            self._saves.skipped_non_finite = None
+        return point
 
     # What the hooks do.
 
