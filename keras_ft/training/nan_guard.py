@@ -138,6 +138,7 @@ class NanGuard(BackupService):
         self._epoch = 0
         self._skipping: FastForward | None = None
         self._fit_model: keras.Model | None = None
+        # This epoch's last rollback: the step and the logs it went back to.
         self._rolled_back: tuple[int, dict[str, float]] | None = None
 
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -165,9 +166,7 @@ class NanGuard(BackupService):
     def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
         self._epoch = epoch
         self._lag_state()
-        # The last rollback of this epoch: the step and the logs it went
-        # back to.
-        self._rolled_back: tuple[int, dict[str, float]] | None = None
+        self._rolled_back = None
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
         if self._synced or self.stopped is not None or not self.async_safe:
