@@ -383,6 +383,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         skipped = self._resumption is not None and self._resumption.skips_epoch(epoch)
         if self.preempted_by or skipped:
             return  # Backed up at the exact step already, or a skipped epoch.
+        if logs is not None:
+            for service in self._services:
+                service.before_epoch_backup(logs)
         steps = self.params.get("steps")
         stopper = services.stopped_by(self._services)
         if steps and self._batches.done < steps:

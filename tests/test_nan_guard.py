@@ -131,8 +131,11 @@ def test_an_epoch_rolled_back_at_its_end_logs_the_state_it_went_back_to(
     batches = LastBatchLogs()
     history = model.fit(
         x, y, epochs=2, batch_size=BATCH_SIZE, shuffle=False, verbose=0,
-        callbacks=[keras_ft.BackupAndRestore(backup_dir, save_freq=1), guard, batches]
-        + ([Synced()] if synced else []),
+        callbacks=[
+            keras_ft.BackupAndRestore(backup_dir, save_freq=1, delete_checkpoint=False),
+            guard,
+            batches,
+        ] + ([Synced()] if synced else []),
     )  # fmt: skip
     # Each epoch went back to the backup taken after its batch `last - 1`.
     assert [step for _, step in guard.rollbacks] == [last, 2 * last]
@@ -142,6 +145,10 @@ def test_an_epoch_rolled_back_at_its_end_logs_the_state_it_went_back_to(
     assert history.history["loss"] == pytest.approx(expected)
     # The fit ended on the state of its last backup: nothing to warn of.
     assert not [w for w in recwarn if "was not backed up" in str(w.message)]
+    # A backup of the epoch's end made after the rollback holds those logs
+    # too, whatever the callbacks' order: a later rollback to it logs them.
+    point = keras_ft.WorkerTrainingState(make_model(), backup_dir).restore()
+    assert point.extra["logs"]["loss"] == pytest.approx(expected[-1])
 
 
 @pytest.mark.parametrize("synced", [True, False], ids=["synced", "deferred"])
@@ -154,7 +161,7 @@ def test_an_epoch_rolled_back_to_an_epoch_end_logs_its_metrics(
     x, y = data
 
     def batches():
-        for epoch in range(3):
+        for epoch in range(2):
             for i in range(STEPS_PER_EPOCH):
                 xb = x[i * BATCH_SIZE : (i + 1) * BATCH_SIZE]
                 if epoch == 1 and i == STEPS_PER_EPOCH - 1:
@@ -164,16 +171,23 @@ def test_an_epoch_rolled_back_to_an_epoch_end_logs_its_metrics(
     model = make_model()
     guard = keras_ft.NanGuard()
     history = model.fit(
-        batches(), epochs=3, steps_per_epoch=STEPS_PER_EPOCH, shuffle=False, verbose=0,
+        batches(), epochs=2, steps_per_epoch=STEPS_PER_EPOCH, shuffle=False, verbose=0,
         validation_data=(x, y),
-        callbacks=[keras_ft.BackupAndRestore(backup_dir), guard]
-        + ([Synced()] if synced else []),
+        callbacks=[
+            keras_ft.BackupAndRestore(backup_dir, delete_checkpoint=False),
+            guard,
+        ] + ([Synced()] if synced else []),
     )  # fmt: skip
     assert [step for _, step in guard.rollbacks] == [STEPS_PER_EPOCH]
     logged = history.history
     assert np.isfinite(logged["loss"]).all() and np.isfinite(logged["val_loss"]).all()
     assert logged["loss"][1] == pytest.approx(logged["loss"][0])
     assert logged["val_loss"][1] == pytest.approx(logged["val_loss"][0])
+    # The newest backup (of the second epoch's end where the rollback came
+    # before it, else of the first's) holds them too, though BackupAndRestore
+    # ran its epoch end first: a later rollback to it logs them.
+    point = keras_ft.WorkerTrainingState(make_model(), backup_dir).restore()
+    assert point.extra["logs"]["loss"] == pytest.approx(logged["loss"][0])
 
 
 @pytest.mark.parametrize("skip_batches", [0, 2])

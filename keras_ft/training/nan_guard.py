@@ -200,8 +200,8 @@ class NanGuard(BackupService):
         # Keras has run every batch end of the epoch by now.
         if not (self._synced or self.stopped is not None or self._last_end < 0):
             self._check_epoch_end()
-        if self._rolled_back is not None and self.stopped is None and logs:
-            self._log_rolled_back(logs)
+        if logs is not None:
+            self.before_epoch_backup(logs)
 
     def _check_epoch_end(self) -> None:
         """The checks still owed once the batch ends ran off the training
@@ -216,12 +216,15 @@ class NanGuard(BackupService):
             batch, what, noted = self._lossy
             self._act(what, batch, noted, lag=last - batch)
 
-    def _log_rolled_back(self, logs: dict) -> None:
+    def before_epoch_backup(self, logs: dict) -> None:
         """Where no step followed this epoch's last rollback, its logs are
         the backup's: Keras computed them from metrics that either held the
         NaN (found at the epoch's end) or were reset with no batch since
         (found at its last batch). Changed in place, before `History` (which
-        Keras puts after every callback of the `fit()`) records them."""
+        Keras puts after every callback of the `fit()`) records them, and
+        before `BackupAndRestore` backs the epoch up (it calls this first)."""
+        if self._rolled_back is None or self.stopped is not None:
+            return
         step, saved = self._rolled_back
         if optimizer_step(self.model) != step:
             return  # Batches trained since: their metrics are the epoch's.

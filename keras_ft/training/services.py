@@ -44,6 +44,11 @@ class BackupService(keras.callbacks.Callback):
         self.stopped = reason
         (model if model is not None else self.model).stop_training = True
 
+    def before_epoch_backup(self, logs: dict) -> None:
+        """Called by `BackupAndRestore` at an epoch's end, before it backs
+        the epoch up, whatever the order of the callbacks: this service may
+        correct the epoch's `logs` in place first."""
+
     def finished(self, step: int, saved_state: dict | None) -> str | None:
         """Why a run restored at optimizer step `step` must not train at all.
 
