@@ -359,14 +359,28 @@ def move_to_host(
         return _torch_move(copies, destinations, stopped, before, landed)
     if backend == "jax":
         return _jax_move(copies, destinations, stopped, before, landed)
-    for i, (copy, destination) in enumerate(zip(copies, destinations, strict=True)):
+    for i in range(len(copies)):
         if stopped():
             return False
-        before(i)
-        _bytes_of(destination)[:] = _bytes_of(np.asarray(view(copy)))
-        copies[i] = None
-        landed(i)
+        _read_whole(copies, destinations, i, before, landed)
     return True
+
+
+def _read_whole(
+    copies: list,
+    destinations: list[np.ndarray],
+    i: int,
+    before: Callable[[int], None],
+    landed: Callable[[int], None],
+) -> None:
+    """`move_to_host()` of the i-th copy at once, in this thread (a tensor
+    in host memory already, or a backend without a transfer of its own)."""
+    before(i)
+    target = _bytes_of(destinations[i])
+    if target.nbytes:
+        target[:] = _bytes_of(np.asarray(view(copies[i])))
+    copies[i] = None
+    landed(i)
 
 
 def _torch_move(
@@ -395,14 +409,11 @@ def _torch_move(
         if stopped():
             done = False
             break
-        before(i)
         if not isinstance(copy, torch.Tensor) or copy.device.type != "cuda":
             tell(wait=True)  # In order.
-            source = copy.detach() if isinstance(copy, torch.Tensor) else copy
-            _bytes_of(destination)[:] = _bytes_of(np.asarray(source))
-            copies[i] = None
-            landed(i)
+            _read_whole(copies, destinations, i, before, landed)
             continue
+        before(i)
         target = torch.from_numpy(_bytes_of(destination))
         source = copy.detach().reshape(-1).contiguous().view(torch.uint8)
         target.copy_(source, non_blocking=True)
@@ -460,21 +471,17 @@ def _jax_move(
         if stopped():
             return False
         target = _bytes_of(destination)
-        copies[i] = None  # `copy` holds it until its last piece.
         whole = not isinstance(copy, jax.Array) or copy.ndim == 0
         rows = 0 if whole else copy.shape[0]
         row_bytes = target.nbytes // rows if rows else 0
         if whole or not row_bytes or _read_in_place(copy):
-            # Read at once (no bytes: nothing to read), after the pieces
-            # before it have landed.
+            # Read at once, after the pieces before it have landed.
             while pending:
                 land()
-            before(i)
+            _read_whole(copies, destinations, i, before, landed)
             waited = i
-            if target.nbytes:
-                target[:] = _bytes_of(np.asarray(view(copy)))
-            landed(i)
             continue
+        copies[i] = None  # `copy` holds it until its last piece.
         step = max(1, _MOVE_PIECE // row_bytes)
         for start in range(0, rows, step):
             if stopped():
