@@ -161,7 +161,11 @@ def run_worker(args: argparse.Namespace) -> None:
             "local_save_freq": args.local_save_freq,
         }
     backup = keras_ft.BackupAndRestore(
-        args.backup_dir, save_freq=args.save_freq, delete_checkpoint=False, **local
+        args.backup_dir,
+        save_freq=args.save_freq,
+        delete_checkpoint=False,
+        snapshot=args.snapshot,
+        **local,
     )
     model.fit(epochs=args.epochs, verbose=0, callbacks=[backup, Report()], **data)
     weights = b"".join(keras.ops.convert_to_numpy(v).tobytes() for v in model.weights)
@@ -183,7 +187,7 @@ class Worker:
             "--workers", str(args.workers), "--backup-dir", args.backup_dir,
             "--epochs", str(args.epochs), "--save-freq", str(args.save_freq),
             "--seconds-per-batch", str(args.seconds_per_batch),
-            "--ports", *map(str, ports),
+            "--snapshot", args.snapshot, "--ports", *map(str, ports),
         ]  # fmt: skip
         if args.local_dir:
             command += ["--local-dir", args.local_dir,
@@ -377,6 +381,12 @@ def main() -> None:
         "--local-dir", help="a local tier: worker i's is <local-dir>/worker-i"
     )
     parser.add_argument("--local-save-freq", type=int, default=1)
+    parser.add_argument(
+        "--snapshot",
+        choices=["auto", "device", "host"],
+        default="auto",
+        help="BackupAndRestore's `snapshot`: where a save copies the state",
+    )
     parser.add_argument(
         "--wipe-local-of",
         type=int,

@@ -45,8 +45,11 @@ def test_a_killed_worker_resumes_from_the_chiefs_last_commit(tmp_path):
     # chief, JAX the other worker (both work on both; see the example).
     victim = 0 if keras.backend.backend() == "tensorflow" else 1
     backup_dir = str(tmp_path / "backup")
+    # Saves snapshot on the device, as "auto" does on a GPU cluster: each
+    # worker's copy is moved to host memory beside its next steps.
     run = run_cluster(backup_dir, "--save-freq", "3", "--kill-window", "0.6",
-                      "--kill-worker", str(victim), "--seed", str(victim))  # fmt: skip
+                      "--kill-worker", str(victim), "--seed", str(victim),
+                      "--snapshot", "device")  # fmt: skip
     assert run["exit_codes_after_kill"][str(victim)] == -9  # SIGKILL, for real.
     # Both workers restore the chief's newest commit and agree on it.
     committed = run["committed_step"]

@@ -53,12 +53,16 @@ def test_keras_hub_fine_tunes_resume_bitwise_exact(tmp_path):
     after a backup at batch 4 of the second epoch, and resumes in a new
     process: every model and optimizer variable, `iterations` and the
     optimizer variables' paths equal an uninterrupted run's, without
-    keras-ft."""
+    keras-ft. The crashed run snapshots on the device, as "auto" does on a
+    GPU (int8 kernels, loss-scale and EMA variables included); the resumed
+    one copies to host memory, as "auto" does on the CPU."""
     reference = str(tmp_path / "reference")
     out, backup = str(tmp_path / "resumed"), str(tmp_path / "backup")
     # Side by side (each mostly compiles, on one core).
     uninterrupted = start(reference)
-    crashed = run(out, "--backup-dir", backup, "--crash-after", "1:5")
+    crashed = run(
+        out, "--backup-dir", backup, "--crash-after", "1:5", "--snapshot", "device"
+    )
     result = finish(uninterrupted)
     assert result.returncode == 0, result.stderr
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr

@@ -7,8 +7,9 @@ LoRA with `use_ema=True`; `mixed_float16` (a LossScaleOptimizer). With `--crash-
 EPOCH:BATCHES_DONE`, each recipe's training is stopped there once its backup
 is committed: every recipe but the last by an exception (a crash that leaves
 the process alive), the last by SIGKILL. Run again, each resumes from its own
-backup. Writes each recipe's variables to OUT.npz and its counters and
-variable paths to OUT.json.
+backup. `--snapshot` is `BackupAndRestore`'s `snapshot`. Writes each
+recipe's variables to OUT.npz and its counters and variable paths to
+OUT.json.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def main() -> None:
     parser.add_argument("--backup-dir")
     parser.add_argument("--crash-after", help="EPOCH:BATCHES_DONE")
     parser.add_argument("--recipes", default=",".join(RECIPES))
+    parser.add_argument("--snapshot", default="auto")
     args = parser.parse_args()
     recipes = args.recipes.split(",")
     where = tuple(map(int, args.crash_after.split(":"))) if args.crash_after else None
@@ -110,7 +112,9 @@ def main() -> None:
             callbacks.insert(
                 0,
                 keras_ft.BackupAndRestore(
-                    os.path.join(args.backup_dir, recipe), save_freq=2
+                    os.path.join(args.backup_dir, recipe),
+                    save_freq=2,
+                    snapshot=args.snapshot,
                 ),
             )
         try:
