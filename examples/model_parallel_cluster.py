@@ -133,6 +133,17 @@ def run_worker(args: argparse.Namespace) -> None:
                 extra = memory("VmHWM") - SaveMemory.base
                 SaveMemory.peak = max(SaveMemory.peak, extra)
 
+    class HoldMoves(keras.callbacks.Callback):
+        """Holds each save's move to host memory back for a while (the
+        move waits its turn in keras-ft's one mover thread), so that the
+        steps after a save run before it: what a slow device-to-host
+        link does. Goes before the backup callback."""
+
+        def on_train_batch_end(self, batch, logs=None):
+            from keras_ft import threads
+
+            threads.submit(threads.mover, time.sleep, args.hold_moves)
+
     local = {}
     if args.local_dir:  # Each process's own disk, as if on hosts of their own.
         local = {
@@ -148,8 +159,11 @@ def run_worker(args: argparse.Namespace) -> None:
         # Measured saves are written before the batch ends: all of their
         # memory is seen between the two probes.
         async_save=not args.measure_memory,
+        snapshot=args.snapshot,
     )
     callbacks = [backup, Report()]
+    if args.hold_moves:
+        callbacks.insert(0, HoldMoves())
     if args.measure_memory:
         callbacks = [SaveMemory(True), backup, SaveMemory(False), Report()]
     model.fit(x, y, batch_size=BATCH, epochs=args.epochs, shuffle=False,
@@ -175,6 +189,7 @@ class Worker:
             "--save-freq", str(args.save_freq), "--units", str(args.units),
             "--seconds-per-batch", str(args.seconds_per_batch), "--port", str(port),
         ]  # fmt: skip
+        command += ["--snapshot", args.snapshot, "--hold-moves", str(args.hold_moves)]
         if args.measure_memory:
             command.append("--measure-memory")
         if args.local_dir:
@@ -373,6 +388,19 @@ def main() -> None:
     parser.add_argument("--backup-dir")
     parser.add_argument(
         "--local-dir", help="a local tier: process i's is <local-dir>/process-i"
+    )
+    parser.add_argument(
+        "--snapshot",
+        choices=["auto", "device", "host"],
+        default="auto",
+        help="BackupAndRestore's `snapshot`: where a save copies the state",
+    )
+    parser.add_argument(
+        "--hold-moves",
+        type=float,
+        default=0.0,
+        help="hold each save's move to host memory back this many seconds, "
+        "while training goes on (with --snapshot device)",
     )
     parser.add_argument("--local-save-freq", type=int, default=1)
     parser.add_argument(

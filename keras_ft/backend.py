@@ -600,6 +600,56 @@ def _jax_copy() -> Callable[[list], list]:
     return _jitted["jax"]
 
 
+def non_finite_pieces(copies: list) -> set[int]:
+    """The indices of `copies` (from `device_snapshot()`) of which a piece on
+    this process's devices holds a NaN or an infinity; waits for the check
+    (and for the steps queued before it).
+
+    Each device checks what it holds, with one operation (no collective: a
+    process that checks another way, or not at all, holds no other up). A
+    piece held by another process only is that process's to check.
+    """
+    import jax
+
+    by_device: dict[Any, list[tuple[int, Any]]] = {}
+    for i, copy in enumerate(copies):
+        if isinstance(copy, jax.Array) and _floating(copy):
+            for shard in copy.addressable_shards:
+                by_device.setdefault(shard.device, []).append((i, shard.data))
+    flags = [
+        (held, _jax_finite_each()([data for _, data in held]))
+        for held in by_device.values()
+    ]  # Launched on every device before any is read.
+    return {
+        i
+        for held, finite in flags
+        for (i, _), ok in zip(held, np.asarray(finite), strict=True)
+        if not ok
+    }
+
+
+def _jax_finite_each() -> Callable[[list], Any]:
+    if "jax_finite_each" not in _jitted:
+        import jax
+        import jax.numpy as jnp
+
+        _jitted["jax_finite_each"] = jax.jit(
+            lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs])
+        )
+    return _jitted["jax_finite_each"]
+
+
+def shard_shape(value: Any) -> tuple[int, ...]:
+    """The shape of the piece of `value` each device holding it holds: its
+    shape, unless it is split across devices (JAX)."""
+    value = raw_value(value)
+    shape = tuple(value.shape)
+    sharding = getattr(value, "sharding", None)
+    if keras.backend.backend() == "jax" and hasattr(sharding, "shard_shape"):
+        return tuple(sharding.shard_shape(shape))
+    return shape
+
+
 def _tf_copy() -> Callable[[list], list]:
     if "tensorflow" not in _jitted:
         import tensorflow as tf

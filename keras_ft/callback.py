@@ -175,7 +175,8 @@ class BackupAndRestore(keras.callbacks.Callback):
             moved to host memory beside the next steps; `"host"`, straight
             into host memory (on a GPU about a second per GB); `"auto"`, on
             the device where it has room for one more copy of the state,
-            else in host memory. Defaults to `"auto"`.
+            else in host memory. A model split across processes snapshots
+            each process's pieces. Defaults to `"auto"`.
 
     Attributes:
         backup_seconds: Seconds the saves of the current `fit()` have held

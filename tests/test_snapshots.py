@@ -289,6 +289,27 @@ def test_jax_moves_a_snapshot_to_host_memory_in_pieces(monkeypatch):
         assert moved.dtype == np.asarray(value).dtype
 
 
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX's sharded saves")
+def test_each_device_checks_its_pieces_of_a_snapshot():
+    """A sharded save checks its snapshot on the devices: the values with a
+    NaN or an infinity anywhere are named, whatever their floating type."""
+    import jax.numpy as jnp
+
+    values = [
+        jnp.ones((4, 3)),
+        jnp.ones((4, 3)).at[3, 2].set(jnp.nan),
+        jnp.asarray([1.0, -jnp.inf], "bfloat16"),
+        jnp.asarray([7, 8], "int32"),
+        jnp.zeros((0, 3)),
+        jnp.asarray([jnp.inf], "float16"),
+        jnp.asarray(2.0),
+    ]
+    copies, _ = backend.device_snapshot(values)
+    assert backend.non_finite_pieces(copies) == {1, 2, 5}
+    assert backend.non_finite_pieces(copies[:1] + copies[3:5]) == set()
+    assert backend.shard_shape(values[1]) == (4, 3)
+
+
 @pytest.mark.parametrize("pieces", [False, True], ids=["whole", "in pieces"])
 def test_a_move_says_where_each_value_may_land_and_where_it_has(monkeypatch, pieces):
     """`before(i)` comes before anything lands in the i-th destination (it

@@ -86,7 +86,7 @@ def assemble(
         queue=queue,
         claim=scratch or ChiefClaim(store, lock, root),
         chief=chief,
-        sharded=ShardedSaver(state, task, queue, tiers, chief),
+        sharded=ShardedSaver(state, task, queue, tiers, chief, snapshots),
         throwaway=(
             ThrowawaySaver(state, scratch)
             if scratch is not None and tiers.local is None

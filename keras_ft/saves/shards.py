@@ -1,11 +1,20 @@
 """A save of a model split across processes: each process writes its share
 (the pieces it holds) as a part, and the chief's commit waits for every
 part (`keras_ft/distribute/sharded.py`). With a local tier, each process
-first commits every piece it holds there, as a checkpoint of its own."""
+first commits every piece it holds there, as a checkpoint of its own.
+
+Where saves snapshot on the device (`snapshot=`), training waits for a copy
+of the variables there and each device's check of its pieces; the move of
+the process's pieces to host memory runs in the background, before their
+write."""
 
 from __future__ import annotations
 
+from concurrent import futures
+from concurrent.futures import Future
+
 from keras_ft import backend as host
+from keras_ft import threads
 from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.format import Checkpoint
 from keras_ft.distribute import sharded
@@ -14,6 +23,7 @@ from keras_ft.saves.chief import ChiefSaver
 from keras_ft.saves.queue import SaveQueue
 from keras_ft.saves.tiers import TieredStore
 from keras_ft.state import NonFiniteStateError, Snapshot, TrainingState, arrays
+from keras_ft.state.snapshots import SnapshotPlace
 from keras_ft.state.training_state import optimizer_step
 from keras_ft.threads import PendingWrite
 
@@ -27,6 +37,7 @@ class ShardedSaver:
         queue: The training's saves in flight.
         tiers: Where they commit.
         committer: Starts a commit (the chief's, or a local tier's).
+        snapshots: Where a save copies the state (`snapshot=`).
     """
 
     def __init__(
@@ -36,9 +47,12 @@ class ShardedSaver:
         queue: SaveQueue,
         tiers: TieredStore,
         committer: ChiefSaver,
+        snapshots: SnapshotPlace,
     ):
         self._state, self._task, self._queue = state, task, queue
         self._tiers, self._committer = tiers, committer
+        self._snapshots = snapshots
+        self._moving: Future | None = None  # The last share's move to host memory.
         self._saves = 0  # Parts are named by it: the same in every process.
 
     def back_up(
@@ -57,17 +71,26 @@ class ShardedSaver:
         chief = self._task.is_chief
         tiered = self._tiers.local is not None
         self._committer.before_save(epochs_completed)
+        names = [spec[1] for spec in self._state.variable_specs()]
+        on_device = self._snapshots.on_device(self._state.saved_variables)
         snapshot = None
         if chief or tiered:
-            snapshot = self._state.snapshot(epochs_completed, batches_completed, extra)
-            share = snapshot.share
-        else:
-            share = self._state.share()
-        specs = self._state.variable_specs()
-        bad = sharded.non_finite(share, [spec[1] for spec in specs])
+            snapshot = self._state.snapshot(
+                epochs_completed, batches_completed, extra, on_device=on_device
+            )
+        source, bad = self._copy(snapshot, names, on_device)
         # A piece only one process holds may be the one that is not finite.
+        # Every process agrees the same way whichever way it copied.
         if not host.all_processes_agree(not bad):
             raise NonFiniteStateError(bad or ["(a piece another process holds)"])
+        if isinstance(source, sharded.Share):
+            share: Future = Future()
+            share.set_result(source)
+        else:
+            # The copies on the device go with the move.
+            share = self._moving = threads.submit(
+                threads.mover, self._state.share, source
+            )
         self._saves += 1
         tag = f"{self._saves:08d}-{optimizer_step(self._state.model):012d}"
         if tiered:
@@ -78,8 +101,33 @@ class ShardedSaver:
             replaces_last = False
         return self._write_parts(snapshot, share, tag, replaces_last)
 
+    def _copy(
+        self, snapshot: Snapshot | None, names: list[str], on_device: bool
+    ) -> tuple[sharded.Share | list, list[str]]:
+        """This process's share in host memory, or the variables copied on
+        their devices (to be moved by `TrainingState.share()`), and the
+        names of the variables not finite in it."""
+        if self._moving is not None:
+            # Into the memory of the last share: wait until it is in there.
+            futures.wait([self._moving])  # Its error is its write's.
+            self._moving = None
+        if on_device:
+            try:
+                variables = self._state.saved_variables()
+                copies, _ = host.device_snapshot([host.raw_value(v) for v in variables])
+                bad = host.non_finite_pieces(copies)
+            except Exception as e:
+                if not self._snapshots.out_of_memory(e):
+                    raise
+            else:
+                return copies, [names[i] for i in sorted(bad)]
+        share = snapshot.share if snapshot is not None else None
+        if share is None:
+            share = self._state.share()
+        return share, sharded.non_finite(share, names)
+
     def _commit_own(
-        self, snapshot: Snapshot, share: sharded.Share, tag: str, replaces_last: bool
+        self, snapshot: Snapshot, share: Future, tag: str, replaces_last: bool
     ) -> None:
         """Commits every piece this process holds in its local tier."""
         process = self._task.task_index
@@ -87,7 +135,8 @@ class ShardedSaver:
         arrays_bytes = arrays.to_bytes(snapshot.arrays)
 
         def write_own(staging: Staging) -> None:
-            sharded.write_own_part(staging, process, tag, share, specs, layouts)
+            taken = share.result()
+            sharded.write_own_part(staging, process, tag, taken, specs, layouts)
             staging.write_file(arrays.ARRAYS_FILE, [arrays_bytes])
 
         self._committer.start(snapshot, replaces_last, write_own, to_bucket=False)
@@ -95,7 +144,7 @@ class ShardedSaver:
     def _write_parts(
         self,
         snapshot: Snapshot | None,
-        share: sharded.Share,
+        share: Future,
         tag: str,
         replaces_last: bool,
     ) -> Checkpoint | None:
@@ -118,7 +167,7 @@ class ShardedSaver:
                     # The local tier's commit of this save first: the
                     # bucket never holds a save some tier lacks.
                     previous.join()
-                sharded.write_part(parts, process, tag, share)
+                sharded.write_part(parts, process, tag, share.result())
 
             self._queue.run(write_part)
             return None
@@ -126,7 +175,7 @@ class ShardedSaver:
         processes = self._task.num_workers
 
         def write(staging: Staging) -> None:
-            sharded.write_part(parts, process, tag, share, staging.cancel)
+            sharded.write_part(parts, process, tag, share.result(), staging.cancel)
             parts.remove_earlier()  # Of saves called off (or killed) before.
             sharded.commit_parts(staging, parts, processes, tag, specs, layouts)
             staging.write_file(arrays.ARRAYS_FILE, [arrays.to_bytes(snapshot.arrays)])

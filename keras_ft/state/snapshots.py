@@ -93,8 +93,9 @@ class SnapshotPlace:
             return False
         if self.mode == "auto" and kind is None:
             return False  # On the CPU, the snapshot is the host copy itself.
+        # On each device, its own pieces of the variables split across devices.
         needed = sum(
-            nbytes(tuple(v.shape), keras.backend.standardize_dtype(v.dtype))
+            nbytes(host.shard_shape(v), keras.backend.standardize_dtype(v.dtype))
             for v in variables
         )
         free = host.device_free_bytes(variables[0])

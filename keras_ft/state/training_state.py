@@ -166,6 +166,8 @@ class TrainingState:
             on_device: With `copy` and not `fill`, whether the weights are
                 copied on their device now, and `fill()` (in any thread)
                 moves that copy to host memory (see `WeightsLayout.capture()`).
+                In a sharded save, whether this process's share is left to
+                the caller to take (`share()`, from a copy on the device).
                 Defaults to `False`.
         """
         tree = {
@@ -182,20 +184,25 @@ class TrainingState:
         metadata["state"], state_arrays = arrays.split(tree)
         if self.sharded():
             # Each process copies its share; no weights file is written.
-            return Snapshot(None, metadata, state_arrays, self.share())
+            share = None if on_device else self.share()
+            return Snapshot(None, metadata, state_arrays, share)
         captured = self._weights.capture(
             copy=copy, fill=fill, check_later=check_later, on_device=on_device
         )
         return Snapshot(captured, metadata, state_arrays)
 
-    def share(self) -> sharded.Share:
-        """This process's pieces of a sharded save (see `sharded()`), copied.
+    def share(self, values: list | None = None) -> sharded.Share:
+        """This process's pieces of a sharded save (see `sharded()`), copied
+        to host memory from `values` (a copy of `saved_variables()` on their
+        devices), or from the variables themselves.
 
         The copy reuses the previous one's memory: call it only once that
         was written out.
         """
         self._share = sharded.take_share(
-            self.saved_variables(), self._share, self.every_replica
+            self.saved_variables() if values is None else values,
+            self._share,
+            self.every_replica,
         )
         return self._share
 
