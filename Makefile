@@ -70,6 +70,8 @@ bench: venv
 	$(PY) benchmarks/save_cost.py
 	$(PY) benchmarks/accelerator.py --quick  # On a GPU machine: without --quick.
 	$(PY) benchmarks/batch_ends.py  # Between saves: Keras' dispatch ahead kept.
+	$(PY) benchmarks/cluster_saves.py  # 2 JAX processes: each one's time held up.
+	$(PY) benchmarks/cluster_saves.py --backend tensorflow
 	$(PY) -m pip install -q obstore  # Only to compare against s3fs.
 	$(PY) benchmarks/object_storage.py
 	$(PY) -m pip install -q orbax-checkpoint  # Keras' OrbaxCheckpoint, the peer.

@@ -298,8 +298,7 @@ class WorkerTrainingState:
         if self._state.sharded():
             saver = self._parts.sharded
         elif self._parts.throwaway is not None:
-            self._parts.throwaway.back_up(epochs_completed, batches_completed, extra)
-            return None
+            saver = self._parts.throwaway  # Commits nothing: returns `None`.
         else:
             saver = self._parts.chief
         return saver.back_up(
@@ -333,7 +332,7 @@ class WorkerTrainingState:
         """Does the one-time work of the first save now (walking the model,
         laying out the weights file, and with `async_save`, allocating the
         buffer snapshots are copied into), so that no save pays for it."""
-        self._state.prepare(copy=self._parts.throwaway is None)
+        self._state.prepare()
 
     def discard_pending(self) -> None:
         """Calls off the background writes that have not committed yet.

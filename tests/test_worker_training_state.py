@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import keras
 import numpy as np
@@ -143,6 +145,49 @@ def test_non_chief_writes_a_temporary_directory_and_removes_it(
     assert worker.restore().epoch == 1
     worker.delete_backup()
     assert tree_digest(backup_dir) == before
+
+
+def test_a_non_chief_save_is_written_in_the_background_from_a_copy(
+    backup_dir, data, tmp_path, monkeypatch
+):
+    """A worker's throwaway save is taken as the chief's: training waits for
+    a copy of the state, the write follows in the background (here only
+    after more steps ran), and the directory is gone once it is over."""
+    x, y = data
+    model = make_model()
+    worker = WorkerTrainingState(
+        model, backup_dir, async_save=True, task=TaskSpec("worker", 1, 2, False)
+    )
+    gate = threading.Event()
+    original_write = keras_ft.saves.chief.write_snapshot
+
+    def held_write(snapshot, directory):
+        assert gate.wait(60)  # The write begins after the steps below.
+        original_write(snapshot, directory)
+        kept = str(tmp_path / "kept.weights.h5")
+        shutil.copyfile(os.path.join(directory, "model.weights.h5"), kept)
+
+    monkeypatch.setattr(keras_ft.saves.chief, "write_snapshot", held_write)
+    model.train_on_batch(x[:16], y[:16])
+    expected = [keras.ops.convert_to_numpy(w) for w in model.weights]
+    assert worker.back_up(0) is None  # Without waiting for the write.
+    scratch = os.path.join(backup_dir, "workertemp_1")
+    model.train_on_batch(x[16:32], y[16:32])
+    gate.set()
+    worker.wait()
+    assert not os.path.exists(scratch)
+    assert not os.path.exists(os.path.join(backup_dir, "chief", "ckpt-00000001"))
+    written = make_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Its optimizer is not built: no matter.
+        written.load_weights(str(tmp_path / "kept.weights.h5"))
+    assert any(
+        not np.array_equal(keras.ops.convert_to_numpy(w), e)
+        for w, e in zip(model.weights, expected, strict=True)
+    )  # Trained on.
+    for w, e in zip(written.weights, expected, strict=True):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(w), e)
+    worker.close()
 
 
 # Worker 1 of a cluster: it locks its directory, says so, saves when told.

@@ -88,7 +88,7 @@ def assemble(
         chief=chief,
         sharded=ShardedSaver(state, task, queue, tiers, chief, snapshots),
         throwaway=(
-            ThrowawaySaver(state, scratch)
+            ThrowawaySaver(state, task, queue, tiers, scratch, snapshots)
             if scratch is not None and tiers.local is None
             else None
         ),

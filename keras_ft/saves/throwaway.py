@@ -1,19 +1,26 @@
 """A worker's throwaway save: in a cluster, a process other than the chief
 writes its save into a temporary directory of its own and removes it right
 after (backends that need every worker to read distributed variables then
-read them all), under a lock of its own."""
+read them all), under a lock of its own. It is taken and written as the
+chief's save is, in the background."""
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
+import threading
+from collections.abc import Callable
 
+from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.lock import DirectoryLock
 from keras_ft.checkpoint.store import CheckpointStore
 from keras_ft.distribute.cluster import TaskSpec, worker_temp_name
-from keras_ft.saves import chief
-from keras_ft.state import TrainingState
+from keras_ft.saves.chief import ChiefSaver
+from keras_ft.saves.queue import SaveQueue
+from keras_ft.saves.tiers import TieredStore
+from keras_ft.state import Snapshot, TrainingState
+from keras_ft.state.snapshots import SnapshotPlace
+from keras_ft.threads import PendingWrite
 
 
 class WorkerScratch:
@@ -57,27 +64,57 @@ class WorkerScratch:
         CheckpointStore(self.path).check_writable()
 
 
-class ThrowawaySaver:
+class ThrowawaySaver(ChiefSaver):
     """Writes a worker's save into its scratch directory, then removes it.
+
+    The save is taken as the chief takes its own (a copy on the device, or
+    into the host buffer, with `snapshot=`), and written by the writer
+    thread: a worker holds the cluster's next step up no longer than the
+    chief does.
 
     Args:
         state: The training state.
+        task: This worker's role.
+        queue: The training's saves in flight.
+        tiers: The backup's stores (for the error of a failed write).
         scratch: The worker's directory.
+        snapshots: Where a save copies the state (`snapshot=`).
     """
 
-    def __init__(self, state: TrainingState, scratch: WorkerScratch):
-        self._state, self._scratch = state, scratch
+    def __init__(
+        self,
+        state: TrainingState,
+        task: TaskSpec,
+        queue: SaveQueue,
+        tiers: TieredStore,
+        scratch: WorkerScratch,
+        snapshots: SnapshotPlace,
+    ):
+        super().__init__(state, task, queue, tiers, None, [], snapshots)
+        self._scratch = scratch
 
-    def back_up(
-        self, epochs_completed: int, batches_completed: int, extra: dict | None
+    def _commit(
+        self,
+        snapshot: Snapshot,
+        write: Callable[[Staging], None],
+        cancel: threading.Event,
+        previous: PendingWrite | None,
+        replaced: PendingWrite | None,
+        to_bucket: bool,
+        direct: bool,
     ) -> None:
-        # Written right away, a snapshot can view the variables: no copy.
-        snapshot = self._state.snapshot(
-            epochs_completed, batches_completed, extra, copy=False
-        )
+        """Runs in the writer thread: writes one save's files into the
+        scratch directory and removes them. Nothing reads them, so nothing
+        is made durable (no fsync) or committed."""
         try:
-            CheckpointStore(self._scratch.path).save(
-                functools.partial(chief.write_snapshot, snapshot), snapshot.metadata
-            )
+            if previous is not None:
+                previous.join()  # The directory holds one save at a time.
+            try:
+                os.makedirs(self._scratch.path, exist_ok=True)
+                write(Staging(self._scratch.path, cancel, sync=False))
+            except OSError as e:
+                raise self._tiers.write_failed(e) from e
+            finally:
+                shutil.rmtree(self._scratch.path, ignore_errors=True)
         finally:
-            shutil.rmtree(self._scratch.path, ignore_errors=True)
+            snapshot.release()  # Also when it failed before writing anything.
