@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,52 +29,20 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "examples"))
+from local_cluster import free_ports, join_cluster  # noqa: E402
+
 FEATURES, BATCH = 64, 32  # BATCH rows per process and step.
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def worker(args: argparse.Namespace) -> None:
     backend = os.environ["KERAS_BACKEND"]
-    if backend == "tensorflow":
-        os.environ["TF_CONFIG"] = json.dumps(
-            {
-                "cluster": {"worker": [f"127.0.0.1:{p}" for p in args.ports]},
-                "task": {"type": "worker", "index": args.index},
-            }
-        )
-        import tensorflow as tf
-
-        strategy = tf.distribute.MultiWorkerMirroredStrategy()
-        scope = strategy.scope()
-    else:
-        import contextlib
-
-        import keras_ft
-
-        keras_ft.initialize_cluster(
-            coordinator_address=f"127.0.0.1:{args.ports[0]}",
-            num_processes=2,
-            process_id=args.index,
-        )
-        scope = contextlib.nullcontext()
+    scope = join_cluster(args.index, 2, args.ports)
     import keras
     import numpy as np
 
     import keras_ft
 
-    if backend == "jax":
-        keras.distribution.set_distribution(
-            keras.distribution.DataParallel(auto_shard_dataset=False)
-        )
     keras.utils.set_random_seed(7)
     with scope:
         model = keras.Sequential(
@@ -92,6 +59,7 @@ def worker(args: argparse.Namespace) -> None:
     x = rng.normal(size=(rows, FEATURES)).astype("float32")
     y = x.sum(axis=1, keepdims=True).astype("float32")
     if backend == "tensorflow":
+        import tensorflow as tf
 
         def data(n: int) -> dict:
             dataset = tf.data.Dataset.from_tensor_slices((x[:n], y[:n]))

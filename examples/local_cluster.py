@@ -87,39 +87,56 @@ def emit(kind: str, **fields) -> None:
     print("EVENT " + json.dumps({"kind": kind, **fields}), flush=True)
 
 
-def run_worker(args: argparse.Namespace) -> None:
-    backend = os.environ["KERAS_BACKEND"]
-    if backend == "tensorflow":
+def join_cluster(
+    index: int, workers: int, ports: list[int]
+) -> contextlib.AbstractContextManager:
+    """Makes this process worker `index` of a data-parallel cluster of
+    `workers` on 127.0.0.1 (`ports`: TensorFlow's, one per worker; JAX's
+    coordinator's, the first); returns the scope to build the model in."""
+    if os.environ["KERAS_BACKEND"] == "tensorflow":
         os.environ["TF_CONFIG"] = json.dumps(
             {
-                "cluster": {"worker": [f"127.0.0.1:{p}" for p in args.ports]},
-                "task": {"type": "worker", "index": args.index},
+                "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+                "task": {"type": "worker", "index": index},
             }
         )
         import tensorflow as tf
 
-        strategy = tf.distribute.MultiWorkerMirroredStrategy()
-        scope = strategy.scope()
-    else:
-        import keras_ft
+        return tf.distribute.MultiWorkerMirroredStrategy().scope()
+    import keras_ft
 
-        # jax.distributed with a 10 s heartbeat (JAX's
-        # default keeps the survivors of a dead process waiting 100 s).
-        keras_ft.initialize_cluster(
-            coordinator_address=f"127.0.0.1:{args.ports[0]}",
-            num_processes=args.workers,
-            process_id=args.index,
-        )
+    # jax.distributed with a 10 s heartbeat (JAX's
+    # default keeps the survivors of a dead process waiting 100 s).
+    keras_ft.initialize_cluster(
+        coordinator_address=f"127.0.0.1:{ports[0]}",
+        num_processes=workers,
+        process_id=index,
+    )
+    import keras
+
+    keras.distribution.set_distribution(
+        keras.distribution.DataParallel(auto_shard_dataset=False)
+    )
+    return contextlib.nullcontext()  # No strategy scope on JAX.
+
+
+def add_snapshot_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--snapshot",
+        choices=["auto", "device", "host"],
+        default="auto",
+        help="BackupAndRestore's `snapshot`: where a save copies the state",
+    )
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    backend = os.environ["KERAS_BACKEND"]
+    scope = join_cluster(args.index, args.workers, args.ports)
     import keras
     import numpy as np
 
     import keras_ft
 
-    if backend == "jax":
-        keras.distribution.set_distribution(
-            keras.distribution.DataParallel(auto_shard_dataset=False)
-        )
-        scope = contextlib.nullcontext()  # No strategy scope on JAX.
     keras.utils.set_random_seed(7)
     with scope:
         model = keras.Sequential(
@@ -134,6 +151,8 @@ def run_worker(args: argparse.Namespace) -> None:
     x = rng.normal(size=(SAMPLES, 8)).astype("float32")
     y = x.sum(axis=1, keepdims=True).astype("float32")
     if backend == "tensorflow":
+        import tensorflow as tf
+
         data = {"x": tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)}
     else:
         data = {"x": x, "y": y, "batch_size": GLOBAL_BATCH, "shuffle": False}
@@ -381,12 +400,7 @@ def main() -> None:
         "--local-dir", help="a local tier: worker i's is <local-dir>/worker-i"
     )
     parser.add_argument("--local-save-freq", type=int, default=1)
-    parser.add_argument(
-        "--snapshot",
-        choices=["auto", "device", "host"],
-        default="auto",
-        help="BackupAndRestore's `snapshot`: where a save copies the state",
-    )
+    add_snapshot_argument(parser)
     parser.add_argument(
         "--wipe-local-of",
         type=int,

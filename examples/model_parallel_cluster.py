@@ -35,6 +35,7 @@ import time
 
 from local_cluster import (
     EXAMPLES_DIR,
+    add_snapshot_argument,
     checkpoint_reads,
     emit,
     free_ports,
@@ -389,12 +390,7 @@ def main() -> None:
     parser.add_argument(
         "--local-dir", help="a local tier: process i's is <local-dir>/process-i"
     )
-    parser.add_argument(
-        "--snapshot",
-        choices=["auto", "device", "host"],
-        default="auto",
-        help="BackupAndRestore's `snapshot`: where a save copies the state",
-    )
+    add_snapshot_argument(parser)
     parser.add_argument(
         "--hold-moves",
         type=float,
