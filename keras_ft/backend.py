@@ -843,6 +843,16 @@ def held_pieces(value: Any) -> list[tuple[Bounds, np.ndarray, bool]]:
     `((start, stop), view, first)`: `first` if this process holds its first
     replica (the pieces of `own_pieces()`). What this process needs to
     rebuild its slices by itself (a local tier)."""
+    return [
+        (bounds, data if isinstance(data, np.ndarray) else np.asarray(data), first)
+        for bounds, data, first in held_shards(value)
+    ]
+
+
+def held_shards(value: Any) -> list[tuple[Bounds, Any, bool]]:
+    """`held_pieces()` without reading them: a JAX array's pieces are its
+    shards' arrays, on their devices; other backends' value is one piece, a
+    NumPy view of it."""
     if isinstance(value, keras.Variable):
         value = value.value
     shape = tuple(value.shape)
@@ -850,16 +860,13 @@ def held_pieces(value: Any) -> list[tuple[Bounds, np.ndarray, bool]]:
         import jax
 
         if isinstance(value, jax.Array):
-            pieces: dict[Bounds, tuple[np.ndarray, bool]] = {}
+            pieces: dict[Bounds, tuple[Any, bool]] = {}
             for shard in value.addressable_shards:
                 bounds = _bounds(shard.index, shape)
                 held = pieces.get(bounds)
                 if held is None or (shard.replica_id == 0 and not held[1]):
-                    first = shard.replica_id == 0
-                    pieces[bounds] = (
-                        held[0] if held is not None else np.asarray(shard.data),
-                        first,
-                    )
+                    data = held[0] if held is not None else shard.data
+                    pieces[bounds] = (data, shard.replica_id == 0)
             return [(bounds, data, first) for bounds, (data, first) in pieces.items()]
     return [(((0,) * len(shape), shape), view(value), True)]
 

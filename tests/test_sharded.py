@@ -399,6 +399,38 @@ def test_a_share_is_one_aligned_image_reused_by_the_next_copy():
     assert sharded.Share.copy_of(other, reuse=first) is not first
 
 
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX's shards")
+def test_a_share_moved_from_device_copies_holds_what_a_copy_holds(monkeypatch):
+    """A sharded save that snapshots on the device moves each piece straight
+    into the share's buffer (in pieces, as from an accelerator, here on the
+    CPU), lets each device copy go, and reuses the buffer the next time."""
+    import jax.numpy as jnp
+
+    from keras_ft import backend
+
+    monkeypatch.setattr(backend, "_read_in_place", lambda array: False)
+    monkeypatch.setattr(backend, "_MOVE_PIECE", 1000)
+    rng = np.random.default_rng(0)
+    values = [
+        jnp.asarray(rng.normal(size=(37, 29)).astype("float32")),
+        jnp.asarray(rng.normal(size=(601,))).astype("bfloat16"),
+        jnp.asarray(7, "int32"),
+    ]
+    copied = sharded.take_share(values)
+    copies, _ = backend.device_snapshot(values)
+    moved = sharded.move_share(copies)
+    assert copies == [None] * len(values)
+    assert moved.layout == copied.layout
+    for mine, theirs in zip(moved.pieces, copied.pieces, strict=True):
+        assert mine.data.dtype == theirs.data.dtype
+        np.testing.assert_array_equal(mine.data, theirs.data)
+    doubled = [v * 2 for v in values]
+    again = sharded.move_share(backend.device_snapshot(doubled)[0], reuse=moved)
+    assert again is moved
+    for piece, value in zip(again.pieces, doubled, strict=True):
+        np.testing.assert_array_equal(piece.data, np.asarray(value))
+
+
 def test_waiting_for_parts_can_be_called_off_and_refuses_another_saves_part(
     tmp_path,
 ):

@@ -191,6 +191,26 @@ def take_share(
     return Share.copy_of(values, reuse)
 
 
+def move_share(
+    copies: list, reuse: Share | None = None, every_replica: bool = False
+) -> Share:
+    """`take_share()` of `copies` (of the variables, from
+    `backend.device_snapshot()`), moved to host memory by
+    `backend.move_to_host()`: straight into the share's buffer, in pieces
+    with their transfers overlapped. Empties `copies`, so that each
+    device buffer goes as soon as it is moved."""
+    sources, layout = [], []
+    for i in range(len(copies)):
+        for (start, stop), data, first in host.held_shards(copies[i]):
+            if first or every_replica:
+                sources.append(data)
+                layout.append((i, start, stop, np.dtype(data.dtype), first))
+        copies[i] = None
+    share = reuse if reuse is not None and reuse.layout == layout else Share(layout)
+    host.move_to_host(sources, [piece.data for piece in share.pieces])
+    return share
+
+
 def non_finite(share: Share, names: list[str]) -> list[str]:
     """Names of the variables of which a piece holds a NaN or an infinity."""
     bad = {p.variable for p in share.pieces if not host.all_finite(p.data.reshape(-1))}

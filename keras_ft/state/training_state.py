@@ -193,18 +193,20 @@ class TrainingState:
 
     def share(self, values: list | None = None) -> sharded.Share:
         """This process's pieces of a sharded save (see `sharded()`), copied
-        to host memory from `values` (a copy of `saved_variables()` on their
-        devices), or from the variables themselves.
+        to host memory from the variables, or moved there from `values` (a
+        copy of `saved_variables()` on their devices, which it empties).
 
         The copy reuses the previous one's memory: call it only once that
         was written out.
         """
-        self._share = sharded.take_share(
-            self.saved_variables() if values is None else values,
-            self._share,
-            self.every_replica,
-        )
-        return self._share
+        if values is None:
+            taken = sharded.take_share(
+                self.saved_variables(), self._share, self.every_replica
+            )
+        else:
+            taken = sharded.move_share(values, self._share, self.every_replica)
+        self._share = taken
+        return taken
 
     def sharded(self) -> bool:
         """Whether a save must be sharded: a variable is split across processes
