@@ -230,7 +230,9 @@ def test_sigkill_during_an_upload_resumes_from_the_previous_commit(s3_server, tm
 
     host = tmp_path / "host"  # The killed writer's local disk.
     host.mkdir()
-    for _ in range(8):
+    # Each attempt kills at most once; on a loaded machine the upload seen may
+    # finish before the kill lands, so allow for a few misses.
+    for _ in range(16):
         backup = url("kill")
         writer = start_writer(tmp_path, backup, 0.0, 50, tmpdir=host)
         commits = 0
@@ -249,7 +251,7 @@ def test_sigkill_during_an_upload_resumes_from_the_previous_commit(s3_server, tm
         partial = uploading(found)
         if partial:
             break
-    assert partial, "no kill landed during an upload in 8 attempts"
+    assert partial, "no kill landed during an upload in 16 attempts"
     committed = max(n for n, files in found.items() if "manifest.json" in files)
     expected_step = json.loads(
         s3().cat_file(f"{backup[5:]}/chief/{committed}/metadata.json")
