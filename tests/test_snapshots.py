@@ -21,7 +21,7 @@ from conftest import make_data, make_model, subprocess_env
 
 import keras_ft
 from keras_ft import backend, threads
-from keras_ft.state import snapshots, weights_copy, weights_layout
+from keras_ft.state import rng, snapshots, weights_copy, weights_layout
 from keras_ft.state.snapshots import SnapshotPlace
 
 
@@ -137,13 +137,20 @@ def test_an_out_of_memory_snapshot_falls_back_to_host_memory(tmp_path, monkeypat
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(backend, "device_snapshot", no_room)
+    # The rest of the state is read once a save: in a cluster such a read
+    # may be a collective, which a process falling back alone must not repeat.
+    reads = []
+    capture = rng.capture
+    monkeypatch.setattr(rng, "capture", lambda: reads.append(1) or capture())
     x, y = make_data()
     model = make_model()
     model.fit(x, y, epochs=1, batch_size=16, verbose=0)
     state = keras_ft.WorkerTrainingState(model, str(tmp_path), snapshot="device")
     with pytest.warns(UserWarning, match="ran out of memory.*host memory"):
         assert state.back_up(0) is not None
+    assert len(reads) == 1
     state.back_up(1)  # From host memory now, without a second notice.
+    assert len(reads) == 2
 
 
 def test_the_nondeterminism_notice_says_how_once(monkeypatch):

@@ -112,20 +112,17 @@ class ChiefSaver:
             # (and frees it) before the next is made.
             self._moving.result()
             self._moving = None
-        try:
-            return self._state.snapshot(
-                epochs_completed,
-                batches_completed,
-                extra,
-                copy=True,
-                fill=False,
-                check_later=self._queue.async_save or on_device,
-                on_device=on_device,
-            )
-        except Exception as e:
-            if not (on_device and self._snapshots.out_of_memory(e)):
-                raise
-        return self._snapshot_to_write(epochs_completed, batches_completed, extra)
+        return self._state.snapshot(
+            epochs_completed,
+            batches_completed,
+            extra,
+            copy=True,
+            fill=False,
+            check_later=self._queue.async_save,  # A move's check always follows it.
+            on_device=on_device,
+            # Out of device memory: host memory from now on.
+            device_failed=self._snapshots.out_of_memory,
+        )
 
     def start(
         self,

@@ -143,6 +143,7 @@ class TrainingState:
         fill: bool = True,
         check_later: bool = False,
         on_device: bool = False,
+        device_failed: Callable[[BaseException], bool] | None = None,
     ) -> Snapshot:
         """The state now, with `extra` (JSON values and NumPy arrays) added.
 
@@ -169,6 +170,11 @@ class TrainingState:
                 In a sharded save, whether this process's share is left to
                 the caller to take (`share()`, from a copy on the device).
                 Defaults to `False`.
+            device_failed: With `on_device`, told the error of a copy on the
+                device that failed; if it returns `True`, the weights are
+                copied to host memory instead (the rest of the state is not
+                read again: such a read may be a collective that every
+                process enters once). Defaults to `None`: the error is raised.
         """
         tree = {
             "seed_generators": [
@@ -186,9 +192,16 @@ class TrainingState:
             # Each process copies its share; no weights file is written.
             share = None if on_device else self.share()
             return Snapshot(None, metadata, state_arrays, share)
-        captured = self._weights.capture(
-            copy=copy, fill=fill, check_later=check_later, on_device=on_device
-        )
+        try:
+            captured = self._weights.capture(
+                copy=copy, fill=fill, check_later=check_later, on_device=on_device
+            )
+        except Exception as e:
+            if not (on_device and device_failed is not None and device_failed(e)):
+                raise
+            captured = self._weights.capture(
+                copy=copy, fill=fill, check_later=check_later, on_device=False
+            )
         return Snapshot(captured, metadata, state_arrays)
 
     def share(self, values: list | None = None) -> sharded.Share:
