@@ -145,6 +145,35 @@ def run_worker(args: argparse.Namespace) -> None:
 
             threads.submit(threads.mover, time.sleep, args.hold_moves)
 
+    class Poison(keras.callbacks.Callback):
+        """At step `--poison-at-step`, writes NaN into the piece of the first
+        hidden kernel that only the last process holds: as a fault on one
+        host would. Every process assigns the same global value (a JAX
+        array spanning processes is set by all of them together). Goes
+        before the backup callback."""
+
+        def on_train_batch_end(self, batch, logs=None):
+            if step(self.model) != args.poison_at_step:
+                return
+            kernel = self.model.get_layer("hidden_1").kernel
+            value = np.array(
+                multihost_utils.process_allgather(kernel.value, tiled=True)
+            )
+            last = args.processes - 1
+            for device, index in kernel.value.sharding.devices_indices_map(
+                value.shape
+            ).items():
+                if device.process_index == last:
+                    value[index] = np.nan
+            # Made from each process's own pieces: `device_put` of a global
+            # value compares it across processes, and NaN equals nothing.
+            kernel.assign(
+                jax.make_array_from_callback(
+                    value.shape, kernel.value.sharding, lambda index: value[index]
+                )
+            )
+            emit("poisoned", step=args.poison_at_step, process=last)
+
     local = {}
     if args.local_dir:  # Each process's own disk, as if on hosts of their own.
         local = {
@@ -165,6 +194,8 @@ def run_worker(args: argparse.Namespace) -> None:
     callbacks = [backup, Report()]
     if args.hold_moves:
         callbacks.insert(0, HoldMoves())
+    if args.poison_at_step:
+        callbacks.insert(0, Poison())
     if args.measure_memory:
         callbacks = [SaveMemory(True), backup, SaveMemory(False), Report()]
     model.fit(x, y, batch_size=BATCH, epochs=args.epochs, shuffle=False,
@@ -191,6 +222,7 @@ class Worker:
             "--seconds-per-batch", str(args.seconds_per_batch), "--port", str(port),
         ]  # fmt: skip
         command += ["--snapshot", args.snapshot, "--hold-moves", str(args.hold_moves)]
+        command += ["--poison-at-step", str(args.poison_at_step)]
         if args.measure_memory:
             command.append("--measure-memory")
         if args.local_dir:
@@ -358,6 +390,12 @@ def run_launcher(args: argparse.Namespace) -> dict:
         restored_digests=[r and r["digest"] for r in resumed],
         final_steps=[d and d["step"] for d in done],
         final_digests=[d and d["digest"] for d in done],
+        # Each process's first warning of a save refused for a state not
+        # finite.
+        first_non_finite=[
+            next((x.strip() for x in w.stderr if "diverged model" in x), None)
+            for w in workers
+        ],
         save_peaks=[d and d["save_peak"] for d in done],
         committed=committed(args.backup_dir),
         shares=shares(args.backup_dir),
@@ -397,6 +435,13 @@ def main() -> None:
         default=0.0,
         help="hold each save's move to host memory back this many seconds, "
         "while training goes on (with --snapshot device)",
+    )
+    parser.add_argument(
+        "--poison-at-step",
+        type=int,
+        default=0,
+        help="write NaN into the part of a kernel only the last process "
+        "holds, at this step's end",
     )
     parser.add_argument("--local-save-freq", type=int, default=1)
     parser.add_argument(

@@ -538,6 +538,31 @@ def test_a_killed_process_resumes_with_the_weights_of_an_uninterrupted_run(tmp_p
 
 
 @JAX_CLUSTER
+@pytest.mark.parametrize("snapshot", ["device", "host"])
+def test_a_piece_not_finite_in_one_process_keeps_every_process_from_saving(
+    tmp_path, snapshot
+):
+    """At step 6 the last process's piece of a kernel turns NaN (the other
+    process's pieces stay finite): the save of that step is refused by both
+    processes together, whichever way they copy, and the backup of step 3
+    stays the newest."""
+    backup_dir = str(tmp_path / "backup")
+    outcome = run(backup_dir, "--processes", "2", "--devices", "2", "--epochs", "2",
+                  "--save-freq", "3", "--poison-at-step", "6",
+                  "--snapshot", snapshot)  # fmt: skip
+    assert outcome["final_steps"] == [16, 16]  # Neither waited for the other.
+    chief, holder = outcome["first_non_finite"]
+    where = "hold NaN or infinity at epoch 1, batch 6; not backing up"
+    assert f"another process's pieces {where}" in chief
+    assert f"hidden_1/kernel {where}" in holder
+    store = CheckpointStore(os.path.join(backup_dir, "chief"))
+    [checkpoint] = store.checkpoints()
+    store.verify(checkpoint)
+    with open(checkpoint.file("metadata.json")) as f:
+        assert json.load(f)["step"] == 3
+
+
+@JAX_CLUSTER
 def test_four_processes_backup_restores_into_two_into_one_and_back(tmp_path):
     backup_dir = str(tmp_path / "backup")
     # 4 processes, one device each; every save measured.

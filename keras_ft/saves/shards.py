@@ -82,7 +82,7 @@ class ShardedSaver:
         # A piece only one process holds may be the one that is not finite.
         # Every process agrees the same way whichever way it copied.
         if not host.all_processes_agree(not bad):
-            raise NonFiniteStateError(bad or ["(a piece another process holds)"])
+            raise NonFiniteStateError(bad or ["another process's pieces"])
         if isinstance(source, sharded.Share):
             share: Future = Future()
             share.set_result(source)
