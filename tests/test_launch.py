@@ -95,9 +95,13 @@ def test_a_restart_that_resumes_where_the_last_one_did_says_so(tmp_path):
 
 
 def torchrun(backup_dir: str, out: str, *args: str) -> subprocess.CompletedProcess:
+    """torchrun on one host with its master port chosen here, not by
+    `--standalone`: the example's workers listen on the next ports, which
+    another suite running beside this one may hold."""
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     return subprocess.run(
-        [torchrun, "--standalone", "--nproc-per-node=2", "--max-restarts=2",
+        [torchrun, "--nnodes=1", "--nproc-per-node=2", "--max-restarts=2",
+         "--master-addr=127.0.0.1", f"--master-port={master_port()}",
          EXAMPLE, "--backup-dir", backup_dir, "--out", out, *args],
         capture_output=True, text=True, env=subprocess_env(), timeout=300,
     )  # fmt: skip
