@@ -172,7 +172,6 @@ def run_worker(args: argparse.Namespace) -> None:
                     value.shape, kernel.value.sharding, lambda index: value[index]
                 )
             )
-            emit("poisoned", step=args.poison_at_step, process=last)
 
     local = {}
     if args.local_dir:  # Each process's own disk, as if on hosts of their own.
