@@ -35,14 +35,38 @@ EXAMPLES_DIR = os.path.dirname(os.path.abspath(__file__))
 SAMPLES, GLOBAL_BATCH = 128, 16
 
 
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+# Where `free_ports()` looks: below Linux's range of ephemeral ports
+# (32768-60999 by default; other systems start at 49152), which the kernel
+# never hands to an outbound connection. A port from that range, free when
+# chosen, may be taken by any process's connection before the server that
+# is to listen there starts ("Could not start gRPC server"). Above the ports
+# `keras_ft.initialize_cluster()` gives SLURM jobs with small numbers.
+PORTS = range(20000, 32768)
+
+
+def free_ports(count: int, in_a_row: bool = False) -> list[int]:
+    """`count` ports on 127.0.0.1 that no one held a moment ago, for servers
+    that start later (see `PORTS`); `in_a_row`: `count` consecutive ones."""
+    rng = random.SystemRandom()
+    ports: list[int] = []
+    for _ in range(1000):
+        first = rng.randrange(PORTS.start, PORTS.stop - count)
+        wanted = range(first, first + count) if in_a_row else [first]
+        if any(p in ports for p in wanted) or not all(map(_bindable, wanted)):
+            continue
+        ports.extend(wanted)
+        if len(ports) == count:
+            return ports
+    raise RuntimeError(f"no {count} free ports on 127.0.0.1 in {PORTS}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 # The worker: one process of the cluster.

@@ -24,6 +24,10 @@ import pytest
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 TRAIN_SCRIPT = os.path.join(TESTS_DIR, "train_script.py")
+# The examples the tests run (and their helpers, imported by the tests).
+sys.path.insert(0, os.path.join(os.path.dirname(TESTS_DIR), "examples"))
+from local_cluster import free_ports  # noqa: E402
+
 SAMPLES, BATCH_SIZE = 64, 16
 STEPS_PER_EPOCH = SAMPLES // BATCH_SIZE
 
@@ -402,10 +406,9 @@ def backup_deleted(backup_dir: str) -> bool:
 
 
 def free_port() -> int:
-    """A port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port on 127.0.0.1 that was free a moment ago, outside the range the
+    kernel hands to outbound connections (`local_cluster.free_ports()`)."""
+    return free_ports(1)[0]
 
 
 def start_moto() -> tuple[subprocess.Popen, int]:

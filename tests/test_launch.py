@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from conftest import TESTS_DIR, free_port, subprocess_env
+from conftest import TESTS_DIR, free_ports, subprocess_env
 
 from keras_ft.checkpoint.store import CheckpointStore
 from keras_ft.distribute import launch
@@ -148,16 +147,7 @@ def master_port() -> int:
     """A free `MASTER_PORT` whose next two ports are free too: the example
     puts JAX's coordinator on `MASTER_PORT + 1` and TensorFlow's workers on
     `MASTER_PORT + 1 + rank`, and another suite may hold any of them."""
-    for _ in range(100):
-        port = free_port()
-        try:
-            for offset in (1, 2):
-                with socket.socket() as t:
-                    t.bind(("127.0.0.1", port + offset))
-        except OSError:
-            continue
-        return port
-    raise AssertionError("no three free ports in a row on 127.0.0.1")
+    return free_ports(3, in_a_row=True)[0]
 
 
 def start_pair(backup_dir: str, *args: str) -> list[subprocess.Popen]:

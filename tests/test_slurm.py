@@ -217,5 +217,9 @@ def test_a_step_is_read_from_slurm_variables_alone():
     assert (launch.address, launch.single_host, launch.restart) == ("gpu07", False, 2)
     # The same ports in every process (and requeue) of the job.
     assert launch.port == launch_from_environment({**step, "SLURM_PROCID": "0"}).port
+    # Below the ports the kernel hands to outbound connections, for any job.
+    for job in ("0", "4242", "4095", "999999"):
+        port = launch_from_environment({**step, "SLURM_JOB_ID": job}).port
+        assert 16384 <= port <= 32768 - 4, (job, port)
     batch_script = {k: v for k, v in step.items() if not k.startswith("SLURM_STEP")}
     assert launch_from_environment(batch_script) is None

@@ -120,9 +120,12 @@ def first_host(nodes: str) -> str:
 
 def slurm_port(job_id: str) -> int:
     """The port a SLURM job's keras-ft services start from, the same in
-    every process of the job (and of its requeues): below JAX's own range
-    for SLURM (61440 and up), four ports a job."""
-    return 40000 + int(job_id) % 2**12 * 4
+    every process of the job (and of its requeues), four ports a job: from
+    16384 to 32767, below the range of ports the kernel gives outbound
+    connections (Linux: 32768-60999 by default), where any connection on the
+    host could take one before TensorFlow's worker listens there. (JAX's own
+    SLURM ports are above it, from 61440.)"""
+    return 16384 + int(job_id) % 2**12 * 4
 
 
 def initialize_cluster(
