@@ -27,6 +27,7 @@ from conftest import (
     BUCKET,
     TESTS_DIR,
     checkpoint_entries,
+    free_ports,
     iterations,
     make_data,
     make_model,
@@ -47,8 +48,6 @@ from keras_ft.state import TrainingState, arrays
 HARNESS = os.path.join(
     os.path.dirname(TESTS_DIR), "examples", "model_parallel_cluster.py"
 )
-sys.path.insert(0, os.path.join(os.path.dirname(TESTS_DIR), "examples"))
-from local_cluster import free_ports  # noqa: E402
 
 JAX_CLUSTER = pytest.mark.skipif(
     keras.backend.backend() != "jax",
