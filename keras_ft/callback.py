@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import keras
 
-from keras_ft import compat
+from keras_ft import compat, goodput
 from keras_ft.checkpoint.format import signing_key
 from keras_ft.checkpoint.lock import check_platform
 from keras_ft.checkpoint.remote import check_storage_options
@@ -177,6 +177,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             the device where it has room for one more copy of the state,
             else in host memory. A model split across processes snapshots
             each process's pieces. Defaults to `"auto"`.
+        goodput_file: Where to write the run's goodput record (JSON, for
+            `keras-ft goodput FILE`) when `fit()` has run every epoch and
+            its backup is deleted. The record is logged to the
+            `keras_ft.goodput` logger then, in any case. Defaults to `None`.
 
     Attributes:
         backup_seconds: Seconds the saves of the current `fit()` have held
@@ -215,6 +219,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         stall_timeout: float | str | bool | None = None,
         first_batch_timeout: float = 1800.0,
         snapshot: str = "auto",
+        goodput_file: str | os.PathLike | None = None,
     ):
         # Long for a reason: one line per argument (as in the README's API
         # block), each checked here so that a bad value fails when the
@@ -222,6 +227,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         super().__init__()
         check_platform()
         self.snapshot = validate_snapshot(snapshot)
+        if goodput_file is not None and not isinstance(
+            goodput_file, (str, os.PathLike)
+        ):
+            raise ValueError(
+                "Invalid value for argument `goodput_file`. Expected a path to a "
+                f"file, or None. Received: goodput_file={goodput_file!r}"
+            )
+        self.goodput_file = goodput_file
         self.backup_dir = validate_backup_dir(backup_dir)
         self.storage_options = check_storage_options(self.backup_dir, storage_options)
         self.on_config_change = validate_on_config_change(on_config_change)
@@ -271,6 +284,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epochs_completed = 0
         self._services: list[BackupService] = []
         self._nothing_to_train: str | None = None
+        self._later_fit = False
 
     @property
     def backup_seconds(self) -> float:
@@ -285,7 +299,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         if self._resumption is not None:  # Left by a fit() that raised.
-            self._resumption.remove()
+            self._resumption.end()
             self._resumption = None
         compat.probe()  # Warns once for each internal this Keras lacks.
         self._batches = None
@@ -323,7 +337,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._goodput,
             self._optimizer_step,
         )
-        self._epochs_completed = point.epoch if point else 0
+        # A later fit()'s backup (a script's fits sharing it): this one
+        # trains nothing and leaves it for that fit.
+        self._later_fit = point is not None and point.later_fit is not None
+        self._epochs_completed = point.epoch if point and not self._later_fit else 0
         self._nothing_to_train = services.finished(self._callbacks.others, point)
         if point is not None:
             self._resumption = resume_fit(
@@ -336,6 +353,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self.warm_start,
                 self.verbose,
             )
+            self._resumption.hide_skipped_batches(callback_list, self)
         self._schedule.start(time.monotonic())
         self._local_schedule.start(time.monotonic())
         self._deadline.start(
@@ -373,6 +391,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._saves.epoch_begin_rng = rng.capture()
 
     def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self._resumption is not None:
+            self._resumption.batch_begin()
         self._batches.train_batch_begin(batch)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
@@ -414,20 +434,22 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._goodput = None
         compat.set_initial_epoch(self.model, None)
         if self._resumption is not None:
-            self._resumption.remove()
+            self._resumption.end()
             self._resumption = None
         self._inputs.remove()
         self._preemption.stop()
         completed = self._epochs_completed >= self.params.get("epochs", 0)
+        completed = completed and not self._later_fit
         stopper = services.stopped_by(self._services)
         if stopper is not None and not stopper.backs_up_stop:
             completed = False  # Diverged (NanGuard): the last good state stays.
         services.unbind(self._services)
         self._services = []
         if self._state is not None:
-            self._saves.end(
-                delete=self.delete_checkpoint and completed and not self.preempted_by
-            )
+            delete = self.delete_checkpoint and completed and not self.preempted_by
+            if delete and self._state.task.is_chief:
+                goodput.report_finished(self._state.store, self.goodput_file)
+            self._saves.end(delete=delete)
         self._state = None
         if self.preempted_by and self.exit_on_preemption:
             exit_after(self._batches.signum)

@@ -297,19 +297,24 @@ def _goodput(args: argparse.Namespace) -> int:
     from keras_ft import goodput
 
     # A running (or interrupted) run's record lies beside its checkpoints;
-    # a finished one's, kept when they were deleted, in `backup_dir`.
-    attempts, where = [], args.backup_dir
-    try:
-        store = _store(args.backup_dir)
-        attempts, where = goodput.load_attempts(store), store.directory
-    except UsageError:
-        if is_url(args.backup_dir) or not os.path.isdir(local_path(args.backup_dir)):
-            raise
-    if not attempts:
+    # a finished one's in the file its `goodput_file` named (or, written by
+    # an older keras-ft, in `backup_dir` itself).
+    where = args.backup_dir
+    if not is_url(where) and os.path.isfile(where):
+        attempts = goodput.load_file(where)
+    else:
+        attempts = []
         try:
-            attempts = goodput.load_kept(open_storage(args.backup_dir))
-        except (ImportError, ValueError) as e:
-            raise UsageError(str(e)) from None
+            store = _store(where)
+            attempts, where = goodput.load_attempts(store), store.directory
+        except UsageError:
+            if is_url(where) or not os.path.isdir(local_path(where)):
+                raise
+        if not attempts:
+            try:
+                attempts = goodput.load_kept(open_storage(args.backup_dir))
+            except (ImportError, ValueError) as e:
+                raise UsageError(str(e)) from None
     if not attempts:
         print(
             f"keras-ft goodput: {where} holds no record of a run.",

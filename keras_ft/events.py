@@ -46,6 +46,7 @@ KINDS = (
     "stop",  # Stops at a step or a time budget; the NaN guard.
     "cluster",  # Workers, launchers, the cluster's heartbeat.
     "compat",  # A private Keras, TensorFlow or JAX name that moved.
+    "goodput",  # A finished run's goodput, at train end, before its backup goes.
 )
 
 logging.getLogger(ROOT).addHandler(logging.NullHandler())

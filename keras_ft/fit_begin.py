@@ -24,6 +24,19 @@ from keras_ft.training import exits, inputs, restarts, resume, tuner
 from keras_ft.training.goodput import GoodputRecorder
 from keras_ft.worker_training_state import WorkerTrainingState
 
+# How many fit() calls of this process have opened each backup dir: a
+# script's fits sharing one are told apart by number (`fit_number()`). It
+# outlives a fit() on purpose, for the next one; an entry is a few bytes.
+_fits_opened: dict[str, int] = {}
+
+
+def fit_number(backup_dir: str) -> int:
+    """The number of the fit() now opening `backup_dir` in this process
+    (1 for the first), counting those before it."""
+    number = _fits_opened.get(backup_dir, 0) + 1
+    _fits_opened[backup_dir] = number
+    return number
+
 
 def close_stale(stale: WorkerTrainingState | None) -> None:
     """Closes the state a `fit()` that raised left (Keras calls no
@@ -81,6 +94,7 @@ def open_backup(
         check_extra=functools.partial(resume.check_saved, callbacks=others),
         snapshot=callback.snapshot,
     )
+    state.fit_number = fit_number(backup_dir)
     warmed = None
     try:
         check_task(state.task)
@@ -123,7 +137,14 @@ def resume_fit(
     resume through the first epoch."""
     epochs = params.get("epochs", 0)
     start = point
-    if nothing_to_train and point.epoch < epochs:
+    if point.later_fit is not None:
+        # This fit() ran to its end before: the state is the later one's.
+        nothing_to_train = (
+            f"it was written by fit() #{point.later_fit} of this script, which "
+            "runs after this one: nothing was loaded, and that fit() resumes it"
+        )
+        start = dataclasses.replace(point, epoch=epochs, batch=0)
+    elif nothing_to_train and point.epoch < epochs:
         # A stop condition is met already: fit() runs no epoch.
         start = dataclasses.replace(point, epoch=epochs, batch=0)
     # Read by fit() right after on_train_begin, and cleared again at the
@@ -140,8 +161,9 @@ def resume_fit(
     where = f"resuming at {resume.position(point, params)}, optimizer step {point.step}"
     if nothing_to_train:
         where = f"{nothing_to_train}: fit() ends without training"
+    verb = "kept" if point.later_fit is not None else "restored"
     message = (
-        f"BackupAndRestore: restored {point.checkpoint} (saved "
+        f"BackupAndRestore: {verb} {point.checkpoint} (saved "
         f"{saved:%Y-%m-%d %H:%M:%S}); {where}"
     )
     if warm_start is not None:

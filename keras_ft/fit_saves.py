@@ -19,7 +19,7 @@ from keras_ft import compat, events
 from keras_ft.checkpoint.errors import CheckpointWriteError
 from keras_ft.state import NonFiniteStateError, rng
 from keras_ft.state.training_state import progress_text
-from keras_ft.training import batch_ends, callback_state, inputs, policy
+from keras_ft.training import batch_ends, callback_state, inputs, neighbours, policy
 from keras_ft.worker_training_state import WorkerTrainingState
 
 
@@ -90,6 +90,7 @@ class FitSaves:
         # The random generators at the epoch's begin (saved mid-epoch).
         self.epoch_begin_rng: dict = {}
         self._reported_interval: int | None = None
+        self._told_unsaved = False  # Of callbacks whose state no save holds.
 
     def save(
         self,
@@ -121,6 +122,12 @@ class FitSaves:
         how = {"replaces_last": replaces_last, "to_bucket": to_bucket}
 
         def back_up() -> None:
+            # Weights swapped in for evaluation (SwapEMAWeights) are not
+            # the training's: swapped out for the snapshot.
+            with neighbours.training_weights(self._callbacks.others):
+                take()
+
+        def take() -> None:
             try:
                 self.state.back_up(epoch, batch, extra, **how)
             except NonFiniteStateError as e:
@@ -251,7 +258,12 @@ class FitSaves:
             "callbacks": callback_state.capture(
                 callback_state.with_epoch_recorded(others, epoch, logs, batch)
             ),
+            # Which of the script's fit() calls sharing the backup this is.
+            "fit": self.state.fit_number or 1,
         }
+        if not self._told_unsaved:
+            self._told_unsaved = True
+            callback_state.warn_unsaved(others, extra["callbacks"])
         if pending:
             extra["callbacks_pending"] = self._callbacks.keys(list(pending))
         if batch:  # Counted in the save's cost: a tf.data state may be large.

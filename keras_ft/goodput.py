@@ -20,9 +20,11 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
+import os
 from typing import Any
 
-from keras_ft.training.goodput import PREFIX, kept
+from keras_ft import events
+from keras_ft.training.goodput import MAX_KEPT_BYTES, PREFIX, kept, thinned
 
 CATEGORIES = ("productive", "startup", "restore", "checkpointing", "lost", "down")
 
@@ -57,6 +59,48 @@ def load_attempts(store: Any) -> list[dict[str, Any]]:
             continue
         if _valid(record):
             attempts.append(record)
+    return sorted(attempts, key=lambda a: a["process_start"])
+
+
+def report_finished(store: Any, path: str | os.PathLike | None) -> None:
+    """A finished run's goodput, before its backup is deleted: said to the
+    `keras_ft.goodput` logger (at `INFO`, the attempts in the record's
+    `goodput` attribute), and written to `path` where one is named, for
+    `keras-ft goodput PATH`. Best effort: a record that cannot be read or
+    written is not worth failing the end of a training for."""
+    try:
+        attempts = load_attempts(store)
+    except Exception:  # Any storage's error (a bucket out of reach).
+        return
+    if not attempts:
+        return
+    events.logger("goodput").info(
+        "keras-ft: the run is over; " + describe(summarize(attempts)),
+        extra={"goodput": attempts},
+    )
+    data = thinned(attempts)
+    if path is None or data is None:
+        return
+    target = os.fspath(path)
+    try:
+        with open(target + ".tmp", "wb") as f:
+            f.write(data)
+        os.replace(target + ".tmp", target)
+    except OSError as e:
+        events.warn(
+            "save", f"keras-ft: the goodput record was not written to {target}: {e}"
+        )
+
+
+def load_file(path: str) -> list[dict[str, Any]]:
+    """The attempts `report_finished()` wrote to `path`, oldest first."""
+    try:
+        with open(path, "rb") as f:
+            value = json.loads(f.read(MAX_KEPT_BYTES + 1) or b"null")
+    except (OSError, ValueError, RecursionError):
+        return []
+    found = value.get("attempts") if isinstance(value, dict) else None
+    attempts = [a for a in found if _valid(a)] if isinstance(found, list) else []
     return sorted(attempts, key=lambda a: a["process_start"])
 
 

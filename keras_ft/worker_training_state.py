@@ -153,6 +153,7 @@ class WorkerTrainingState:
                 f"or None. Received: check_extra={check_extra!r}"
             )
         self._state.check_extra = check_extra
+        self._state.fit_number = None
         self._parts = assemble(
             self,
             self._state,
@@ -346,6 +347,18 @@ class WorkerTrainingState:
         """
         self._parts.queue.discard_pending()
 
+    @property
+    def fit_number(self) -> int | None:
+        """Which `fit()` of the process this training is, where several
+        share the backup: a backup a later one wrote is not loaded (its
+        `ResumePoint.later_fit` says so). `None` (the default): not
+        counted; the newest backup is loaded whoever wrote it."""
+        return self._state.fit_number
+
+    @fit_number.setter
+    def fit_number(self, value: int | None) -> None:
+        self._state.fit_number = value
+
     def restore(self) -> ResumePoint | None:
         """Loads the newest good checkpoint into the model.
 
@@ -359,7 +372,7 @@ class WorkerTrainingState:
         self._parts.queue.finish_earlier()
         self._state.configuration()  # As set up, before anything is loaded.
         point = self._load_newest(variables_only=False)
-        if point is not None and point.config_changes:
+        if point is not None and point.later_fit is None and point.config_changes:
             events.warn(
                 "restore",
                 f"keras-ft: the backup {point.checkpoint} was written by a "
@@ -377,7 +390,7 @@ class WorkerTrainingState:
         point = self._parts.tiers.load_newest(
             self._state, variables_only, self.on_config_change == "raise"
         )
-        if point is not None:
+        if point is not None and point.later_fit is None:
             notify(
                 self.listeners,
                 "after_restore",
@@ -422,7 +435,7 @@ class WorkerTrainingState:
     def delete_backup(self) -> None:
         """Deletes what this backup wrote; other files in `backup_dir` stay."""
         self._parts.queue.wait()
-        self._parts.claim.delete()  # The chief's keeps the run's goodput record.
+        self._parts.claim.delete()
         self._parts.tiers.clear_local()  # Every process's own.
         self._parts.root.remove_root()  # `backup_dir` itself, if nothing else is in it.
         self._parts.queue.release()

@@ -398,11 +398,9 @@ BUCKET = "keras-ft-test"
 
 
 def backup_deleted(backup_dir: str) -> bool:
-    """Whether a finished run deleted its backup: no checkpoint is left, and
-    at most the run's goodput record, kept for `keras-ft goodput`."""
-    if not os.path.exists(backup_dir):
-        return True
-    return os.listdir(backup_dir) == ["goodput.json"]
+    """Whether a finished run deleted its backup: `backup_dir` is gone, as
+    Keras' own tests require (the goodput record went to its logger)."""
+    return not os.path.exists(backup_dir)
 
 
 def free_port() -> int:

@@ -392,8 +392,8 @@ def test_completion_deletes_only_its_own_files(backup_dir, data):
     model.fit(
         *data, epochs=2, verbose=0, callbacks=[keras_ft.BackupAndRestore(backup_dir)]
     )
-    # The checkpoints went; the run's goodput record is kept beside the notes.
-    assert sorted(os.listdir(backup_dir)) == ["goodput.json", "notes.txt"]
+    # The checkpoints went; the user's notes stay.
+    assert sorted(os.listdir(backup_dir)) == ["notes.txt"]
 
 
 @pytest.mark.parametrize(

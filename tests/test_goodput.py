@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 from conftest import TESTS_DIR, run_once_on, subprocess_env
 
 from keras_ft import goodput
-from keras_ft.checkpoint.store import CheckpointStore, open_storage
+from keras_ft.checkpoint.store import CheckpointStore
 from keras_ft.training import goodput as goodput_record
 
 SCRIPT = os.path.join(TESTS_DIR, "train_script.py")
@@ -94,10 +95,11 @@ def test_a_run_killed_twice_reports_figures_that_add_up(tmp_path):
 
 
 @run_once_on("torch", "processes; the backend does not matter")
-def test_a_finished_run_keeps_its_record_when_its_backup_is_deleted(tmp_path):
-    """`delete_checkpoint=True` (the default): the finished run's checkpoints
-    go, and `keras-ft goodput` still reports both attempts."""
-    backup = str(tmp_path / "backup")
+def test_a_finished_run_writes_its_record_where_named_and_its_backup_goes(tmp_path):
+    """`delete_checkpoint=True` (the default): the finished run's backup
+    goes, `backup_dir` with it, and `keras-ft goodput` reports both attempts
+    from the file `goodput_file` named."""
+    backup, record = str(tmp_path / "backup"), str(tmp_path / "goodput.json")
     process = launch(backup)
     for line in process.stdout:
         if '"first_batch_end"' in line:
@@ -106,42 +108,49 @@ def test_a_finished_run_keeps_its_record_when_its_backup_is_deleted(tmp_path):
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
     finished = subprocess.Popen(
-        [sys.executable, SCRIPT, backup, "--epochs", "3", "--save-freq", "2"],
+        [sys.executable, SCRIPT, backup, "--epochs", "3", "--save-freq", "2",
+         "--goodput-file", record],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=subprocess_env(),
     )  # fmt: skip
     _, err = finished.communicate(timeout=300)
     assert finished.returncode == 0, err
-    assert os.listdir(backup) == [goodput_record.KEPT]  # The checkpoints went.
+    assert not os.path.exists(backup)  # The checkpoints went, and the dir.
     shown = subprocess.run(
-        [sys.executable, "-m", "keras_ft", "goodput", backup],
+        [sys.executable, "-m", "keras_ft", "goodput", record],
         capture_output=True, text=True, env=subprocess_env(), timeout=120,
     )  # fmt: skip
     assert shown.returncode == 0, shown.stderr
     assert "2 attempts" in shown.stdout and "productive" in shown.stdout
 
 
-def test_the_kept_record_is_bounded_and_replaces_an_earlier_runs(tmp_path):
+def test_the_finished_record_is_logged_and_written_bounded_where_named(
+    tmp_path, caplog
+):
     chief = CheckpointStore(str(tmp_path / "chief"))
-    root = open_storage(str(tmp_path))
     samples = [[float(t), t] for t in range(goodput_record.MAX_SAMPLES)]
     for i in range(goodput_record.MAX_KEPT_ATTEMPTS + 20):
         record = attempt(i * 10_000, (i * 10_000 + 1, i * 10_000 + 2), 0, samples)
         chief.replace_notice(f"goodput_{i:017d}.json", json.dumps(record).encode())
-    goodput_record.keep(chief, root)
-    attempts = goodput.load_kept(root)
+    path = str(tmp_path / "run.goodput.json")
+    with caplog.at_level(logging.INFO, logger="keras_ft.goodput"):
+        goodput.report_finished(chief, path)
+    (logged,) = [r for r in caplog.records if r.name == "keras_ft.goodput"]
+    assert "the run is over" in logged.getMessage()
+    assert len(logged.goodput) == goodput_record.MAX_KEPT_ATTEMPTS + 20
+    attempts = goodput.load_file(path)
     assert len(attempts) == goodput_record.MAX_KEPT_ATTEMPTS
     assert attempts[0]["process_start"] == 20 * 10_000  # The newest kept.
     assert all(len(a["samples"]) <= goodput_record.KEPT_SAMPLES for a in attempts)
     assert all(a["samples"][-1][1] == samples[-1][1] for a in attempts)
-    assert os.path.getsize(tmp_path / goodput_record.KEPT) < 1024 * 1024
+    assert os.path.getsize(path) < 1024 * 1024
     # A later run's end replaces it with its own attempts alone.
     for name in chief.notices("goodput_"):
         chief.remove_notice(name)
     chief.replace_notice("goodput_99999999999999999.json", json.dumps(
         attempt(5, (6, 7), 8, [[8, 0], [9, 1]])).encode())  # fmt: skip
-    goodput_record.keep(chief, root)
-    assert [a["process_start"] for a in goodput.load_kept(root)] == [5]
+    goodput.report_finished(chief, path)
+    assert [a["process_start"] for a in goodput.load_file(path)] == [5]
 
 
 def test_an_attempt_that_seems_to_start_before_the_last_ended_adds_up():

@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--raise-at-epoch-end", type=int)
     parser.add_argument("--seconds-per-batch", type=float, default=0.0)
     parser.add_argument("--keep-backup", action="store_true")
+    parser.add_argument("--goodput-file", default=None)
     parser.add_argument("--grace-period", type=float, default=25.0)
     parser.add_argument("--units", type=int, default=8)
     args = parser.parse_args()
@@ -83,6 +84,7 @@ def main() -> None:
                 save_freq=save_freq,
                 delete_checkpoint=not args.keep_backup,
                 grace_period=args.grace_period,
+                goodput_file=args.goodput_file,
             ),
             Reporter(args.raise_at_epoch_end, args.seconds_per_batch),
         ],

@@ -7,8 +7,10 @@ behaviour when this Keras lacks it (see `registry.py`).
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -116,22 +118,144 @@ def local_up_the_stack(
     return None
 
 
+# Stock callbacks' counters kept in private attributes, by class: a resumed
+# fit() continues them (`training/callback_state.py`).
+_PRIVATE_COUNTERS: dict[str, tuple[str, ...]] = {
+    "TensorBoard": ("_global_train_batch", "_global_test_batch"),
+    "ModelCheckpoint": ("_batches_seen_since_last_saving", "_last_batch_seen"),
+}
+
+
+def _uses(cls: type, names: tuple[str, ...]) -> bool:
+    used = set().union(*(_code_names(f) for f in vars(cls).values() if callable(f)))
+    return set(names) <= used
+
+
 @register("tensorboard_steps", "TensorBoard's step axis restarts after a resume")
 def _check_tensorboard_steps() -> bool:
-    board = keras.callbacks.TensorBoard
-    return any(
-        "_global_train_batch" in _code_names(f)
-        for f in vars(board).values()
-        if callable(f)
+    return _uses(keras.callbacks.TensorBoard, _PRIVATE_COUNTERS["TensorBoard"])
+
+
+@register(
+    "checkpoint_batches",
+    "ModelCheckpoint(save_freq=N) counts its N batches afresh after a resume",
+)
+def _check_checkpoint_batches() -> bool:
+    return _uses(keras.callbacks.ModelCheckpoint, _PRIVATE_COUNTERS["ModelCheckpoint"])
+
+
+def private_counters(kind: str) -> tuple[str, ...]:
+    """The private attributes in which Keras' `kind` callback counts batches,
+    where this Keras has them (`()` otherwise)."""
+    capability = {
+        "TensorBoard": "tensorboard_steps",
+        "ModelCheckpoint": "checkpoint_batches",
+    }
+    if kind in capability and usable(capability[kind]):
+        return _PRIVATE_COUNTERS[kind]
+    return ()
+
+
+@register(
+    "swap_ema",
+    "a backup taken while SwapEMAWeights has the moving averages swapped in holds "
+    "them as the model's weights",
+)
+def _check_swap_ema() -> bool:
+    swap = getattr(keras.callbacks, "SwapEMAWeights", None)
+    return swap is not None and callable(getattr(swap, "_swap_variables", None))
+
+
+def swapped_in(callbacks: list) -> list:
+    """The `SwapEMAWeights` callbacks whose moving averages are in the model now."""
+    swap = getattr(keras.callbacks, "SwapEMAWeights", None)
+    found = [
+        c
+        for c in callbacks
+        if swap is not None
+        and isinstance(c, swap)
+        and getattr(c, "_ema_weights_in_model", False)
+    ]
+    return found if found and usable("swap_ema") else []
+
+
+def swap_ema(callback: Any) -> None:
+    """Swaps the model's weights with the optimizer's moving averages (the
+    swap is its own inverse)."""
+    callback._swap_variables()
+
+
+@register(
+    "tensorboard_events",
+    "TensorBoard shows both the killed run's values past its last backup and "
+    "the resumed run's, at the same steps",
+)
+def _check_tensorboard_events() -> bool:
+    from tensorboard.backend.event_processing import event_file_loader  # noqa: F401
+    from tensorboard.compat.proto import event_pb2  # noqa: F401
+    from tensorboard.summary.writer import record_writer  # noqa: F401
+
+    return True
+
+
+def tensorboard_dirs(board: Any) -> tuple[str, str]:
+    """Where a `TensorBoard` callback writes its training and validation
+    events (Keras' `_train_dir`, `_val_dir`; else as Keras names them)."""
+    root = str(getattr(board, "log_dir", "logs"))
+    return (
+        str(getattr(board, "_train_dir", os.path.join(root, "train"))),
+        str(getattr(board, "_val_dir", os.path.join(root, "validation"))),
     )
 
 
-def continue_tensorboard_steps(callbacks: list, first_step: int) -> None:
-    """Makes TensorBoard callbacks count batches from `first_step`."""
-    boards = [c for c in callbacks if isinstance(c, keras.callbacks.TensorBoard)]
-    if boards and usable("tensorboard_steps"):
-        for board in boards:
-            board._global_train_batch = first_step
+def read_events(paths: Any) -> list:
+    """The summary events in TensorBoard event files, in order, as
+    TensorBoard's own reader keeps them: a `SessionLog` START after the
+    first drops what came before it at or past its step."""
+    from tensorboard.backend.event_processing import event_file_loader
+
+    events: list = []
+    started = False
+    for path in paths:
+        for event in event_file_loader.EventFileLoader(path).Load():
+            if event.HasField("session_log") and event.session_log.status == 1:
+                if started:
+                    events = [e for e in events if e.step < event.step]
+                started = True
+            elif event.HasField("summary"):
+                events.append(event)
+    return events
+
+
+def write_restart(path: str, step: int, events: list) -> None:
+    """Writes a TensorBoard event file holding a `SessionLog` START at
+    `step`, then `events` (appended to `path` if it exists).
+
+    TensorBoard takes a run's first START for the session's start, and each
+    later one for a restart: the START is written twice, so that it is a
+    restart also where nothing wrote a START before.
+    """
+    from tensorboard.compat.proto import event_pb2
+    from tensorboard.summary.writer import record_writer
+
+    now = time.time()
+    start = event_pb2.Event(
+        wall_time=now,
+        step=step,
+        session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START),
+    )
+    records = [
+        event_pb2.Event(wall_time=now, file_version="brain.Event:2"),
+        start,
+        start,
+        *events,
+    ]
+    with open(path, "ab") as f:
+        writer = record_writer.RecordWriter(f)
+        for record in records:
+            writer.write(record.SerializeToString())
+        writer.flush()
+        os.fsync(f.fileno())
 
 
 @register("print_msg", "messages are printed with print(), not Keras' io_utils")

@@ -8,7 +8,6 @@ from typing import Any
 
 from keras_ft import events
 from keras_ft.checkpoint.store import CheckpointStore, Storage
-from keras_ft.training import goodput
 
 
 class ChiefClaim:
@@ -17,8 +16,7 @@ class ChiefClaim:
     Args:
         store: The chief's checkpoints.
         lock: `store`'s writer lock.
-        root: The storage of `backup_dir` itself (a finished run's goodput
-            record is kept there when the checkpoints go).
+        root: The storage of `backup_dir` itself.
     """
 
     def __init__(self, store: CheckpointStore, lock: Any, root: Storage):
@@ -38,8 +36,7 @@ class ChiefClaim:
 
     def delete(self) -> None:
         """Deletes the checkpoints (a failure is a warning: training is
-        over) and the lock; keeps the run's goodput record."""
-        goodput.keep(self._store, self._root)
+        over) and the lock."""
         try:
             self._store.clear()
         except Exception as e:  # A bucket out of reach: say so, go on.

@@ -43,6 +43,9 @@ def check(state: dict) -> None:
         v is None or is_number(v) for v in logs.values()
     ):
         raise ValueError("the logs are not an object of numbers")
+    fit = state.get("fit", 1)
+    if not _is_count(fit) or fit < 1:
+        raise ValueError("the fit() number is not a positive count")
     pending = state.get("callbacks_pending", [])
     if not isinstance(pending, list) or not all(isinstance(k, str) for k in pending):
         raise ValueError("callbacks_pending is not a list of names")
@@ -78,6 +81,14 @@ def _is_count(value: Any, shapes: Any = None) -> bool:
 
 def _is_best(value: Any, shapes: Any) -> bool:
     return value is None or is_number(value)
+
+
+def _is_batch_seen(value: Any, shapes: Any = None) -> bool:
+    return value is None or _is_count(value)
+
+
+def _is_text(value: Any, shapes: Any = None) -> bool:
+    return isinstance(value, str)
 
 
 def _is_weights(value: Any, shapes: list[tuple] | None) -> bool:
@@ -123,7 +134,14 @@ CALLBACK_FIELDS: dict[str, dict[str, _Field]] = {
         "best": _BEST,
         "cooldown_counter": _COUNT,
     },
-    "ModelCheckpoint": {"best": _BEST},
+    "ModelCheckpoint": {
+        "best": _BEST,
+        "_batches_seen_since_last_saving": _COUNT,
+        "_last_batch_seen": (_is_batch_seen, "null or a count"),
+    },
+    "TensorBoard": {"_global_train_batch": _COUNT, "_global_test_batch": _COUNT},
+    # Not attributes: the text of the CSV file written up to the save.
+    "CSVLogger": {"rows": (_is_text, "text")},
     "History": {
         "epoch": (_is_epochs, "a list of epoch numbers"),
         "history": (_is_history, "an object of lists of numbers"),

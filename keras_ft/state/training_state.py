@@ -73,6 +73,9 @@ class ResumePoint:
         config_changes: How the model's, optimizer's or loss's configuration
             differs from the one the backup was written with (see
             `keras_ft.state.configuration`); empty when it is the same.
+        later_fit: Set when the backup was written by a later `fit()` of
+            the script than this one (`TrainingState.fit_number`): its
+            number; nothing was loaded, and this fit() has nothing to train.
     """
 
     epoch: int
@@ -82,6 +85,7 @@ class ResumePoint:
     saved_at: float
     extra: dict = dataclasses.field(default_factory=dict, repr=False)
     config_changes: list[str] = dataclasses.field(default_factory=list)
+    later_fit: int | None = None
 
 
 @dataclasses.dataclass
@@ -133,6 +137,9 @@ class TrainingState:
         # More checks of a checkpoint's `extra` before anything is restored
         # (what the caller saved there): raises ValueError or TypeError.
         self.check_extra: Callable[[dict], None] | None = None
+        # Which fit() of the process this is, for a backup dir that several
+        # fit() calls share (`BackupAndRestore`); `None`: not counted.
+        self.fit_number: int | None = None
 
     def snapshot(
         self,
@@ -289,6 +296,8 @@ class TrainingState:
                 _wait_for_whole(directory, name, progress)
         metadata = _read_metadata(directory)
         extra = self._read_extra(directory, metadata)
+        if self._later_fit(extra) is not None:
+            return ReadAhead(None, extra)  # Nothing of it is loaded.
         checks.check_build_config(self.model, directory, metadata)
         weights = self._read_weights(directory, progress, ranges)
         if weights is None:  # Not this model's layout: checked before parsing.
@@ -348,8 +357,20 @@ class TrainingState:
         """
         if read is None:  # Checked before anything is loaded.
             read = ReadAhead(None, self._read_extra(directory, metadata))
-            checks.check_build_config(self.model, directory, metadata)
-            self._check_weights_file(directory)
+            if self._later_fit(read.extra) is None:
+                checks.check_build_config(self.model, directory, metadata)
+                self._check_weights_file(directory)
+        later = self._later_fit(read.extra)
+        if later is not None:
+            return ResumePoint(
+                epoch=metadata["epochs_completed"],
+                batch=metadata["batches_completed"],
+                step=metadata["step"],
+                checkpoint=directory,
+                saved_at=metadata["saved_at"],
+                extra=read.extra,
+                later_fit=later,
+            )
         values = read.weights
         changes = configuration.differences(
             metadata.get("configuration"), self.configuration()
@@ -420,13 +441,22 @@ class TrainingState:
             _check_values(extra.get("seed_generators", []), _seed_states(self.model))
             _check_values(extra.get("metrics", []), self.model.metrics_variables)
             rng.check(extra.get("rng", {}))
-            if self.check_extra is not None:
+            # A later fit()'s callbacks and state are not this one's.
+            if self.check_extra is not None and self._later_fit(extra) is None:
                 self.check_extra(extra)
         except (TypeError, ValueError) as e:
             raise CorruptCheckpointError(
                 directory, f"its saved state is malformed: {e}"
             ) from None
         return extra
+
+    def _later_fit(self, extra: dict) -> int | None:
+        """The number of the later fit() that wrote `extra`, if it was not
+        this one or an earlier one."""
+        saved = extra.get("fit")
+        if self.fit_number is None or not isinstance(saved, int):
+            return None
+        return saved if saved > self.fit_number else None
 
     def _apply_seed_generators(self, values: list) -> None:
         states = _seed_states(self.model)

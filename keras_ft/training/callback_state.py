@@ -15,7 +15,9 @@ class MyCallback(keras.callbacks.Callback):
 ```
 
 Callbacks are matched between runs by class name and position among callbacks
-of that class, so the restarted script must pass the same callbacks.
+of that class, so the restarted script must pass the same callbacks. A
+callback that keeps attributes of its own but has neither method is named in
+a warning at a fit()'s first save: a resume gives it a fresh state.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from typing import Any
 
 import keras
 
+from keras_ft import compat, events
 from keras_ft.state import saved_state
+from keras_ft.training import neighbours
 
 # Keras keeps these in attributes, resetting them in `on_train_begin`; the
 # fields, and how a saved value of each must look, are `saved_state`'s.
@@ -34,7 +38,19 @@ _STOCK_KINDS: dict[type, str] = {
     keras.callbacks.ReduceLROnPlateau: "ReduceLROnPlateau",
     keras.callbacks.ModelCheckpoint: "ModelCheckpoint",
     keras.callbacks.History: "History",
+    keras.callbacks.TensorBoard: "TensorBoard",
 }
+# Stock callbacks whose state is not in attributes: how to read and set it.
+_STOCK_STATES: dict[type, tuple[str, Callable, Callable]] = {
+    keras.callbacks.CSVLogger: (
+        "CSVLogger",
+        neighbours.csv_state,
+        neighbours.set_csv_state,
+    ),
+}
+# Modules whose callbacks are known here, stateless or saved as above.
+_KNOWN_MODULES = ("keras.", "keras_ft.", "keras_hub.", "keras_tuner.")
+_BASE_ATTRIBUTES = frozenset(vars(keras.callbacks.Callback())) | {"async_safe"}
 
 
 def capture(callbacks: Iterable[keras.callbacks.Callback]) -> dict[str, Any]:
@@ -43,6 +59,10 @@ def capture(callbacks: Iterable[keras.callbacks.Callback]) -> dict[str, Any]:
     for key, callback in keyed(callbacks):
         if _has_protocol(callback):
             states[key] = callback.get_state()
+            continue
+        stock = _stock_state(callback)
+        if stock is not None:
+            states[key] = stock[1](callback)
             continue
         attributes = _stock_attributes(callback)
         if attributes:
@@ -77,8 +97,11 @@ def apply(callbacks: Iterable[keras.callbacks.Callback], states: dict) -> None:
         if key not in states:
             continue
         state = states[key]
+        stock = _stock_state(callback)
         if _has_protocol(callback):
             callback.set_state(state)
+        elif stock is not None:
+            stock[2](callback, state)
         else:
             for name in _stock_attributes(callback):
                 if name in state:
@@ -105,25 +128,60 @@ def _has_protocol(callback: Any) -> bool:
 
 def _stock_attributes(callback: Any) -> tuple[str, ...]:
     kind = _stock_kind(callback)
-    return () if kind is None else tuple(saved_state.CALLBACK_FIELDS[kind])
+    if kind is None or _stock_state(callback) is not None:
+        return ()
+    # Private ones only where this Keras keeps them (`compat`).
+    public = [n for n in saved_state.CALLBACK_FIELDS[kind] if not n.startswith("_")]
+    return (*public, *compat.private_counters(kind))
+
+
+def _stock_state(callback: Any) -> tuple[str, Callable, Callable] | None:
+    for cls, stock in _STOCK_STATES.items():
+        if isinstance(callback, cls):
+            return stock
+    return None
 
 
 def _stock_kind(callback: Any) -> str | None:
+    stock = _stock_state(callback)
+    if stock is not None:
+        return stock[0]
     for cls, kind in _STOCK_KINDS.items():
         if isinstance(callback, cls):
             return kind
     return None
 
 
+def warn_unsaved(callbacks: list, states: dict) -> None:
+    """Warns, naming them, of the callbacks that keep attributes of their
+    own but have no state in `states` (a save's `capture()`): a resume
+    cannot give them back what they had."""
+    names = [
+        key
+        for key, callback in keyed(callbacks)
+        if key not in states
+        and not type(callback).__module__.startswith(_KNOWN_MODULES)
+        and set(vars(callback)) - _BASE_ATTRIBUTES
+    ]
+    if names:
+        events.warn(
+            "save",
+            f"BackupAndRestore: the state of {', '.join(names)} is not backed up "
+            "(no get_state()/set_state()): a resumed fit() gives it a fresh one. "
+            "Define both methods to carry it (JSON values and NumPy arrays; "
+            "see keras_ft.training.callback_state).",
+            stacklevel=5,
+        )
+
+
 def is_stateful(callback: keras.callbacks.Callback) -> bool:
     """Whether `callback` keeps state across epochs that a backup carries.
 
     History is left out: `with_epoch_recorded()` fills in the epoch it has
-    not yet seen.
+    not yet seen; so is TensorBoard, whose counters change at batches only.
     """
-    return not isinstance(callback, keras.callbacks.History) and bool(
-        capture([callback])
-    )
+    unchanged = (keras.callbacks.History, keras.callbacks.TensorBoard)
+    return not isinstance(callback, unchanged) and bool(capture([callback]))
 
 
 def with_epoch_recorded(

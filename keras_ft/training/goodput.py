@@ -103,46 +103,30 @@ class GoodputRecorder:
             self.store.replace_notice(self.name, json.dumps(self.record).encode())
 
 
-# A finished run's record, kept in `backup_dir` itself when its checkpoints
-# (and the notices beside them) are deleted: the newest attempts, their
-# samples thinned, so that it stays small whatever the run's length.
+# A finished run's record, where the user names a file for it: the newest
+# attempts, their samples thinned, so that it stays small whatever the
+# run's length. (Older keras-ft kept it in `backup_dir` as `KEPT`.)
 KEPT = "goodput.json"
 MAX_KEPT_ATTEMPTS = 100
 KEPT_SAMPLES = 200
 MAX_KEPT_BYTES = 4 * 1024 * 1024
 
 
-def keep(store: Any, root: Any) -> None:
-    """Copies the attempts recorded in `store` (the chief's checkpoints)
-    into `KEPT` in `root` (the storage of `backup_dir`), replacing a record
-    an earlier run kept there, before `store` is cleared. Best effort: a
-    record that cannot be read or kept is not worth failing the end of a
-    training for."""
-    attempts = []
-    try:
-        names = store.notices(PREFIX)
-    except Exception:  # Any storage's error (a bucket out of reach).
-        return
-    for name in names:
-        with contextlib.suppress(Exception):
-            record = json.loads(store.read_notice(name) or b"null")
-            if isinstance(record, dict) and isinstance(record.get("samples"), list):
-                attempts.append(record)
-    if not attempts:
-        return
+def thinned(attempts: list[dict[str, Any]]) -> bytes | None:
+    """The record of `attempts` to keep, as JSON (`None` if too large)."""
+    attempts = [dict(a, samples=list(a["samples"])) for a in attempts]
     attempts = attempts[-MAX_KEPT_ATTEMPTS:]
     for record in attempts:
         samples = record["samples"]
         while len(samples) > KEPT_SAMPLES:
             samples[1:-1] = samples[2:-1:2]
     data = json.dumps({"attempts": attempts}).encode()
-    if len(data) <= MAX_KEPT_BYTES:
-        with contextlib.suppress(Exception):
-            root.replace(KEPT, data)
+    return data if len(data) <= MAX_KEPT_BYTES else None
 
 
 def kept(root: Any) -> list:
-    """The attempts `keep()` left in `root`, unchecked (`[]` if none)."""
+    """The attempts an older keras-ft kept in `root` (a `backup_dir`'s
+    storage), unchecked (`[]` if none)."""
     try:
         data = root.read_small(KEPT, MAX_KEPT_BYTES)
         value = json.loads(data or b"null")

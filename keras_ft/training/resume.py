@@ -13,6 +13,7 @@ draws advance exactly as before.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,7 @@ import keras
 
 from keras_ft import backend, compat, events
 from keras_ft.state import ResumePoint, rng
-from keras_ft.training import callback_state
+from keras_ft.training import callback_state, neighbours
 from keras_ft.training.inputs import InputPosition
 
 
@@ -129,6 +130,29 @@ class Resumption:
         self.skip_epochs_before = 0 if jumped else point.epoch
         self.started = False  # The resume epoch has begun.
         self._fast_forward: FastForward | None = None
+        self._began = time.time()  # TensorBoard's files from now are this fit's.
+        self._hidden: neighbours.HiddenBatches | None = None
+        # An epoch resumed part-way trains at the backup's learning rate.
+        self._rates = neighbours.RestoredRates(model) if point.batch else None
+
+    def hide_skipped_batches(
+        self,
+        callback_list: keras.callbacks.CallbackList | None,
+        owner: keras.callbacks.Callback,
+    ) -> None:
+        """Keeps the skipped batches from every callback in `callback_list`
+        but `owner` (they trained before the restart)."""
+        if callback_list is not None:
+            model = self.model
+            self._hidden = neighbours.HiddenBatches(
+                callback_list, owner, lambda: skipping(model)
+            )
+
+    def batch_begin(self) -> None:
+        """At a batch's begin, every callback's `on_epoch_begin` run."""
+        if self._rates is not None and self.started:
+            self._rates.put_back()
+            self._rates = None
 
     def skips_epoch(self, epoch: int) -> bool:
         """Whether `epoch` is one completed before the restart, read through."""
@@ -155,7 +179,7 @@ class Resumption:
         # their epoch ends of epochs skipped since are undone).
         callback_state.apply(callbacks, point.extra.get("callbacks", {}))
         _warn_if_callbacks_pending(point)
-        compat.continue_tensorboard_steps(callbacks, point.step - point.batch)
+        neighbours.restart_tensorboards(callbacks, point, self._began)
         if point.batch and epoch == point.epoch:
             self._continue_epoch()
             return point.batch
@@ -166,6 +190,13 @@ class Resumption:
         if self._fast_forward is not None:
             self._fast_forward.remove()
             self._fast_forward = None
+
+    def end(self) -> None:
+        """At the fit()'s end: nothing of the resume stays in place."""
+        self.remove()
+        if self._hidden is not None:
+            self._hidden.remove()
+            self._hidden = None
 
     def _continue_epoch(self) -> None:
         """Sets up the rest of an interrupted epoch to run as it would have."""

@@ -1,0 +1,60 @@
+"""What a fit() does at its begin: several fit() calls of one script share
+a backup, each restoring its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import subprocess_env
+
+from keras_ft import fit_begin
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "phases_script.py")
+
+
+def _run(work: str, *args: str) -> subprocess.CompletedProcess:
+    backup, out = os.path.join(work, "backup"), os.path.join(work, "out")
+    done = subprocess.run(
+        [sys.executable, SCRIPT, backup, out, *args],
+        capture_output=True, text=True, env=subprocess_env(), timeout=300,
+    )  # fmt: skip
+    if done.returncode not in (0, -signal.SIGKILL):
+        raise AssertionError(done.stderr[-4000:])
+    return done
+
+
+def _weights(work: str) -> list[np.ndarray]:
+    with np.load(os.path.join(work, "out.npz")) as saved:
+        return [saved[k] for k in sorted(saved, key=lambda k: int(k[4:]))]
+
+
+@pytest.mark.parametrize("how", ["the same callback", "a new callback, same dir"])
+def test_a_script_killed_in_its_second_fit_resumes_there(tmp_path, how):
+    """Phase 1, compile() with another optimizer, phase 2; SIGKILL in phase
+    2. The rerun's phase 1 trains nothing (its backup is phase 2's, not
+    loaded: no error about phase 2's optimizer), and phase 2 resumes."""
+    new = ["--new-callback"] if how != "the same callback" else []
+    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
+    _run(whole, *new)
+    assert _run(killed, *new, "--kill-in-phase-2-at", "9").returncode == -signal.SIGKILL
+    rerun = _run(killed, *new)
+    assert rerun.returncode == 0
+    with open(os.path.join(killed, "out.json")) as f:
+        trained = json.load(f)
+    assert trained == {"phase_1": 0, "phase_2": 18 - 8}  # From batch 9 of 18.
+    for want, got in zip(_weights(whole), _weights(killed), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert not os.path.exists(os.path.join(killed, "backup", "chief"))
+
+
+def test_fits_are_numbered_per_backup_dir():
+    first, other = "/tmp/fit-number-a", "/tmp/fit-number-b"
+    assert fit_begin.fit_number(first) == 1
+    assert fit_begin.fit_number(other) == 1
+    assert fit_begin.fit_number(first) == 2

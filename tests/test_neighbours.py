@@ -1,0 +1,183 @@
+"""Keras' stock callbacks beside the backup: a killed and rerun fit() ends
+where the uninterrupted one does, its callbacks' counters and files too."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+from conftest import subprocess_env
+
+import keras_ft
+from keras_ft.training import callback_state, neighbours
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "neighbours_script.py")
+
+
+def _run(work: str, *args: str) -> int:
+    done = subprocess.run(
+        [sys.executable, SCRIPT, work, os.path.join(work, "out"), *args],
+        capture_output=True, text=True, env=subprocess_env(), timeout=300,
+    )  # fmt: skip
+    if done.returncode not in (0, -signal.SIGKILL):
+        raise AssertionError(done.stderr[-4000:])
+    return done.returncode
+
+
+def _board(directory: str) -> dict[str, list]:
+    """Every tag's (step, value) as TensorBoard's own reader shows them."""
+    from tensorboard.backend.event_processing import plugin_event_accumulator
+    from tensorboard.util import tensor_util
+
+    reader = plugin_event_accumulator.EventAccumulator(
+        directory, size_guidance={"tensors": 0}
+    )
+    reader.Reload()
+    return {
+        tag: [
+            (e.step, float(tensor_util.make_ndarray(e.tensor_proto)))
+            for e in reader.Tensors(tag)
+        ]
+        for tag in reader.Tags()["tensors"]
+        if tag != "keras" and not tag.endswith("steps_per_second")
+    }
+
+
+def _outcome(work: str) -> dict:
+    with np.load(os.path.join(work, "out.npz")) as saved:
+        weights = [saved[k] for k in sorted(saved, key=lambda k: int(k[4:]))]
+    with open(os.path.join(work, "out.json")) as f:
+        record = json.load(f)
+    with open(os.path.join(work, "log.csv")) as f:
+        rows = f.read()
+    return {
+        "weights": weights,
+        "record": record,
+        "rows": rows,
+        "checkpoints": sorted(os.listdir(os.path.join(work, "ckpt"))),
+        "train": _board(os.path.join(work, "tb", "train")),
+        "validation": _board(os.path.join(work, "tb", "validation")),
+    }
+
+
+@pytest.mark.parametrize("order", ["stock callbacks first", "backup first"])
+def test_a_killed_fit_with_stock_callbacks_ends_as_the_uninterrupted_one(
+    tmp_path, order
+):
+    """SwapEMAWeights, LearningRateScheduler, ModelCheckpoint(save_freq=4),
+    CSVLogger and TensorBoard(update_freq="batch") beside a backup every 3
+    batches (counted from the fit's start); SIGKILL at epoch 3, batch 7, two
+    batches past the backup after batch 5 (the killed run logged and
+    checkpointed past it)."""
+    first = ["--backup-first"] if order == "backup first" else []
+    whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
+    assert _run(whole, *first) == 0
+    assert _run(killed, *first, "--kill-at", "2:7") == -signal.SIGKILL
+    assert _run(killed, *first) == 0
+    expected, resumed = _outcome(whole), _outcome(killed)
+    # SwapEMAWeights: the backups never held the moving averages swapped in.
+    for want, got in zip(expected["weights"], resumed["weights"], strict=True):
+        np.testing.assert_array_equal(got, want)
+    # LearningRateScheduler: each batch trained at the uninterrupted rate,
+    # and no callback was shown a batch the resumed process did not train.
+    want_rates = {(e, b): r for e, b, r in expected["record"]["rates"]}
+    got_rates = resumed["record"]["rates"]
+    assert got_rates[0][:2] == [2, 5]  # The first batch trained after the restart.
+    assert all(want_rates[(e, b)] == r for e, b, r in got_rates)
+    assert resumed["record"]["epochs"] == expected["record"]["epochs"]
+    # ModelCheckpoint every 4 batches: at the same batches, no others.
+    assert resumed["checkpoints"] == expected["checkpoints"]
+    # CSVLogger: every epoch once, the same rows.
+    assert resumed["rows"] == expected["rows"]
+    # TensorBoard: one value per step, the uninterrupted run's, in both
+    # directories (batch steps, epoch steps, optimizer steps).
+    assert resumed["train"] == expected["train"]
+    assert resumed["validation"] == expected["validation"]
+    assert len(expected["train"]["batch_loss"]) == 4 * 8
+
+
+def test_hidden_batches_reach_only_the_owner():
+    """The CallbackList shows a skipped batch to the backup alone."""
+    seen = {"owner": [], "other": []}
+
+    class Recorder(keras.callbacks.Callback):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def on_train_batch_begin(self, batch, logs=None):
+            seen[self.name].append(("begin", batch))
+
+        def on_train_batch_end(self, batch, logs=None):
+            seen[self.name].append(("end", batch))
+
+    owner, other = Recorder("owner"), Recorder("other")
+    callback_list = keras.callbacks.CallbackList([owner, other])
+    skipped = [True, False]
+    hidden = neighbours.HiddenBatches(callback_list, owner, lambda: skipped[0])
+    for batch in range(2):
+        callback_list.on_train_batch_begin(batch)
+        skipped[0] = False  # The last skipped step gives the real one back.
+        callback_list.on_train_batch_end(batch)
+    hidden.remove()
+    callback_list.on_train_batch_begin(2)
+    assert seen["owner"] == [
+        ("begin", 0),
+        ("end", 0),
+        ("begin", 1),
+        ("end", 1),
+        ("begin", 2),
+    ]
+    assert seen["other"] == [("begin", 1), ("end", 1), ("begin", 2)]
+
+
+def test_a_csv_loggers_rows_are_put_back_whatever_append_says(tmp_path):
+    path = str(tmp_path / "log.csv")
+    with open(path, "w") as f:
+        f.write("epoch,loss,val_loss\n0,1.5,NA\n1,1.2,NA\n")
+    logger = keras.callbacks.CSVLogger(path)
+    state = callback_state.capture([logger])
+    assert state == {
+        "CSVLogger:0": {"rows": "epoch,loss,val_loss\n0,1.5,NA\n1,1.2,NA\n"}
+    }
+    with open(path, "a") as f:
+        f.write("2,1.1,NA\n")  # A killed run's row past the backup.
+    logger.on_train_begin()  # append=False: truncates the file.
+    callback_state.apply([logger], state)
+    logger.on_epoch_end(2, {"loss": 1.0})
+    logger.on_train_end()
+    with open(path) as f:
+        assert f.read().splitlines() == [
+            "epoch,loss,val_loss", "0,1.5,NA", "1,1.2,NA", "2,1.0,NA"
+        ]  # fmt: skip
+
+
+def test_a_callback_keeping_attributes_without_get_state_is_named_once(
+    backup_dir, data
+):
+    class Counter(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.batches = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.batches += 1
+
+    class Stateless(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            pass
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    backup = keras_ft.BackupAndRestore(backup_dir, verbose=0)
+    x, y = np.ones((16, 4), "float32"), np.ones((16, 1), "float32")
+    with pytest.warns(UserWarning, match="state of Counter:0 is not backed up") as w:
+        model.fit(x, y, epochs=3, verbose=0, callbacks=[Counter(), Stateless(), backup])
+    named = [m for m in w if "is not backed up" in str(m.message)]
+    assert len(named) == 1 and "Stateless" not in str(named[0].message)
