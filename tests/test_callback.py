@@ -1209,3 +1209,39 @@ def test_continuous_saves_whenever_the_writer_is_free(tmp_path):
         "ckpt-00000031",
         "ckpt-00000032",
     ]  # keep=2
+
+
+# Keras' own tests of its callback, run against this one.
+
+_KERAS_TESTS = os.path.join(
+    os.path.dirname(keras.__file__), "src", "callbacks", "backup_and_restore_test.py"
+)
+# These read Keras' private attributes (`_current_epoch`, `_weights_path`) or
+# count the batches Keras' callback trains again after a restart.
+_KERAS_PRIVATE = (
+    "test_best_case_step",
+    "test_best_case_epoch",
+    "test_backup_corrupted",
+)
+
+
+@pytest.mark.skipif(
+    not os.path.exists(_KERAS_TESTS), reason="this Keras ships no tests"
+)
+def test_keras_own_backup_and_restore_tests_pass_against_keras_ft(tmp_path):
+    """Keras' backup_and_restore_test.py with `keras.callbacks.BackupAndRestore`
+    replaced by keras-ft's: `backup_dir` gone after a finished fit()."""
+    (tmp_path / "swap_backup.py").write_text(
+        "import keras\nimport keras_ft\nfrom keras.src import callbacks\n"
+        "callbacks.BackupAndRestore = keras_ft.BackupAndRestore\n"
+        "keras.callbacks.BackupAndRestore = keras_ft.BackupAndRestore\n"
+    )
+    env = {**subprocess_env(), "PYTHONPATH": str(tmp_path)}
+    public = " and ".join(f"not {name}" for name in _KERAS_PRIVATE)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "swap_backup",
+         "-p", "no:cacheprovider", "-k", public, _KERAS_TESTS],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert "PASSED" in done.stdout and "test_model_deleted_case_epoch" in done.stdout
