@@ -270,6 +270,9 @@ class FitSaves:
             position = self._inputs.state_at(batch)
             if position is not None:
                 extra["input"] = position
+        stream = self._inputs.stream_at(batch or None)
+        if stream is not None:
+            extra.setdefault("input", {}).update(stream)
         return extra
 
     def skip_non_finite(self, what: str) -> None:

@@ -13,7 +13,7 @@ import time
 import keras
 import numpy as np
 import pytest
-from conftest import run_once_on, subprocess_env
+from conftest import TESTS_DIR, run_once_on, subprocess_env
 
 import keras_ft
 from keras_ft import compat
@@ -356,7 +356,8 @@ def test_a_generator_replays_and_says_how_much(tmp_path):
 
     with pytest.raises(RuntimeError, match="crash"):
         fit_generator(crash=True)
-    with pytest.warns(UserWarning, match=f"the {SAVE_FREQ} batches of this epoch"):
+    # From the stream's start: the first epoch's batches and the second's four.
+    with pytest.warns(UserWarning, match=f"the {ITEMS + SAVE_FREQ} batches it yielded"):
         fit_generator(crash=False)
 
 
@@ -527,3 +528,41 @@ def test_a_forged_grain_state_is_refused_not_loaded():
     for bad in forged:
         assert grain_state(saved(bad)) is None, bad[:20]
     assert grain_state("not bytes") is None
+
+
+# One stream across epochs: an endless generator, a repeated tf.data.
+
+STREAM_SCRIPT = f"{TESTS_DIR}/stream_script.py"
+
+
+def _stream_run(work, *args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, STREAM_SCRIPT, str(work / "backup"), str(work / "out"), *args],
+        capture_output=True, text=True, env=subprocess_env(), timeout=300,
+    )  # fmt: skip
+    assert done.returncode in (0, -9), done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.parametrize("save_freq", ["2", "epoch"])
+@pytest.mark.parametrize("kind", ["generator", "repeat"])
+def test_a_stream_read_across_epochs_resumes_at_its_own_position(
+    tmp_path, kind, save_freq
+):
+    """steps_per_epoch=5 of a stream of 8-batch passes, SIGKILLed in epoch
+    3 at batch 4: resumed mid-epoch (a save every 2 batches) or at the
+    epoch's begin, the rest trains on the uninterrupted run's batches."""
+    args = ["--input", kind, "--save-freq", save_freq]
+    _stream_run(tmp_path / "whole", *args)
+    _stream_run(tmp_path / "killed", *args, "--kill-at", "2:4")
+    resumed = _stream_run(tmp_path / "killed", *args)
+    for name in ("whole", "killed"):
+        with np.load(tmp_path / name / "out.npz") as saved:
+            weights = [saved[k] for k in sorted(saved)]
+        if name == "whole":
+            expected = weights
+    for want, got in zip(expected, weights, strict=True):
+        np.testing.assert_array_equal(got, want)
+    if kind == "generator":  # The truth: drawn again from the stream's start.
+        assert "drawn from it again" in resumed.stderr
+        assert "batches it yielded before the backup" in resumed.stderr

@@ -12,6 +12,7 @@ from keras_ft.compat.data import (
     ArrayView,
     PyDatasetView,
     TfDataState,
+    advance_stream,
     fit_epoch_iterator,
     fit_tf_dataset,
     input_kind,
@@ -19,6 +20,7 @@ from keras_ft.compat.data import (
     loads_in_processes,
     restore_tf_iterator,
     start_data_at_epoch,
+    stream_position,
 )
 from keras_ft.compat.grain_input import GrainView
 from keras_ft.compat.jax_cluster import gather_ints
@@ -75,6 +77,8 @@ __all__ = [
     "GrainView",
     "PyDatasetView",
     "TfDataState",
+    "advance_stream",
+    "stream_position",
     "available",
     "build_metrics",
     "calling_callback_list",

@@ -552,3 +552,58 @@ def restore_tf_iterator(iterator: Any, state: bytes) -> bool:
         fail("tf_data_position", e)
         return False
     return True
+
+
+# Inputs Keras reads as one stream across the epochs of a fit() given
+# `steps_per_epoch`: it makes their iterator once, and anew only when a
+# finite one runs out.
+_STREAMS = ("GeneratorDataAdapter", "TFDatasetAdapter")
+
+
+@register(
+    "stream_position",
+    "an endless generator or a repeated tf.data pipeline read with "
+    "steps_per_epoch resumes where its epoch began drawing, not where the "
+    "stream was: other batches than the uninterrupted run's",
+)
+def _check_stream_position() -> bool:
+    from keras.src.trainers.epoch_iterator import EpochIterator
+
+    names = _code_names(EpochIterator._enumerate_iterator)
+    return {"_current_iterator", "_steps_seen"} <= names and callable(
+        getattr(EpochIterator, "_get_iterator", None)
+    )
+
+
+def stream_position(epoch_iterator: Any) -> int | None:
+    """Batches `fit()` has drawn from its input's current iterator, where
+    it reads the input as one stream across epochs (a generator or a
+    `tf.data` pipeline, with `steps_per_epoch`): Keras' `_steps_seen`, 0
+    before it made one. `None` for other input (restarted each epoch)."""
+    if input_kind(epoch_iterator) not in _STREAMS:
+        return None
+    if not getattr(epoch_iterator, "steps_per_epoch", None):
+        return None
+    if not usable("stream_position"):
+        return None
+    if getattr(epoch_iterator, "_current_iterator", None) is None:
+        return 0
+    return int(getattr(epoch_iterator, "_steps_seen", 0))
+
+
+def advance_stream(epoch_iterator: Any, count: int) -> bool:
+    """Gives `fit()`'s stream (`stream_position()`) an iterator that has
+    drawn `count` batches, before the epoch reads it; returns whether it
+    did."""
+    try:
+        iterator = iter(epoch_iterator._get_iterator())
+        for _ in range(count):
+            next(iterator)
+    except StopIteration:
+        return False  # Shorter than the backup says: read as it comes.
+    except Exception as e:
+        fail("stream_position", e)
+        return False
+    epoch_iterator._current_iterator = iterator
+    epoch_iterator._steps_seen = count
+    return True

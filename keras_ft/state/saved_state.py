@@ -30,8 +30,11 @@ def check(state: dict) -> None:
         state.get("rng", {}),
         state.get("epoch_begin_rng", {}),
         saved_input.get("rng", {}),
+        saved_input.get("stream_rng", {}),
     ):
         generators.check(saved)
+    if not _is_count(saved_input.get("stream", 0)):
+        raise ValueError("the input's stream position is not a count")
     for name in ("tf_iterator", "grain"):
         value = saved_input.get(name)
         if value is not None and not (

@@ -33,6 +33,15 @@ On JAX and PyTorch, Keras reads the pipeline through NumPy, so no iterator
 state is saved: replayed too, exact unless the pipeline reshuffles (then a
 warning says so).
 
+A Python generator or a `tf.data` pipeline read with `steps_per_epoch` is one
+stream across the epochs: Keras does not restart it at an epoch's begin. Its
+position is counted from the stream's start (`stream_at()`), and a new
+process's stream draws the batches of the epochs before the resumed one again
+before that epoch begins (`advance_stream()`), from Python's and NumPy's
+generators as they were when the stream began (what a generator drew from
+them comes out the same), which are put back afterwards; then the resumed
+epoch goes on as any other.
+
 A Grain `MapDataset` or `IterDataset` is saved as Grain checkpoints its
 iterators (`compat.GrainView`): the backup holds the state of the epoch's
 iterator after the trained batches (JSON, a few bytes), and the resumed
@@ -68,6 +77,10 @@ class InputPosition:
     def __init__(self, epoch_iterator: Any):
         self.epoch_iterator = epoch_iterator
         self._loads = 0  # Items of the epoch loaded or skipped so far.
+        # A stream read across epochs: batches drawn before this epoch, and
+        # the data side's generators when it began.
+        self._stream_start: int | None = None
+        self._stream_rng: dict[str, Any] | None = None
         self._before: collections.deque = collections.deque(maxlen=KEPT_LOADS)
         self._resume_rng: dict[str, Any] | None = None
         self.view = compat.PyDatasetView.of(epoch_iterator, self._before_load)
@@ -80,6 +93,9 @@ class InputPosition:
         self._loads = 0
         self._before.clear()
         self._resume_rng = None
+        self._stream_start = compat.stream_position(self.epoch_iterator)
+        if self._stream_start == 0:  # Keras makes its iterator this epoch.
+            self._stream_rng = rng.from_raw(rng.capture_raw())
         if self.view is not None:
             self.view.skip([], placeholders=False)
         if self.arrays is not None:
@@ -110,6 +126,47 @@ class InputPosition:
             # If the load of `batch` began meanwhile, it noted its own state.
             kept = _kept(self._before, batch) or now
         return None if kept is None else {"rng": rng.from_raw(kept)}
+
+    def stream_at(self, batch: int | None) -> dict[str, Any] | None:
+        """Where a stream read across epochs (see the module's docstring)
+        is after the epoch's first `batch` (`None`: the whole epoch, at its
+        end): `{"stream": batches drawn, "stream_rng": the data side's
+        generators when it began}`, or `None` for other input."""
+        if self._stream_start is None:
+            return None
+        if batch is None:  # Keras may have made a new iterator: it knows.
+            drawn = compat.stream_position(self.epoch_iterator)
+        else:
+            drawn = self._stream_start + batch
+        if not drawn or drawn is None:
+            return None  # A new stream: nothing to draw again.
+        return {"stream": drawn, "stream_rng": self._stream_rng or {}}
+
+    def advance_stream(self, point: ResumePoint) -> None:
+        """At the resumed epoch's begin, in a stream read across epochs:
+        draws the batches of the stream before that epoch again (not
+        trained), leaving the global random generators as they were; the
+        epoch's own trained batches are skipped as any input's."""
+        saved = point.extra.get("input")
+        stream = saved.get("stream") if isinstance(saved, dict) else None
+        if stream is None or self._stream_start is None:
+            return
+        # Noted again by this process's saves: the stream is the same.
+        self._stream_rng = saved.get("stream_rng") or self._stream_rng
+        if point.batch and "tf_iterator" in saved:
+            return  # Restored exactly from the iterator's state.
+        before = stream - point.batch
+        if before <= 0:
+            return
+        state = rng.capture()
+        began = saved.get("stream_rng", {})
+        rng.apply(began)
+        advanced = compat.advance_stream(self.epoch_iterator, before)
+        rng.apply(state)
+        if advanced:
+            self._stream_start = before
+            if compat.input_kind(self.epoch_iterator) == "GeneratorDataAdapter":
+                self._warn_generator(stream)
 
     def skip(self, point: ResumePoint) -> bool:
         """Sets up the resumed epoch to skip its trained items at the source.
@@ -175,14 +232,21 @@ class InputPosition:
                 stacklevel=2,
             )
         elif compat.input_kind(self.epoch_iterator) == "GeneratorDataAdapter":
-            events.warn(
-                "restore",
-                "BackupAndRestore: a Python generator cannot skip what it "
-                f"yielded: the {count} batches of this epoch trained before "
-                "the restart are drawn from it again (not trained). A "
-                "keras.utils.PyDataset resumes without loading them.",
-                stacklevel=2,
-            )
+            if self._stream_start:
+                return  # Said with the stream's batches before the epoch.
+            self._warn_generator(count)
+
+    def _warn_generator(self, count: int) -> None:
+        events.warn(
+            "restore",
+            "BackupAndRestore: a Python generator cannot skip what it "
+            f"yielded: the {count} batches it yielded before the backup are "
+            "drawn from it again (not trained), so that training goes on with "
+            "the batches the uninterrupted run had. A keras.utils.PyDataset "
+            "(or a tf.data pipeline on the TensorFlow backend) resumes without "
+            "loading them.",
+            stacklevel=3,
+        )
 
     def leave_grain(self) -> None:
         """Replays a Grain dataset's trained batches on resume rather than

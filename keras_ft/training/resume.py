@@ -171,6 +171,10 @@ class Resumption:
         if self.started:
             return 0
         self.started = True
+        if self.inputs is not None:
+            # Before the epoch's random state is put back: the stream's
+            # earlier batches are drawn from a state of their own.
+            self.inputs.advance_stream(point)
         if self.skip_epochs_before and not point.batch:
             # The epochs read through drew from the generators: the next
             # epoch begins with them as they were at the save.

@@ -1,0 +1,89 @@
+"""fit() on one stream across epochs: an endless Python generator or a
+repeated tf.data pipeline, read with steps_per_epoch (Keras does not restart
+it at an epoch's begin).
+
+Run by tests/test_inputs.py: uninterrupted, and SIGKILLed by itself at a
+chosen batch (after the backups are in) then run again. Writes OUT.npz.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+import keras
+import numpy as np
+
+import keras_ft
+
+SAMPLES, BATCH, STEPS, EPOCHS = 64, 8, 5, 4  # 8 batches a pass, 5 an epoch.
+
+
+class KillAt(keras.callbacks.Callback):
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.epoch = at, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.at == (self.epoch, batch + 1):
+            keras_ft.wait_for_backups()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def get_state(self):
+        return {}
+
+    def set_state(self, state):
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("backup_dir")
+    parser.add_argument("out")
+    parser.add_argument("--input", choices=["generator", "repeat"])
+    parser.add_argument("--save-freq", default="epoch")
+    parser.add_argument("--kill-at", default=None, help="EPOCH:BATCH")
+    args = parser.parse_args()
+    keras.utils.set_random_seed(5)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(SAMPLES, 4)).astype("float32")
+    y = (x @ rng.normal(size=(4, 1))).astype("float32")
+    if args.input == "generator":
+
+        def endless():
+            start = 0
+            while True:  # Each pass in another order, drawn as it goes.
+                order = np.random.permutation(SAMPLES)
+                for i in range(0, SAMPLES, BATCH):
+                    yield x[order[i : i + BATCH]], y[order[i : i + BATCH]]
+                start += 1
+
+        data = endless()
+    else:
+        import tensorflow as tf
+
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat()
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(1),
+        ],  # fmt: skip
+    )
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    save_freq = int(args.save_freq) if args.save_freq.isdigit() else args.save_freq
+    at = tuple(map(int, args.kill_at.split(":"))) if args.kill_at else None
+    backup = keras_ft.BackupAndRestore(args.backup_dir, save_freq=save_freq, verbose=0)
+    model.fit(
+        data, steps_per_epoch=STEPS, epochs=EPOCHS, verbose=0,
+        callbacks=[backup, KillAt(at)],
+    )  # fmt: skip
+    np.savez(args.out + ".npz", *[np.asarray(w) for w in model.get_weights()])
+
+
+if __name__ == "__main__":
+    main()
