@@ -9,8 +9,9 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
-from conftest import run_once_on
+from conftest import run_once_on, subprocess_env
 
 from keras_ft.checkpoint.local import LocalStorage
 from keras_ft.checkpoint.store import CheckpointStore
@@ -337,3 +338,51 @@ def test_a_signal_to_a_forked_worker_is_not_the_trainings(early):
         """
     )
     assert_still_alive(code, str(early))
+
+
+# A SIGTERM anywhere in fit(), and the same script run again.
+
+PREEMPTED_SCRIPT = os.path.join(os.path.dirname(__file__), "preempted_script.py")
+
+
+def _preempted_run(work, *args: str) -> subprocess.CompletedProcess:
+    backup, out = str(work / "backup"), str(work / "out")
+    return subprocess.run(
+        [sys.executable, PREEMPTED_SCRIPT, backup, out, *args],
+        capture_output=True, text=True, env=subprocess_env(), timeout=300,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "moment, backed_up",
+    [
+        ("validation", "epoch 2, batch 6"),  # The epoch's training is over.
+        # The signal's path is the backends' own from here on: once each.
+        pytest.param(
+            "first_step",
+            "epoch 1, batch 1",  # While the first step compiles.
+            marks=run_once_on("torch", "the signal's path is the same"),
+        ),
+        pytest.param(
+            "epoch_end",
+            "epoch 3, batch 1",  # In a later callback's on_epoch_end.
+            marks=run_once_on("tensorflow", "the signal's path is the same"),
+        ),
+    ],
+)
+def test_a_sigterm_anywhere_in_fit_backs_up_and_the_rerun_ends_as_uninterrupted(
+    tmp_path, moment, backed_up
+):
+    whole = _preempted_run(tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    signalled = _preempted_run(tmp_path / "signalled", "--signal-at", moment)
+    assert signalled.returncode == 128 + signal.SIGTERM, signalled.stderr[-3000:]
+    assert f"backed up {backed_up} to" in signalled.stdout + signalled.stderr
+    rerun = _preempted_run(tmp_path / "signalled")
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    loaded = []
+    for name in ("whole", "signalled"):
+        with np.load(tmp_path / name / "out.npz") as saved:
+            loaded.append([saved[k] for k in sorted(saved)])
+    for want, got in zip(*loaded, strict=True):
+        np.testing.assert_array_equal(got, want)
