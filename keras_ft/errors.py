@@ -83,18 +83,30 @@ class NonFiniteStateError(CheckpointError):
 class ConfigurationChangedError(ValueError):
     """The backup was written by a training configured otherwise.
 
+    Raised with `on_config_change="raise"`, and with `"warn"` too where the
+    backup's variables do not fit the model as configured now (`unfit`).
+
     Attributes:
         changes: What differs, one line each.
     """
 
-    def __init__(self, directory: str, changes: list[str]):
+    def __init__(self, directory: str, changes: list[str], unfit: str | None = None):
         self.changes = list(changes)
+        if unfit is None:
+            fix = (
+                "Use another `backup_dir` to start this training afresh, or "
+                "`on_config_change='warn'` to continue the backup's training with "
+                "this configuration."
+            )
+        else:
+            fix = (
+                f"Its variables do not fit this configuration ({unfit}), so it "
+                "cannot be continued with it: use another `backup_dir` to start "
+                "this training afresh, or the configuration it was written with."
+            )
         super().__init__(
             f"The backup in {directory} was written by a training configured "
-            f"otherwise: {summary(self.changes)}. Use another "
-            "`backup_dir` to start this training afresh, or "
-            "`on_config_change='warn'` to continue the backup's training with "
-            "this configuration."
+            f"otherwise: {summary(self.changes)}. {fix}"
         )
 
 

@@ -357,7 +357,7 @@ def _preempted_run(work, *args: str) -> subprocess.CompletedProcess:
     "moment, backed_up",
     [
         ("validation", "epoch 2, batch 6"),  # The epoch's training is over.
-        # The signal's path is the backends' own from here on: once each.
+        # Where the signal lands, the backend does not matter: once each.
         pytest.param(
             "first_step",
             "epoch 1, batch 1",  # While the first step compiles.

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from conftest import iterations, make_model, weights_of
 
+import keras_ft
 from keras_ft.checkpoint.errors import CorruptCheckpointError
 from keras_ft.state import TrainingState
 from keras_ft.worker_training_state import write_snapshot
@@ -63,7 +64,25 @@ def test_shape_mismatch_names_the_variable_and_both_shapes(tmp_path, data):
         TrainingState(other).apply(directory, metadata)
     message = str(info.value)
     assert "kernel" in message and "(4, 16)" in message and "(4, 8)" in message
-    assert "does not match the model" in message
+    # The model was configured otherwise: said as that, with the way out.
+    assert isinstance(info.value, keras_ft.ConfigurationChangedError)
+    assert "units: 8 in the backup, 16 now" in message
+    assert "do not fit this configuration" in message
+
+
+def test_another_optimizer_whose_variables_do_not_fit_is_a_configuration_change(
+    tmp_path, data
+):
+    """Even where a changed configuration is continued (`on_config_change=
+    "warn"`), one whose variables cannot be loaded is refused as what it is."""
+    _, directory, metadata = trained_state(tmp_path, data)
+    other = make_model()
+    other.compile(keras.optimizers.SGD(momentum=0.9), "mse")
+    with pytest.raises(keras_ft.ConfigurationChangedError) as info:
+        TrainingState(other).apply(directory, metadata)
+    message = str(info.value)
+    assert "optimizer.class: 'Adam' in the backup, 'SGD' now" in message
+    assert "momentum" in message and "use another `backup_dir`" in message
 
 
 def test_a_dtype_mismatch_is_refused_not_cast(tmp_path, data):

@@ -378,9 +378,16 @@ class TrainingState:
         if changes and refuse_config_changes:
             raise ConfigurationChangedError(directory, changes)
         self._ensure_built(metadata)
-        checks.check_variables(
-            self.model, self.variable_specs(), metadata["variables"], directory
-        )
+        try:
+            checks.check_variables(
+                self.model, self.variable_specs(), metadata["variables"], directory
+            )
+        except ValueError as e:
+            if not changes:
+                raise
+            # Said as what it is: another configuration's backup.
+            unfit = str(e).split(": ", 1)[-1].split(". ", 1)[0]
+            raise ConfigurationChangedError(directory, changes, unfit) from None
         if sharded.is_sharded_checkpoint(directory):
             if not isinstance(values, list):
                 values = sharded.read_variables(
