@@ -13,37 +13,17 @@ import argparse
 import json
 import math
 import os
-import signal
 
 import keras
 import numpy as np
+from script_callbacks import KillAt, Unsaved
 
 import keras_ft
 
 SAMPLES, BATCH, FEATURES, EPOCHS = 64, 8, 4, 4
 
 
-class KillAt(keras.callbacks.Callback):
-    def __init__(self, at: tuple[int, int] | None):
-        super().__init__()
-        self.at, self.epoch = at, 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.at == (self.epoch, batch + 1):
-            keras_ft.wait_for_backups()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def get_state(self):  # Stateless across a restart: nothing to warn of.
-        return {}
-
-    def set_state(self, state):
-        pass
-
-
-class Rates(keras.callbacks.Callback):
+class Rates(Unsaved):
     """The learning rate at each batch it is shown, (epoch, batch, rate)."""
 
     def __init__(self):
@@ -57,12 +37,6 @@ class Rates(keras.callbacks.Callback):
         rate = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
         self.seen.append([self.epoch, batch, rate])
 
-    def get_state(self):
-        return {}
-
-    def set_state(self, state):
-        pass
-
 
 def schedule(epoch, lr):  # Keras' own docs' example.
     return lr if epoch < 2 else lr * math.exp(-0.1)
@@ -75,6 +49,9 @@ def main() -> None:
     parser.add_argument("--kill-at", default=None, help="EPOCH:BATCH")
     parser.add_argument("--backup-first", action="store_true")
     parser.add_argument("--save-freq", type=int, default=3)
+    parser.add_argument("--update-freq", default="batch")
+    parser.add_argument("--append", action="store_true")
+    parser.add_argument("--steps-per-execution", type=int, default=1)
     args = parser.parse_args()
     keras.utils.set_random_seed(7)
     rng = np.random.default_rng(0)
@@ -94,6 +71,7 @@ def main() -> None:
             0.01, use_ema=True, ema_overwrite_frequency=None
         ),
         loss="mse",
+        steps_per_execution=args.steps_per_execution,
     )
     work = args.work
     backup = keras_ft.BackupAndRestore(
@@ -108,8 +86,13 @@ def main() -> None:
             save_weights_only=True,
             save_freq=4,
         ),
-        keras.callbacks.CSVLogger(os.path.join(work, "log.csv")),
-        keras.callbacks.TensorBoard(os.path.join(work, "tb"), update_freq="batch"),
+        keras.callbacks.CSVLogger(os.path.join(work, "log.csv"), append=args.append),
+        keras.callbacks.TensorBoard(
+            os.path.join(work, "tb"),
+            update_freq=int(args.update_freq)
+            if args.update_freq.isdigit()
+            else args.update_freq,
+        ),
         rates,
     ]
     at = tuple(map(int, args.kill_at.split(":"))) if args.kill_at else None

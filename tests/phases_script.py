@@ -15,11 +15,12 @@ import signal
 
 import keras
 import numpy as np
+from script_callbacks import Unsaved
 
 import keras_ft
 
 
-class Trained(keras.callbacks.Callback):
+class Trained(Unsaved):
     def __init__(self, kill_at: int | None):
         super().__init__()
         self.batches, self.kill_at = 0, kill_at
@@ -29,12 +30,6 @@ class Trained(keras.callbacks.Callback):
         if self.batches == self.kill_at:
             keras_ft.wait_for_backups()
             os.kill(os.getpid(), signal.SIGKILL)
-
-    def get_state(self):
-        return {}
-
-    def set_state(self, state):
-        pass
 
 
 def main() -> None:

@@ -15,11 +15,12 @@ import signal
 
 import keras
 import numpy as np
+from script_callbacks import Unsaved
 
 import keras_ft
 
 
-class Signal(keras.callbacks.Callback):
+class Signal(Unsaved):
     def __init__(self, at: str | None):
         super().__init__()
         self.at, self.epoch, self.sent = at, 0, False
@@ -43,12 +44,6 @@ class Signal(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if epoch == 1:
             self.send("epoch_end")
-
-    def get_state(self):
-        return {}
-
-    def set_state(self, state):
-        pass
 
 
 def main() -> None:

@@ -9,35 +9,14 @@ chosen batch (after the backups are in) then run again. Writes OUT.npz.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 
 import keras
 import numpy as np
+from script_callbacks import KillAt
 
 import keras_ft
 
 SAMPLES, BATCH, STEPS, EPOCHS = 64, 8, 5, 4  # 8 batches a pass, 5 an epoch.
-
-
-class KillAt(keras.callbacks.Callback):
-    def __init__(self, at):
-        super().__init__()
-        self.at, self.epoch = at, 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.at == (self.epoch, batch + 1):
-            keras_ft.wait_for_backups()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def get_state(self):
-        return {}
-
-    def set_state(self, state):
-        pass
 
 
 def main() -> None:

@@ -362,15 +362,7 @@ class TrainingState:
                 self._check_weights_file(directory)
         later = self._later_fit(read.extra)
         if later is not None:
-            return ResumePoint(
-                epoch=metadata["epochs_completed"],
-                batch=metadata["batches_completed"],
-                step=metadata["step"],
-                checkpoint=directory,
-                saved_at=metadata["saved_at"],
-                extra=read.extra,
-                later_fit=later,
-            )
+            return _resume_point(directory, metadata, read.extra, later_fit=later)
         values = read.weights
         changes = configuration.differences(
             metadata.get("configuration"), self.configuration()
@@ -414,15 +406,7 @@ class TrainingState:
             self._apply_seed_generators(extra.get("seed_generators", []))
             self.apply_metrics(extra.get("metrics", []))
             rng.apply(extra.get("rng", {}))
-        return ResumePoint(
-            epoch=metadata["epochs_completed"],
-            batch=metadata["batches_completed"],
-            step=metadata["step"],
-            checkpoint=directory,
-            saved_at=metadata["saved_at"],
-            extra=extra,
-            config_changes=changes,
-        )
+        return _resume_point(directory, metadata, extra, config_changes=changes)
 
     def apply_metrics(self, values: list) -> bool:
         """Sets the model's metric variables, e.g. after `fit()` reset them.
@@ -630,3 +614,18 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     return value
+
+
+def _resume_point(
+    directory: str, metadata: dict, extra: dict, **more: Any
+) -> ResumePoint:
+    """Where a checkpoint's metadata says training resumes."""
+    return ResumePoint(
+        epoch=metadata["epochs_completed"],
+        batch=metadata["batches_completed"],
+        step=metadata["step"],
+        checkpoint=directory,
+        saved_at=metadata["saved_at"],
+        extra=extra,
+        **more,
+    )
