@@ -22,11 +22,14 @@ from keras_ft.distribute.launch import (
 from keras_ft.state import ResumePoint
 from keras_ft.training import exits, inputs, restarts, resume, tuner
 from keras_ft.training.goodput import GoodputRecorder
+from keras_ft.training.preemption import interactive
 from keras_ft.worker_training_state import WorkerTrainingState
 
 # How many fit() calls of this process have opened each backup dir: a
 # script's fits sharing one are told apart by number (`fit_number()`). It
 # outlives a fit() on purpose, for the next one; an entry is a few bytes.
+# Not in a notebook, whose cells run again in any order: there, a fit()
+# resumes the newest backup, whichever cell wrote it.
 _fits_opened: dict[str, int] = {}
 
 
@@ -94,7 +97,7 @@ def open_backup(
         check_extra=functools.partial(resume.check_saved, callbacks=others),
         snapshot=callback.snapshot,
     )
-    state.fit_number = fit_number(backup_dir)
+    state.fit_number = None if interactive() else fit_number(backup_dir)
     warmed = None
     try:
         check_task(state.task)

@@ -9,11 +9,23 @@ import signal
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
-from conftest import run_once_on, subprocess_env
+from conftest import (
+    SAMPLES,
+    backup_deleted,
+    checkpoint_entries,
+    iterations,
+    make_model,
+    run_once_on,
+    subprocess_env,
+)
 
+import keras_ft
 from keras_ft import fit_begin
+
+STEPS = -(-SAMPLES // 32)  # Batches of conftest's data at fit()'s batch size.
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "phases_script.py")
 
@@ -65,3 +77,37 @@ def test_fits_are_numbered_per_backup_dir():
     assert fit_begin.fit_number(first) == 1
     assert fit_begin.fit_number(other) == 1
     assert fit_begin.fit_number(first) == 2
+
+
+@pytest.mark.parametrize("notebook", [False, True])
+def test_a_later_fits_backup_ends_an_earlier_fit_but_not_in_a_notebook(
+    backup_dir, data, monkeypatch, notebook
+):
+    """Fit #2 of a process crashes, leaving its backup; a new process's fit
+    #1 leaves it for its fit #2. In a notebook (cells run again in any
+    order) the same cell run in a new kernel resumes it."""
+
+    class Crash(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("crash")
+
+    def fit(*callbacks):
+        model = make_model()
+        backup = keras_ft.BackupAndRestore(backup_dir, verbose=0)
+        model.fit(*data, epochs=3, verbose=0, callbacks=[backup, *callbacks])
+        return model
+
+    fit()  # Fit #1 of this "process" ends; its backup is deleted.
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(Crash())  # Fit #2 leaves its backup of 2 epochs.
+    keras_ft.wait_for_backups()
+    monkeypatch.setattr(fit_begin, "_fits_opened", {})  # A new process.
+    monkeypatch.setattr(fit_begin, "interactive", lambda: notebook)
+    model = fit()
+    if notebook:  # Resumed: the third epoch trained, the backup done with.
+        assert iterations(model) == 3 * STEPS
+        assert backup_deleted(backup_dir)
+    else:  # Left for fit #2, untouched.
+        assert iterations(model) == 0
+        assert checkpoint_entries(backup_dir)
