@@ -353,7 +353,9 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self.warm_start,
                 self.verbose,
             )
-            self._resumption.hide_skipped_batches(callback_list, self)
+            self._resumption.hide_skipped_batches(
+                callback_list, self.on_train_batch_begin, self._batches.train_batch_end
+            )
         self._schedule.start(time.monotonic())
         self._local_schedule.start(time.monotonic())
         self._deadline.start(

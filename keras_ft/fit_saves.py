@@ -266,6 +266,10 @@ class FitSaves:
             callback_state.warn_unsaved(others, extra["callbacks"])
         if pending:
             extra["callbacks_pending"] = self._callbacks.keys(list(pending))
+        if batch:  # Saved in the batch's end, before theirs.
+            behind = self._callbacks.later_batch_counters()
+            if behind:
+                extra["callbacks_behind"] = self._callbacks.keys(behind)
         if batch:  # Counted in the save's cost: a tf.data state may be large.
             position = self._inputs.state_at(batch)
             if position is not None:

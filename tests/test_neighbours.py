@@ -74,11 +74,14 @@ def test_a_killed_fit_with_stock_callbacks_ends_as_the_uninterrupted_one(
     CSVLogger and TensorBoard(update_freq="batch") beside a backup every 3
     batches (counted from the fit's start); SIGKILL at epoch 3, batch 7, two
     batches past the backup after batch 5 (the killed run logged and
-    checkpointed past it)."""
+    checkpointed past it). With the backup first, killed in epoch 2 too:
+    the second resume reads the first's TensorBoard restart file."""
     first = ["--backup-first"] if order == "backup first" else []
+    kills = ["1:5", "2:7"] if first else ["2:7"]
     whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
     assert _run(whole, *first) == 0
-    assert _run(killed, *first, "--kill-at", "2:7") == -signal.SIGKILL
+    for at in kills:
+        assert _run(killed, *first, "--kill-at", at) == -signal.SIGKILL
     assert _run(killed, *first) == 0
     expected, resumed = _outcome(whole), _outcome(killed)
     # SwapEMAWeights: the backups never held the moving averages swapped in.
@@ -120,7 +123,12 @@ def test_hidden_batches_reach_only_the_owner():
     owner, other = Recorder("owner"), Recorder("other")
     callback_list = keras.callbacks.CallbackList([owner, other])
     skipped = [True, False]
-    hidden = neighbours.HiddenBatches(callback_list, owner, lambda: skipped[0])
+    hidden = neighbours.HiddenBatches(
+        callback_list,
+        owner.on_train_batch_begin,
+        owner.on_train_batch_end,
+        lambda: skipped[0],
+    )
     for batch in range(2):
         callback_list.on_train_batch_begin(batch)
         skipped[0] = False  # The last skipped step gives the real one back.

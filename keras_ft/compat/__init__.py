@@ -50,6 +50,7 @@ from keras_ft.compat.saving import (
 from keras_ft.compat.training import (
     build_metrics,
     calling_callback_list,
+    count_checkpoint_batch,
     current_frame,
     keras_global_seed_state,
     live_trainable_values,
@@ -82,6 +83,7 @@ __all__ = [
     "available",
     "build_metrics",
     "calling_callback_list",
+    "count_checkpoint_batch",
     "private_counters",
     "read_events",
     "tensorboard_dirs",

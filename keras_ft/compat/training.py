@@ -141,7 +141,20 @@ def _check_tensorboard_steps() -> bool:
     "ModelCheckpoint(save_freq=N) counts its N batches afresh after a resume",
 )
 def _check_checkpoint_batches() -> bool:
-    return _uses(keras.callbacks.ModelCheckpoint, _PRIVATE_COUNTERS["ModelCheckpoint"])
+    checkpoint = keras.callbacks.ModelCheckpoint
+    return callable(getattr(checkpoint, "_should_save_on_batch", None)) and _uses(
+        checkpoint, _PRIVATE_COUNTERS["ModelCheckpoint"]
+    )
+
+
+def count_checkpoint_batch(checkpoint: Any, batch: int) -> None:
+    """Has a `ModelCheckpoint` count the end of `batch` as its own batch
+    end does, without saving (its `_should_save_on_batch()`)."""
+    if usable("checkpoint_batches"):
+        try:
+            checkpoint._should_save_on_batch(batch)
+        except Exception as e:
+            fail("checkpoint_batches", e)
 
 
 def private_counters(kind: str) -> tuple[str, ...]:

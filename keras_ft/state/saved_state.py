@@ -49,9 +49,10 @@ def check(state: dict) -> None:
     fit = state.get("fit", 1)
     if not _is_count(fit) or fit < 1:
         raise ValueError("the fit() number is not a positive count")
-    pending = state.get("callbacks_pending", [])
-    if not isinstance(pending, list) or not all(isinstance(k, str) for k in pending):
-        raise ValueError("callbacks_pending is not a list of names")
+    for field in ("callbacks_pending", "callbacks_behind"):
+        names = state.get(field, [])
+        if not isinstance(names, list) or not all(isinstance(k, str) for k in names):
+            raise ValueError(f"{field} is not a list of names")
     callbacks = state.get("callbacks", {})
     if not isinstance(callbacks, dict):
         raise ValueError("the callbacks' state is not an object")

@@ -152,6 +152,15 @@ def _stock_kind(callback: Any) -> str | None:
     return None
 
 
+def catch_up(callbacks: list, behind: list, batch: int) -> None:
+    """Has each `ModelCheckpoint` keyed in `behind` (saved before its end of
+    the epoch's `batch`-th batch ran) count that batch, as it did in the run
+    that was saved: its next checkpoint comes where it would have."""
+    for key, callback in keyed(callbacks):
+        if key in behind and isinstance(callback, keras.callbacks.ModelCheckpoint):
+            compat.count_checkpoint_batch(callback, batch - 1)
+
+
 def warn_unsaved(callbacks: list, states: dict) -> None:
     """Warns, naming them, of the callbacks that keep attributes of their
     own but have no state in `states` (a save's `capture()`): a resume
@@ -246,6 +255,13 @@ class FitCallbacks:
     def later_stateful(self) -> list[keras.callbacks.Callback]:
         """The stateful callbacks whose on_epoch_end runs after the owner's."""
         return [c for c in self._later if is_stateful(c)]
+
+    def later_batch_counters(self) -> list[keras.callbacks.Callback]:
+        """The `ModelCheckpoint`s whose batch end runs after the owner's: at
+        a save in a batch's end they have not yet counted that batch."""
+        return [
+            c for c in self._later if isinstance(c, keras.callbacks.ModelCheckpoint)
+        ]
 
     def keys(self, callbacks: list[keras.callbacks.Callback]) -> list[str]:
         """The state keys of `callbacks` (see `keyed()`)."""

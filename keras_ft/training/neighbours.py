@@ -45,23 +45,26 @@ class HiddenBatches:
 
     Keras' loop calls `on_train_batch_begin` / `_end` for every step, the
     skipped ones too; while `hidden()` says the next step is skipped, only
-    `owner` hears of it (it handles preemption and the stall deadline
-    then). Installed on the fit's `CallbackList` instance; `remove()`
-    gives it back its own methods.
+    `begin` and `end` (the backup's own handling: preemption, the stall
+    deadline) hear of it. Installed on the fit's `CallbackList` instance;
+    `remove()` gives it back its own methods.
 
     Args:
         callback_list: The fit's `CallbackList`.
-        owner: The `BackupAndRestore` callback.
+        begin: Called for a skipped batch's begin, `(batch, logs)`.
+        end: Called for a skipped batch's end, `(batch, logs)`.
         hidden: Whether the step about to run is a skipped one.
     """
 
     def __init__(
         self,
         callback_list: keras.callbacks.CallbackList,
-        owner: keras.callbacks.Callback,
+        begin: Callable[[int, dict | None], None],
+        end: Callable[[int, dict | None], None],
         hidden: Callable[[], bool],
     ):
-        self._list, self._owner, self._hidden = callback_list, owner, hidden
+        self._list, self._hidden = callback_list, hidden
+        self._begin_hidden, self._end_hidden = begin, end
         self._in_hidden_batch = False
         callback_list.on_train_batch_begin = self._begin
         callback_list.on_train_batch_end = self._end
@@ -69,14 +72,14 @@ class HiddenBatches:
     def _begin(self, batch: int, logs: dict | None = None) -> None:
         if self._hidden():
             self._in_hidden_batch = True
-            self._owner.on_train_batch_begin(batch, logs)
+            self._begin_hidden(batch, logs)
             return
         type(self._list).on_train_batch_begin(self._list, batch, logs)
 
     def _end(self, batch: int, logs: dict | None = None) -> None:
         if self._in_hidden_batch:
             self._in_hidden_batch = False
-            self._owner.on_train_batch_end(batch, logs)
+            self._end_hidden(batch, logs)
             return
         type(self._list).on_train_batch_end(self._list, batch, logs)
 
@@ -172,7 +175,7 @@ def set_csv_state(logger: keras.callbacks.CSVLogger, state: dict) -> None:
 # ---------------------------------------------------------------------------
 # TensorBoard's steps past the backup.
 
-_EVENTS_NAME = re.compile(r"events\.out\.tfevents\.(\d+)\.")
+_EVENTS_NAME = re.compile(r"events\.out\.tfevents\.(\d+)(\.|$)")  # Ours end there.
 
 
 def restart_tensorboards(callbacks: list, point: Any, began: float) -> None:

@@ -138,14 +138,16 @@ class Resumption:
     def hide_skipped_batches(
         self,
         callback_list: keras.callbacks.CallbackList | None,
-        owner: keras.callbacks.Callback,
+        begin: Callable[[int, dict | None], None],
+        end: Callable[[int, dict | None], None],
     ) -> None:
-        """Keeps the skipped batches from every callback in `callback_list`
-        but `owner` (they trained before the restart)."""
+        """Keeps the skipped batches (trained before the restart) from
+        every callback in `callback_list`: only `begin` and `end` (the
+        backup's own handling) hear of them."""
         if callback_list is not None:
             model = self.model
             self._hidden = neighbours.HiddenBatches(
-                callback_list, owner, lambda: skipping(model)
+                callback_list, begin, end, lambda: skipping(model)
             )
 
     def batch_begin(self) -> None:
@@ -182,6 +184,10 @@ class Resumption:
         # Every other callback's on_train_begin has reset it by now (and
         # their epoch ends of epochs skipped since are undone).
         callback_state.apply(callbacks, point.extra.get("callbacks", {}))
+        if point.batch and epoch == point.epoch:
+            callback_state.catch_up(
+                callbacks, point.extra.get("callbacks_behind", []), point.batch
+            )
         _warn_if_callbacks_pending(point)
         neighbours.restart_tensorboards(callbacks, point, self._began)
         if point.batch and epoch == point.epoch:
