@@ -155,6 +155,10 @@ class Resumption:
         if self._rates is not None and self.started:
             self._rates.put_back()
             self._rates = None
+        if self._hidden is not None and self.started and not skipping(self.model):
+            # Every skipped batch is behind: the list gets its own hooks back.
+            self._hidden.remove()
+            self._hidden = None
 
     def skips_epoch(self, epoch: int) -> bool:
         """Whether `epoch` is one completed before the restart, read through."""
