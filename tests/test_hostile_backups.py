@@ -456,7 +456,8 @@ def test_a_symlinked_chief_directory_is_refused_and_its_target_untouched(world):
 @ONCE
 def test_a_hard_linked_file_is_never_written_through(tmp_path):
     """A `cp -al` snapshot of the backup shares the checkpoints' files: the
-    saves that recycle a retired checkpoint's file must leave it alone."""
+    saves that recycle a retired checkpoint's file must leave it alone, and
+    never even open it for writing (every open of the process is watched)."""
     x, y = make_data()
     model = make_model(units=20000)  # Files big enough to be recycled.
     backup = str(tmp_path / "backup")
@@ -468,11 +469,25 @@ def test_a_hard_linked_file_is_never_written_through(tmp_path):
     first = os.path.join(backup, "chief", "ckpt-00000001", "model.weights.h5")
     os.link(first, snapshot / "model.weights.h5")
     kept = (snapshot / "model.weights.h5").read_bytes()
-    for epoch in range(1, 5):
-        model.fit(x, y, epochs=1, batch_size=16, verbose=0)
-        state.back_up(epoch)
-    state.wait()
+    linked = os.stat(first)
+    real_open, written_through = os.open, []
+
+    def watched_open(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
+        if flags & (os.O_WRONLY | os.O_RDWR) and os.path.samestat(os.fstat(fd), linked):
+            written_through.append(path)
+        return fd
+
+    os.open = watched_open
+    try:
+        for epoch in range(1, 5):
+            model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+            state.back_up(epoch)
+        state.wait()
+    finally:
+        os.open = real_open
     assert (snapshot / "model.weights.h5").read_bytes() == kept
+    assert written_through == []
 
 
 @ONCE

@@ -228,36 +228,51 @@ class Staging(os.PathLike):
         if self.recycle is None or not self._reuse:
             return None
         old = os.path.join(self.recycle, name)
-        flags = os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         pinned = self._recycle_fd is not None
         try:
-            # Relative to the spare as opened, where pinned: never through a link.
-            fd = os.open(name if pinned else old, flags, dir_fd=self._recycle_fd)
+            # Relative to the spare as opened, where pinned: never through a
+            # link; for reading, until it is known to be a file of our own.
+            seen = os.open(name if pinned else old, flags, dir_fd=self._recycle_fd)
         except OSError:
             return None
+        fd = None
         try:
+            if not self._own_file(os.fstat(seen)):
+                raise OSError(errno.EINVAL, "not a regular file of its own")
+            # The same file opened again for writing, not its name (Linux;
+            # elsewhere no file is recycled).
+            fd = os.open(f"/proc/self/fd/{seen}", os.O_WRONLY | os.O_CLOEXEC)
             # A reader that opened it before it stopped being a checkpoint
             # still holds a shared lock: then leave it to the reader.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             status = os.fstat(fd)
-            # A second hard link (a `cp -al` snapshot) would see the write,
-            # and so would anyone holding a file they put in the spare.
-            if (
-                not stat.S_ISREG(status.st_mode)
-                or status.st_nlink != 1
-                or self._written is None
-                or not self._written.wrote(status)
+            if not self._own_file(status) or not os.path.samestat(
+                status, os.fstat(seen)
             ):
                 raise OSError(errno.EINVAL, "not a regular file of its own")
-            os.set_blocking(fd, True)
             if not pinned:
                 os.rename(old, path)
             else:
                 os.rename(name, path, src_dir_fd=self._recycle_fd)
         except OSError:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
             return None
+        finally:
+            os.close(seen)
         return fd
+
+    def _own_file(self, status: os.stat_result) -> bool:
+        """Whether a spare's file is one this writer wrote, with no other
+        name: a second hard link (a `cp -al` snapshot) would see a write
+        into it, and so would anyone holding a file they put in the spare."""
+        return (
+            stat.S_ISREG(status.st_mode)
+            and status.st_nlink == 1
+            and self._written is not None
+            and self._written.wrote(status)
+        )
 
     def check_cancelled(self) -> None:
         if self.cancel is not None and self.cancel.is_set():
