@@ -113,12 +113,13 @@ class WorkerTrainingState:
 
     ```python
     state = keras_ft.WorkerTrainingState(model, "/tmp/backup")
-    resume = state.restore()
+    with state.locked():  # One writer per directory; let go if this raises.
+        resume = state.restore()
     first_epoch = resume.epoch if resume else 0
     for epoch in range(first_epoch, epochs):
         train_one_epoch(model)
         state.back_up(epoch)
-    state.delete_backup()
+    state.delete_backup()  # Or `state.close()` to keep it; either unlocks.
     ```
     """
 
