@@ -95,10 +95,18 @@ class FitBatches:
         self._ends.note(batch + 1, logs)
 
     def epoch_end(self) -> None:
-        """Handles the epoch's last batch, if its end was on Keras' thread."""
+        """Handles the epoch's last batch, if its end was on Keras' thread;
+        or a signal that came since it (in validation): the epoch's
+        training is over, backed up as it is."""
         unhandled = self._ends.unhandled(self.done)
-        if unhandled is not None and not self.preempted_by:
+        if self.preempted_by:
+            return
+        if unhandled is not None:
             self._ended(unhandled[0], None)  # Its noted logs, if read.
+            return
+        signum = self._preemption.pending_alone()
+        if signum is not None:
+            self._stop_for_preemption(None, signum)
 
     def _ended(self, done: int, logs: dict | None) -> bool:
         """A batch's end, `done` batches into the epoch, on the training

@@ -490,6 +490,18 @@ class Preemption:
             return signal.Signals[self._stop_at["signal"]]
         return None
 
+    def pending_alone(self) -> signal.Signals | None:
+        """In a training of one process, the signal received and not yet
+        acted on, if any (a cluster stops at a batch end all agree on)."""
+        watcher = self.watcher
+        if (
+            self._notice is None
+            and watcher.received is not None
+            and not watcher.handled
+        ):
+            return watcher.received
+        return None
+
     def report(self, signum: signal.Signals, saved: str) -> str:
         """Marks the stop done; returns the line that says so. Warns if the
         final backup took longer than the grace period."""
