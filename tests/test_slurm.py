@@ -197,7 +197,11 @@ def test_a_task_killed_under_sbatch_is_requeued_and_resumes(slurm, tmp_path):
     assert job["JobState"] == "COMPLETED" and job["Restarts"] == "1", printed[-4000:]
     resumed = [line for line in printed.splitlines() if "resuming at" in line]
     assert len(resumed) == 2, printed[-4000:]
-    assert all("optimizer step 12" in line for line in resumed)
+    # Both at one step: the chief's last commit before the kill, step 12, or
+    # step 10 where srun ended the chief while it was committing step 12 (a
+    # loaded machine).
+    steps = {re.search(r"optimizer step (\d+)", line).group(1) for line in resumed}
+    assert steps in ({"12"}, {"10"}), printed[-4000:]
     with np.load(f"{result}-0.npz") as a, np.load(f"{result}-1.npz") as b:
         assert int(a["step"]) == int(b["step"]) == 24
         for name in a.files:
