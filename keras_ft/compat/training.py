@@ -147,6 +147,20 @@ def _check_checkpoint_batches() -> bool:
     )
 
 
+def tensorboard_batches(board: Any) -> int | None:
+    """The training batches a `TensorBoard` callback has counted (its
+    `_global_train_batch`), or `None` where this Keras has no such count."""
+    if "_global_train_batch" not in private_counters("TensorBoard"):
+        return None
+    return int(getattr(board, "_global_train_batch", 0))
+
+
+def set_tensorboard_batches(board: Any, count: int) -> None:
+    """Has a `TensorBoard` callback count training batches from `count`."""
+    if "_global_train_batch" in private_counters("TensorBoard"):
+        board._global_train_batch = count
+
+
 def count_checkpoint_batch(checkpoint: Any, batch: int) -> None:
     """Has a `ModelCheckpoint` count the end of `batch` as its own batch
     end does, without saving (its `_should_save_on_batch()`)."""

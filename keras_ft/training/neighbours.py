@@ -178,7 +178,9 @@ def set_csv_state(logger: keras.callbacks.CSVLogger, state: dict) -> None:
 _EVENTS_NAME = re.compile(r"events\.out\.tfevents\.(\d+)(\.|$)")  # Ours end there.
 
 
-def restart_tensorboards(callbacks: list, point: Any, began: float) -> None:
+def restart_tensorboards(
+    callbacks: list, point: Any, began: float, unsaved: list
+) -> None:
     """Writes a `SessionLog` START event where each `TensorBoard` of
     `callbacks` resumes, so that TensorBoard drops what the killed run
     wrote past the backup.
@@ -196,29 +198,22 @@ def restart_tensorboards(callbacks: list, point: Any, began: float) -> None:
         callbacks: The fit's other callbacks (their state restored).
         point: The `ResumePoint` resumed from.
         began: When this fit()'s train begin ran (`time.time()`).
+        unsaved: The `TensorBoard`s of `callbacks` whose state the backup
+            does not hold.
     """
     boards = [c for c in callbacks if isinstance(c, keras.callbacks.TensorBoard)]
-    saved = point.extra.get("callbacks", {})
-    counters = compat.private_counters("TensorBoard")
-    seen: dict[str, int] = {}
-    for board in boards:
-        name = type(board).__name__  # Keyed as `callback_state.keyed()` does.
-        index = seen[name] = seen.get(name, -1) + 1
-        if f"{name}:{index}" not in saved and counters:
-            # One the backup does not know (added since): its steps go on
-            # from the optimizer's, as one that ran from the start would.
-            setattr(board, counters[0], point.step)
+    for board in unsaved:
+        # One the backup does not know (added since): its steps go on
+        # from the optimizer's, as one that ran from the start would.
+        compat.set_tensorboard_batches(board, point.step)
     if not boards or not compat.usable("tensorboard_events"):
         return
     epoch = point.epoch
     for board in boards:
         train, validation = compat.tensorboard_dirs(board)
         batches = getattr(board, "update_freq", "epoch") != "epoch"
-        counted = compat.private_counters("TensorBoard")
-        if batches and counted:
-            step = int(getattr(board, "_global_train_batch", 0)) + 1
-        else:
-            step = epoch
+        counted = compat.tensorboard_batches(board)
+        step = counted + 1 if batches and counted is not None else epoch
         try:
             _write_start(train, step, began, keep=None)
             # Optimizer steps at or before the backup's, read again.

@@ -193,7 +193,13 @@ class Resumption:
                 callbacks, point.extra.get("callbacks_behind", []), point.batch
             )
         _warn_if_callbacks_pending(point)
-        neighbours.restart_tensorboards(callbacks, point, self._began)
+        saved = point.extra.get("callbacks", {})
+        unsaved = [
+            c
+            for key, c in callback_state.keyed(callbacks)
+            if isinstance(c, keras.callbacks.TensorBoard) and key not in saved
+        ]
+        neighbours.restart_tensorboards(callbacks, point, self._began, unsaved)
         if point.batch and epoch == point.epoch:
             self._continue_epoch()
             return point.batch
