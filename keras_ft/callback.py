@@ -370,6 +370,11 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_test_begin(self, logs: dict | None = None) -> None:
         self._deadline.test_begin()
+        if self._resumption is not None:
+            self._resumption.training_over()
+        if self._batches is not None and self._saves is not None:
+            # fit()'s validation, before its data pipeline draws.
+            self._saves.validation_rng = rng.capture()
 
     def on_test_end(self, logs: dict | None = None) -> None:
         self._deadline.test_end()
@@ -381,6 +386,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._deadline.epoch_begin()
         compat.set_initial_epoch(self.model, None)
         self._batches.epoch_begin(epoch)
+        self._saves.validation_rng = None
         self._inputs.begin_epoch()
         if self._resumption is not None:
             self._batches.skip_until = self._resumption.begin_epoch(
@@ -401,6 +407,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._batches.train_batch_end(batch, logs)
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if self._resumption is not None:
+            self._resumption.training_over()
         self._batches.epoch_end()
         self._deadline.epoch_end()
         skipped = self._resumption is not None and self._resumption.skips_epoch(epoch)

@@ -89,6 +89,11 @@ class FitSaves:
         self.skipped_non_finite: str | None = None
         # The random generators at the epoch's begin (saved mid-epoch).
         self.epoch_begin_rng: dict = {}
+        # The generators as the epoch's validation began: a save taken in it
+        # (a signal) is of the trained epoch, which a resume validates again;
+        # the validation's own draws (PyTorch's DataLoader seeds itself from
+        # the global generator) must not count twice.
+        self.validation_rng: dict | None = None
         self._reported_interval: int | None = None
         self._told_unsaved = False  # Of callbacks whose state no save holds.
 
@@ -266,6 +271,8 @@ class FitSaves:
             callback_state.warn_unsaved(others, extra["callbacks"])
         if pending:
             extra["callbacks_pending"] = self._callbacks.keys(list(pending))
+        if batch and self.validation_rng is not None:
+            extra["rng"] = self.validation_rng
         if batch:  # Saved in the batch's end, before theirs.
             behind = self._callbacks.later_batch_counters()
             if behind:

@@ -1,6 +1,6 @@
 """A seeded fit() that sends itself SIGTERM at a chosen moment: in
 validation at an epoch's end, before its first step runs (compiling), or
-inside another callback's on_epoch_end.
+inside another callback's on_epoch_end; a LearningRateScheduler beside it.
 
 Run by tests/test_preemption.py: uninterrupted, and signalled (it ends
 with 128 + SIGTERM after its final backup) then run again. Writes OUT.npz
@@ -46,6 +46,14 @@ class Signal(Unsaved):
             self.send("epoch_end")
 
 
+def Decay() -> keras.callbacks.LearningRateScheduler:
+    """Keras' documented schedule, from the second epoch on: the rate an
+    epoch trains at depends on the one before it."""
+    return keras.callbacks.LearningRateScheduler(
+        lambda epoch, lr: lr if epoch < 1 else lr * float(np.exp(-0.5))
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("backup_dir")
@@ -69,7 +77,7 @@ def main() -> None:
     model.fit(
         x, y, batch_size=8, epochs=3, validation_data=(x[:32], y[:32]),
         validation_batch_size=8, verbose=0,
-        callbacks=[backup, Signal(args.signal_at)],
+        callbacks=[backup, Signal(args.signal_at), Decay()],
     )  # fmt: skip
     np.savez(args.out + ".npz", *[np.asarray(w) for w in model.get_weights()])
 

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 
-import keras
 import numpy as np
 import pytest
 from conftest import run_once_on, subprocess_env
@@ -360,12 +359,7 @@ def _preempted_run(work, *args: str) -> subprocess.CompletedProcess:
         pytest.param(
             "validation",
             "epoch 2, batch 6",  # The epoch's training is over.
-            marks=pytest.mark.skipif(
-                keras.backend.backend() == "torch",
-                reason="known, open (issue 54): on PyTorch the rerun's weights "
-                "differ; likely the resume validates that epoch again, drawing "
-                "torch's generator the backup was taken after",
-            ),
+            id="validation",
         ),
         # Where the signal lands, the backend does not matter: once each.
         pytest.param(

@@ -134,6 +134,10 @@ class Resumption:
         self._hidden: neighbours.HiddenBatches | None = None
         # An epoch resumed part-way trains at the backup's learning rate.
         self._rates = neighbours.RestoredRates(model) if point.batch else None
+        # The training steps' generators, when the resumed epoch trains no
+        # batch (saved at its end, in validation): put back as its training
+        # ends, past Keras' drawing of the next epoch's iterator.
+        self._model_rng: dict | None = None
 
     def hide_skipped_batches(
         self,
@@ -201,7 +205,7 @@ class Resumption:
         ]
         neighbours.restart_tensorboards(callbacks, point, self._began, unsaved)
         if point.batch and epoch == point.epoch:
-            self._continue_epoch()
+            self._continue_epoch(whole=bool(steps) and point.batch >= steps)
             return point.batch
         return 0
 
@@ -218,8 +222,17 @@ class Resumption:
             self._hidden.remove()
             self._hidden = None
 
-    def _continue_epoch(self) -> None:
-        """Sets up the rest of an interrupted epoch to run as it would have."""
+    def training_over(self) -> None:
+        """Where the resumed epoch's training is over (its validation's
+        begin, or its end) though none of its batches trained: the training
+        steps' generators as its batches left them."""
+        if self._model_rng is not None:
+            rng.apply(self._model_rng, only=rng.MODEL_SIDE)
+            self._model_rng = None
+
+    def _continue_epoch(self, whole: bool) -> None:
+        """Sets up the rest of an interrupted epoch to run as it would have;
+        `whole`: every batch of it trained before the restart."""
         point, model = self.point, self.model
         extra = point.extra
         if "epoch_begin_rng" in extra:
@@ -254,7 +267,10 @@ class Resumption:
             # on a prefetching thread that a reset now would race with. The
             # training steps did not run: their generators jump to the save.
             self._fast_forward = None
-            rng.apply(extra.get("rng", {}), only=rng.MODEL_SIDE)
+            if whole:  # Keras draws the next epoch's iterator first (PyTorch).
+                self._model_rng = extra.get("rng", {})
+            else:
+                rng.apply(extra.get("rng", {}), only=rng.MODEL_SIDE)
 
         # Where the input allows it, the trained batches are not loaded at
         # all: the skipped steps then pull nothing.
