@@ -359,6 +359,38 @@ def _forget_removal(future: Future) -> None:
         _removals.discard(future)
 
 
+# A finished backup's checkpoints, moved out of `backup_dir` in one rename
+# each and removed in a thread of their own: fit()'s end does not wait for
+# the disk; the interpreter does, at exit (the threads are not daemons).
+_discards: set[threading.Thread] = set()
+
+
+def remove_later(path: str) -> None:
+    """Removes the directory `path` in a thread nobody in `fit()` waits for."""
+    thread = threading.Thread(
+        target=_discard, args=(path,), name="keras-ft-discard", daemon=False
+    )
+    with _removals_lock:
+        _discards.add(thread)
+    thread.start()
+
+
+def _discard(path: str) -> None:
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+    finally:
+        with _removals_lock:
+            _discards.discard(threading.current_thread())
+
+
+def wait_for_discards() -> None:
+    """Waits until the directories `remove_later()` was given are gone."""
+    with _removals_lock:
+        pending = list(_discards)
+    for thread in pending:
+        thread.join()
+
+
 def wait_for_removals() -> None:
     """Waits until the directories removed so far are gone from disk."""
     with _removals_lock:

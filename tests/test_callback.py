@@ -31,6 +31,7 @@ from conftest import (
 )
 
 import keras_ft
+from keras_ft import threads
 from keras_ft.checkpoint.store import CheckpointStore
 
 
@@ -320,6 +321,20 @@ def test_callback_and_model_can_be_fitted_again_after_completion(backup_dir, dat
     # The same model fitted without the callback is not affected either.
     history = model.fit(*data, epochs=1, batch_size=16, verbose=0, callbacks=[probe])
     assert probe.first_epoch == 0 and len(history.history["loss"]) == 1
+
+
+def test_a_finished_fit_leaves_nothing_beside_the_backup_once_removed(
+    backup_dir, data
+):
+    """fit()'s end moves the checkpoints out and does not wait for their
+    removal; nothing of them stays once it is done."""
+    model = make_model()
+    callback = keras_ft.BackupAndRestore(backup_dir, save_freq=2)
+    model.fit(*data, epochs=2, batch_size=16, verbose=0, callbacks=[callback])
+    assert backup_deleted(backup_dir)
+    threads.wait_for_discards()
+    parent = os.path.dirname(os.path.abspath(backup_dir))
+    assert [n for n in os.listdir(parent) if "keras-ft-deleted" in n] == []
 
 
 def test_callback_instance_is_reusable_after_an_interruption(backup_dir, data):

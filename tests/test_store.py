@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -16,7 +18,7 @@ import pytest
 from conftest import run_once_on, tree_digest
 
 from keras_ft import threads
-from keras_ft.checkpoint import files
+from keras_ft.checkpoint import files, local
 from keras_ft.checkpoint import format as format_module
 from keras_ft.checkpoint.store import (
     CheckpointStore,
@@ -385,6 +387,57 @@ def test_clear_removes_the_directory_when_empty(tmp_path):
     store.save(write_payload(b"x"), {})
     store.clear()
     assert not os.path.exists(tmp_path / "chief")
+
+
+def test_clear_beside_the_backup_moves_everything_out_and_removes_it_later(
+    tmp_path, monkeypatch
+):
+    """fit()'s end does not wait for the disk: the checkpoints leave the
+    backup in one rename each, and their removal is not waited for."""
+    backup = tmp_path / "backup"
+    (tmp_path / "theirs").mkdir()  # Beside the backup: not keras-ft's.
+    store = CheckpointStore(str(backup / "chief"), KeepLast(3))
+    for i in range(3):
+        store.save(write_payload(bytes([i]) * 1000), {})
+    os.mkdir(backup / "chief" / ".staging-00000009-1-abcd")
+    release = threading.Event()
+    rmtree = shutil.rmtree
+
+    def held(path, *args, **kwargs):  # The disk, slow: held until released.
+        assert release.wait(30)
+        rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", held)
+    store.clear(beside=str(backup))
+    assert not os.path.exists(backup / "chief")
+    (moved,) = [n for n in os.listdir(tmp_path) if n.startswith(".backup.")]
+    assert sorted(os.listdir(tmp_path / moved)) == [
+        ".staging-00000009-1-abcd", "ckpt-00000001", "ckpt-00000002",
+        "ckpt-00000003",
+    ]  # fmt: skip
+    release.set()
+    threads.wait_for_discards()
+    assert sorted(os.listdir(tmp_path)) == ["backup", "theirs"]
+    assert os.listdir(backup) == []  # `backup_dir` itself: the claim's to remove.
+
+
+def test_what_a_killed_removal_left_beside_the_backup_goes_at_the_next_start(
+    tmp_path,
+):
+    backup = tmp_path / "backup"
+    left = tmp_path / ".backup.keras-ft-deleted-0123456789ab"
+    (left / "ckpt-00000001").mkdir(parents=True)
+    (left / "ckpt-00000001" / "weights.bin").write_bytes(b"x" * 100)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine")
+    os.symlink(outside, tmp_path / ".backup.keras-ft-deleted-feedfeedfeed")
+    other = tmp_path / ".other.keras-ft-deleted-0123456789ab"  # Another backup's.
+    other.mkdir()
+    local.sweep_discarded(str(backup))
+    threads.wait_for_discards()
+    assert not left.exists() and other.exists()
+    assert (outside / "keep.txt").read_text() == "mine"  # A link: not followed.
 
 
 # The child imports keras_ft.checkpoint, which needs no Keras, so it starts

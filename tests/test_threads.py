@@ -183,7 +183,8 @@ def keras_ft_threads():
 @pytest.mark.parametrize("where", ["disk", "bucket"])
 def test_a_fit_leaves_no_thread_behind(tmp_path, where, monkeypatch):
     """Writers, pools (copy, checksum, fsync, removal, transfers) and the
-    lease's heartbeat end with the fit(), kept or deleted backup alike."""
+    lease's heartbeat end with the fit(), kept or deleted backup alike; a
+    deleted backup's removal (not waited for) ends by itself."""
     from conftest import make_data, make_model
 
     import keras_ft
@@ -203,6 +204,8 @@ def test_a_fit_leaves_no_thread_behind(tmp_path, where, monkeypatch):
             backup, save_freq=1, delete_checkpoint=not keep
         )
         make_model().fit(x, y, epochs=2, batch_size=16, verbose=0, callbacks=[callback])
+        # A deleted backup's removal, not waited for by fit(), ends by itself.
+        threads.wait_for_discards()
         left = sorted(t.name for t in keras_ft_threads() - before)
         assert left == [], keep
 
@@ -239,4 +242,5 @@ def test_a_fit_that_raised_leaves_no_thread_once_the_next_one_ends(
     if not same_callback:
         callback = keras_ft.BackupAndRestore(str(tmp_path), save_freq=1)
     make_model().fit(x, y, epochs=2, batch_size=16, verbose=0, callbacks=[callback])
+    threads.wait_for_discards()  # The deleted backup's removal ends by itself.
     assert sorted(t.name for t in keras_ft_threads() - before) == []

@@ -39,6 +39,7 @@ from keras_ft.checkpoint.format import (
     Checkpoint,
     checkpoint_name,
     checkpoint_sequence,
+    is_url,
 )
 from keras_ft.checkpoint.lock import DirectoryLock
 from keras_ft.checkpoint.parts import PARTS_PREFIX, LocalParts
@@ -49,6 +50,9 @@ _SPARE_PREFIX = ".spare-"
 # Where the processes of a sharded save put their pieces before the chief's
 # commit gathers them (`distribute/sharded.py`): what a killed save left.
 _LEFTOVERS = (_STAGING_PREFIX, _TRASH_PREFIX, _SPARE_PREFIX, PARTS_PREFIX)
+# A finished backup's checkpoints, beside `backup_dir` while they are removed
+# (`LocalStorage.discard()`): `.<name of backup_dir><_DISCARDED>-<token>`.
+_DISCARDED = ".keras-ft-deleted"
 
 
 class LocalStorage:
@@ -229,6 +233,38 @@ class LocalStorage:
         trash = os.path.join(self.directory, f"{_TRASH_PREFIX}{secrets.token_hex(6)}")
         self._rename(checkpoint.path, trash)
         threads.remove_in_background(trash)
+
+    def discard(self, beside: str) -> bool:
+        """Moves every checkpoint and leftover out of this directory, into a
+        new directory beside `beside` (`backup_dir`, which this one is or is
+        in), and removes that in the background: this directory holds
+        nothing of a save's at once, whatever the checkpoints' size. A kill
+        leaves it for the next start's `sweep_discarded()`.
+
+        Returns `False` where that directory cannot be made or the entries
+        not renamed into it (no permission, another filesystem); what was
+        not moved is still here then."""
+        paths = [c.path for c in self.checkpoints()] + self._leftover_names()
+        parent, name = os.path.split(os.path.abspath(beside))
+        into = os.path.join(parent, f".{name}{_DISCARDED}-{secrets.token_hex(6)}")
+        try:
+            os.mkdir(into, 0o700)
+        except OSError:
+            return False
+        moved = True
+        try:
+            with self._opened() as directory:
+                target = file_io.open_directory(into, depth=1)
+                try:
+                    for path in paths:
+                        entry = os.path.basename(path)
+                        os.rename(entry, entry, src_dir_fd=directory, dst_dir_fd=target)
+                finally:
+                    os.close(target)
+        except OSError:
+            moved = False
+        threads.remove_later(into)
+        return moved
 
     def _rename(self, old: str, new: str) -> None:
         """Renames `old` to `new`, both entries of this directory, inside
@@ -444,6 +480,24 @@ def _probe_write(directory: int) -> None:
             if e.errno != errno.EOPNOTSUPP:
                 raise
     os.remove(_write_temporary(directory, ".keras-ft-probe", b""), dir_fd=directory)
+
+
+def sweep_discarded(backup_dir: str) -> None:
+    """Removes, in the background, what `LocalStorage.discard()` moved out
+    of `backup_dir` and a killed process did not finish removing. Only
+    directories: an entry of that name that is a link is left alone."""
+    if is_url(backup_dir):
+        return
+    parent, name = os.path.split(os.path.abspath(backup_dir))
+    prefix = f".{name}{_DISCARDED}-"
+    try:
+        entries = [n for n in os.listdir(parent) if n.startswith(prefix)]
+    except OSError:
+        return
+    for entry in entries:
+        path = os.path.join(parent, entry)
+        if _is_directory(path):
+            threads.remove_later(path)
 
 
 def _is_directory(path: str) -> bool:

@@ -394,6 +394,10 @@ class ObjectStorage:
     def remove_root(self) -> None:
         """Nothing to do: a prefix is gone with its last object."""
 
+    def discard(self, beside: str) -> bool:
+        """A bucket's objects are deleted where they are (`delete()`)."""
+        return False
+
     # Reading.
 
     def names(self, checkpoint: Checkpoint) -> set[str]:

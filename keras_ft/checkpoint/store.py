@@ -161,6 +161,11 @@ class Storage(Protocol):
         """Removes the (emptied) directory itself, where there is one."""
         ...
 
+    def discard(self, beside: str) -> bool:
+        """Moves every checkpoint and leftover out, to be removed in the
+        background; returns whether it did (else nothing, or part, moved)."""
+        ...
+
     def names(self, checkpoint: Checkpoint) -> set[str]:
         """The names of the files stored in `checkpoint`."""
         ...
@@ -636,16 +641,22 @@ class CheckpointStore:
         too."""
         self.storage.remove_leftovers()
 
-    def clear(self) -> None:
+    def clear(self, beside: str | None = None) -> None:
         """Deletes every checkpoint and leftover this store made.
 
         Other files are left alone; the directory itself is removed only if
         that leaves it empty.
+
+        Args:
+            beside: `backup_dir`, on a disk: the checkpoints are moved out
+                beside it and removed in the background, not waited for.
+                Defaults to `None`: deleted here, waited for.
         """
-        for checkpoint in self.checkpoints():
-            self.storage.delete(checkpoint)
-        threads.wait_for_removals()
-        self.storage.remove_leftovers()
+        if beside is None or not self.storage.discard(beside):
+            for checkpoint in self.checkpoints():
+                self.storage.delete(checkpoint)
+            threads.wait_for_removals()
+            self.storage.remove_leftovers()
         for name in self.notices():
             self.storage.remove(name)
         self.storage.remove_root()

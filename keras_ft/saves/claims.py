@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from keras_ft import events
+from keras_ft.checkpoint.local import sweep_discarded
 from keras_ft.checkpoint.store import CheckpointStore, Storage
 
 
@@ -30,6 +31,7 @@ class ChiefClaim:
         (staging directories, partial uploads, pieces of sharded saves)."""
         self._lock.acquire()
         self._store.remove_leftovers()
+        sweep_discarded(self._root.location)  # A finished run's, if killed.
 
     def release(self) -> None:
         self._lock.release()
@@ -38,7 +40,7 @@ class ChiefClaim:
         """Deletes the checkpoints (a failure is a warning: training is
         over) and the lock."""
         try:
-            self._store.clear()
+            self._store.clear(beside=self._root.location)
         except Exception as e:  # A bucket out of reach: say so, go on.
             events.warn(
                 "save",
