@@ -390,12 +390,17 @@ def _torch_move(
     before: Callable[[int], None],
     landed: Callable[[int], None],
 ) -> bool:
-    """`move_to_host()` on PyTorch: each copy from a GPU is queued on the
-    current stream with an event after it; what has landed is told as the
-    queue goes on, and the rest at its end."""
+    """`move_to_host()` on PyTorch: each copy from a GPU is queued on a
+    stream of its own (one per device, from PyTorch's pool), not the
+    compute stream, whose next steps' kernels would queue behind it (as
+    PyTorch's DCP stages); an event after each says when it has landed,
+    told as the queue goes on, and the rest at its end. The copies were
+    made before this is called (`device_snapshot()`'s `ready()`), and each
+    is let go only once its event has passed."""
     import torch
 
     pending: list[tuple[int, Any]] = []  # Queued: (index, its event).
+    streams: dict[Any, Any] = {}  # Each device's stream for this move.
 
     def tell(wait: bool) -> None:
         while pending and (wait or pending[0][1].query()):
@@ -415,10 +420,14 @@ def _torch_move(
             continue
         before(i)
         target = torch.from_numpy(_bytes_of(destination))
-        source = copy.detach().reshape(-1).contiguous().view(torch.uint8)
-        target.copy_(source, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        if copy.device not in streams:
+            streams[copy.device] = torch.cuda.Stream(device=copy.device)
+        stream = streams[copy.device]
+        with torch.cuda.stream(stream):
+            source = copy.detach().reshape(-1).contiguous().view(torch.uint8)
+            target.copy_(source, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
         pending.append((i, event))
         tell(wait=False)
     tell(wait=True)  # Every move queued has landed, also when stopped.

@@ -19,6 +19,7 @@ from keras_ft.fit_saves import FitSaves, check_on_save_error
 from keras_ft.state import ResumePoint, rng
 from keras_ft.state.snapshots import validate_snapshot
 from keras_ft.state.training_state import optimizer_step
+from keras_ft.state.weights_copy import CopyBuffer
 from keras_ft.training import (
     batch_ends,
     callback_state,
@@ -280,6 +281,9 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._resumption: resume.Resumption | None = None
         self._inputs = inputs.InputPosition(None)
         self._saves: FitSaves | None = None  # The last fit()'s.
+        # The buffer the last fit()'s saves copied into: the next fit() of
+        # the same model reuses it (allocated and page-locked once).
+        self._copy_buffer: CopyBuffer | None = None
         self._batches: FitBatches | None = None  # The last fit()'s.
         self._epochs_completed = 0
         self._services: list[BackupService] = []
@@ -460,6 +464,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             if delete and self._state.task.is_chief:
                 goodput.report_finished(self._state.store, self.goodput_file)
             self._saves.end(delete=delete)
+            self._copy_buffer = self._state.copy_buffer  # Its writes are over.
         self._state = None
         if self.preempted_by and self.exit_on_preemption:
             exit_after(self._batches.signum)

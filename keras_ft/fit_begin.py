@@ -111,7 +111,12 @@ def open_backup(
                 goodput.restore_end(point.step if point else 0)
             if point is None and callback.warm_start is not None:
                 warmed = callback.warm_start.apply(model)
-            state.prepare()
+            # The last fit()'s copy buffer, if this model's file is the same;
+            # none made where only a preemption would save.
+            state.prepare(
+                copies=callback._backs_up_stopped_epochs,
+                reuse=callback._copy_buffer,
+            )
     except BaseException:
         state.unlock()  # Nothing is being written yet.
         raise

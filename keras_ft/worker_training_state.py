@@ -20,6 +20,7 @@ from keras_ft.saves.queue import wait_for_backups
 from keras_ft.saves.tiers import local_tier_dir
 from keras_ft.state import NonFiniteStateError, ResumePoint, TrainingState
 from keras_ft.state.snapshots import SnapshotPlace
+from keras_ft.state.weights_copy import CopyBuffer
 from keras_ft.threads import wait_for_removals
 from keras_ft.training.listeners import CheckpointListener, check_listeners, notify
 
@@ -330,11 +331,27 @@ class WorkerTrainingState:
         """Raises the error of a background write that failed, without waiting."""
         self._parts.queue.raise_if_failed()
 
-    def prepare(self) -> None:
+    def prepare(self, copies: bool = True, reuse: CopyBuffer | None = None) -> None:
         """Does the one-time work of the first save now (walking the model,
-        laying out the weights file, and with `async_save`, allocating the
-        buffer snapshots are copied into), so that no save pays for it."""
-        self._state.prepare()
+        laying out the weights file, and with `copies`, allocating the
+        buffer snapshots are copied into, in the background), so that no
+        save pays for it.
+
+        Args:
+            copies: Whether saves are expected (scheduled ones, not only
+                a preemption's, which allocates the buffer if it comes).
+                Defaults to `True`.
+            reuse: The `copy_buffer` of an earlier training of this model
+                (the last `fit()`'s, its writes over): used if it holds the
+                same file. Defaults to `None`.
+        """
+        self._state.prepare(copy=copies, reuse=reuse)
+
+    @property
+    def copy_buffer(self) -> CopyBuffer | None:
+        """The buffer copied snapshots go into, if one was made: hand it to
+        the next training of the model (`prepare(reuse=...)`)."""
+        return self._state.copy_buffer
 
     def discard_pending(self) -> None:
         """Calls off the background writes that have not committed yet.

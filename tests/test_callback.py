@@ -337,6 +337,22 @@ def test_a_finished_fit_leaves_nothing_beside_the_backup_once_removed(
     assert [n for n in os.listdir(parent) if "keras-ft-deleted" in n] == []
 
 
+def test_fits_of_one_model_share_one_copy_buffer(backup_dir, data):
+    """The buffer saves copy into is made once per training: the next fit()
+    of the model with the same callback reuses it; none is made where only
+    a preemption would save."""
+    model = make_model()
+    callback = keras_ft.BackupAndRestore(backup_dir, save_freq=2)
+    model.fit(*data, epochs=1, batch_size=16, verbose=0, callbacks=[callback])
+    buffer = callback._copy_buffer
+    assert buffer is not None and buffer.size > 0
+    model.fit(*data, epochs=2, batch_size=16, verbose=0, callbacks=[callback])
+    assert callback._copy_buffer is buffer
+    idle = keras_ft.BackupAndRestore(backup_dir, save_freq=False)
+    model.fit(*data, epochs=1, batch_size=16, verbose=0, callbacks=[idle])
+    assert idle._copy_buffer is None
+
+
 def test_callback_instance_is_reusable_after_an_interruption(backup_dir, data):
     callback = keras_ft.BackupAndRestore(backup_dir)
     model = make_model()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import h5py
 import keras
@@ -105,6 +106,55 @@ def test_capture_is_a_copy_not_a_view(data):
     model.fit(*data, epochs=1, verbose=0)  # Changes every variable.
     assert file_bytes(captured) == before
     assert file_bytes(layout.capture()) != before
+
+
+def test_a_later_layout_of_the_same_file_reuses_the_copy_buffer(data):
+    """The next fit()'s state takes the last one's copy buffer (allocated
+    and page-locked once) where the file is the same, and only then."""
+    model = trained_model(data)
+    first = weights_layout.WeightsLayout(model)
+    before = file_bytes(first.capture())
+    buffer = first.copy_buffer
+    model.fit(*data, epochs=1, verbose=0)
+    again = weights_layout.WeightsLayout(model)
+    again.reuse(buffer)
+    assert again.copy_buffer is buffer
+    after = file_bytes(again.capture())
+    assert after != before
+    assert after == file_bytes(weights_layout.capture(model, copy=False))
+    other = weights_layout.WeightsLayout(make_model())  # Another file.
+    other.reuse(buffer)
+    assert other.copy_buffer is None
+    assert file_bytes(other.capture()) == file_bytes(
+        weights_layout.capture(other.model, copy=False)
+    )
+
+
+def test_a_copy_does_not_wait_for_page_locking(data, monkeypatch):
+    """Locking a buffer takes a while: a copy made before it is done goes
+    into the buffer unlocked, and the lock lands later."""
+    model = trained_model(data)
+    layout = weights_layout.WeightsLayout(model)
+    write(os.devnull, layout.capture())  # Allocated.
+    release = threading.Event()
+    locked = []
+
+    def slow_lock(buffer, device):  # The driver's register call, slow.
+        assert release.wait(30)
+        locked.append(device)
+        return lambda: locked.append("unlocked")
+
+    monkeypatch.setattr(weights_copy, "pin_host", slow_lock)
+    buffer = layout.copy_buffer
+    buffer.pin("accelerator", wait=False)
+    assert not buffer.pinned
+    want = file_bytes(weights_layout.capture(model, copy=False))
+    assert file_bytes(layout.capture()) == want  # Not held up by the lock.
+    release.set()
+    buffer.pin("accelerator")  # Waits for the lock started.
+    assert buffer.pinned and locked == ["accelerator"]
+    buffer.release()
+    assert locked == ["accelerator", "unlocked"]
 
 
 def test_the_model_is_walked_once_until_its_variables_change(

@@ -42,7 +42,7 @@ from keras_ft.state import (
     saved_state,
     weights_load,
 )
-from keras_ft.state.weights_copy import CapturedWeights
+from keras_ft.state.weights_copy import CapturedWeights, CopyBuffer
 from keras_ft.state.weights_layout import WEIGHTS_FILE, WeightsLayout, saved_variables
 
 _MAX_METADATA_BYTES = 64 * 1024 * 1024
@@ -242,11 +242,18 @@ class TrainingState:
         """How each saved variable is laid out across devices, as text."""
         return [host.sharding_text(v) for v in self.saved_variables()]
 
-    def prepare(self, copy: bool = True) -> None:
+    def prepare(self, copy: bool = True, reuse: CopyBuffer | None = None) -> None:
         """Walks the model now rather than at the first snapshot; with `copy`,
-        also allocates the memory that copied snapshots reuse."""
+        also allocates the memory that copied snapshots reuse, unless `reuse`
+        (the last fit()'s copy buffer) holds the same file."""
         if not self.sharded():  # A sharded save has no weights file to lay out.
+            self._weights.reuse(reuse)
             self._weights.prepare(copy=copy)
+
+    @property
+    def copy_buffer(self) -> CopyBuffer | None:
+        """The buffer copied snapshots go into, if one was made."""
+        return None if self.sharded() else self._weights.copy_buffer
 
     def metadata(self, epochs_completed: int, batches_completed: int) -> dict:
         """The JSON metadata of a save taken now, without the state tree."""

@@ -126,6 +126,24 @@ class CopyBuffer:
         # unlocks it (`_lock()`).
         self._pin_for: Any = None
         self._unpin: Callable[[], None] | None = None
+        # Page-locking a buffer takes a while (0.3-1 s for 2.44 GB): done in
+        # a thread of its own, which a copy into it never waits for.
+        self._pinning: threading.Thread | None = None
+
+    def same_layout(self, other: CopyBuffer) -> bool:
+        """Whether `other` holds the same file as this one would: then it
+        can be used in its place (an earlier fit()'s, of the same model)."""
+        return (self.size, self._gaps, self._slots, self._names) == (
+            other.size,
+            other._gaps,
+            other._slots,
+            other._names,
+        )
+
+    def forget_writes(self) -> None:
+        """For a buffer taken over by another training (a later fit()):
+        every write of the one before is over, and none is to be followed."""
+        self._written = None
 
     def prepare(self) -> None:
         """Starts allocating the buffer in the background, so that the
@@ -135,14 +153,27 @@ class CopyBuffer:
         if self._image is None and self._allocating is None:
             self._allocating = threads.start_daemon(self._allocate, "keras-ft-allocate")
 
-    def pin(self, device: Any) -> None:
+    def pin(self, device: Any, wait: bool = True) -> None:
         """Page-locks the buffer for `device` (`backend.staging_device()`;
         `None`: never), now and whenever it is allocated again: a snapshot on
         the device is moved into it, and a restore reads into it, at the
-        bus's speed."""
+        bus's speed.
+
+        Args:
+            wait: If `False`, locks it in a thread of its own and returns at
+                once: a copy taken before that is done goes into the buffer
+                as it is (slower, never wrong). Defaults to `True`.
+        """
         self._pin_for = device
-        if self._image is not None and self._unpin is None and device is not None:
-            self._lock(np.frombuffer(self._image, np.uint8), device)
+        if self._image is None or self._unpin is not None or device is None:
+            return
+        if self._pinning is None:
+            buffer = np.frombuffer(self._image, np.uint8)
+            self._pinning = threads.start_daemon(
+                functools.partial(self._lock, buffer, device), "keras-ft-pin"
+            )
+        if wait:
+            self._pinning.join()
 
     def _lock(self, buffer: np.ndarray, device: Any) -> None:
         unpin = pin_host(buffer, device)
@@ -372,6 +403,9 @@ class CopyBuffer:
         if self._allocating is not None:
             self._allocating.join()
             self._allocating = None
+        if self._pinning is not None:
+            self._pinning.join()
+            self._pinning = None
         if self._unpin is not None:
             # A save's move is over (it is waited for before the next
             # snapshot and at close): nothing is in flight into it.

@@ -168,8 +168,8 @@ class WeightsLayout:
                 return host.move_to_host(ordered, destinations, stopped, before, landed)
 
             buffer = self._copy_buffer()
-            if values:
-                buffer.pin(host.staging_device(values[0]))
+            if values:  # Not waited for: training goes on.
+                buffer.pin(host.staging_device(values[0]), wait=False)
             captured = buffer.capture([], fill, move=move)
             captured.from_device = True
             return captured
@@ -201,6 +201,26 @@ class WeightsLayout:
         self._ensure_laid_out()
         if copy and self._fast:
             self._copy_buffer().prepare()
+
+    def reuse(self, buffer: CopyBuffer | None) -> None:
+        """Takes `buffer` (the copy buffer of an earlier layout of this
+        model: the last fit()'s, its writes over) as this layout's own where
+        it holds the same file, rather than allocating (and page-locking)
+        another."""
+        self._ensure_laid_out()
+        if buffer is None or not self._fast or self._buffer is not None:
+            return
+        mine = CopyBuffer(
+            self._size, self._gaps, self._data_slots(), self.dataset_names()
+        )
+        if mine.same_layout(buffer):
+            buffer.forget_writes()
+            self._buffer = buffer
+
+    @property
+    def copy_buffer(self) -> CopyBuffer | None:
+        """The buffer copies go into, if one was made."""
+        return self._buffer
 
     def release(self) -> None:
         """Frees the copy buffer; the next `capture(copy=True)` makes a new one.
