@@ -11,6 +11,8 @@ clock callback at the end of the list into:
   steps: a move or a write competing with training);
 - epoch ends: each epoch's last batch's end to the end of the epoch's
   callbacks (the save's share of the training thread);
+- between: each epoch's end to the next one's first batch (the data
+  iterator, every callback's epoch begin);
 - train end: the last epoch's end to `fit()`'s return (waiting for the last
   write's commit, deleting the backup).
 
@@ -52,7 +54,7 @@ sys.path.insert(0, HERE)
 from save_cost import build_model, data, peak_while, rss_bytes  # noqa: E402
 
 MODES = ("none", "auto", "host")
-PARTS = ("total", "train_begin", "steps", "epoch_ends", "train_end")
+PARTS = ("total", "train_begin", "steps", "epoch_ends", "between", "train_end")
 
 
 # What this run measured so far, for the table at its end.
@@ -149,7 +151,7 @@ def Clock():  # noqa: N802  A class made when Keras is imported.
 
         def split(self, called: float, returned: float) -> dict:
             epochs = sorted(self.ended)
-            return {
+            parts = {
                 "total": returned - called,
                 "train_begin": self.first[0] - called,
                 "steps": sum(self.last[e] - self.first[e] for e in epochs),
@@ -157,6 +159,12 @@ def Clock():  # noqa: N802  A class made when Keras is imported.
                 "each_epoch_end": [self.ended[e] - self.last[e] for e in epochs],
                 "train_end": returned - self.ended[epochs[-1]],
             }
+            # From an epoch's end to the next one's first batch (the data
+            # iterator's set-up, every callback's epoch begin).
+            parts["between"] = sum(
+                self.first[e] - self.ended[e - 1] for e in epochs[1:]
+            )
+            return parts
 
     return Clock()
 
