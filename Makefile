@@ -69,6 +69,8 @@ test-compat: venv
 bench: venv
 	$(PY) benchmarks/save_cost.py
 	$(PY) benchmarks/accelerator.py --quick  # On a GPU machine: without --quick.
+	$(PY) benchmarks/fit_split.py --quick  # On a GPU machine: without --quick.
+	$(PY) benchmarks/recycling.py  # Whether reusing retired checkpoints pays.
 	$(PY) benchmarks/batch_ends.py  # Between saves: Keras' dispatch ahead kept.
 	$(PY) benchmarks/cluster_saves.py  # 2 JAX processes: each one's time held up.
 	$(PY) benchmarks/cluster_saves.py --backend tensorflow
