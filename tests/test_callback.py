@@ -323,9 +323,7 @@ def test_callback_and_model_can_be_fitted_again_after_completion(backup_dir, dat
     assert probe.first_epoch == 0 and len(history.history["loss"]) == 1
 
 
-def test_a_finished_fit_leaves_nothing_beside_the_backup_once_removed(
-    backup_dir, data
-):
+def test_a_finished_fit_leaves_nothing_beside_the_backup_once_removed(backup_dir, data):
     """fit()'s end moves the checkpoints out and does not wait for their
     removal; nothing of them stays once it is done."""
     model = make_model()
