@@ -324,8 +324,9 @@ def test_callback_and_model_can_be_fitted_again_after_completion(backup_dir, dat
 
 
 def test_a_finished_fit_leaves_nothing_beside_the_backup_once_removed(backup_dir, data):
-    """fit()'s end moves the checkpoints out and does not wait for their
-    removal; nothing of them stays once it is done."""
+    """fit()'s end moves the checkpoints out of `backup_dir` (gone when it
+    returns), and nothing of them stays beside it once their removal is
+    done (whether fit() waits for it: `test_store`)."""
     model = make_model()
     callback = keras_ft.BackupAndRestore(backup_dir, save_freq=2)
     model.fit(*data, epochs=2, batch_size=16, verbose=0, callbacks=[callback])

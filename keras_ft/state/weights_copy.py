@@ -130,14 +130,21 @@ class CopyBuffer:
         # a thread of its own, which a copy into it never waits for.
         self._pinning: threading.Thread | None = None
 
-    def same_layout(self, other: CopyBuffer) -> bool:
-        """Whether `other` holds the same file as this one would: then it
-        can be used in its place (an earlier fit()'s, of the same model)."""
+    def holds(
+        self,
+        size: int,
+        gaps: list[tuple[int, bytes]],
+        slots: list[Slot],
+        names: list[str],
+    ) -> bool:
+        """Whether this buffer holds the file these arguments (as the
+        constructor's) lay out: then a later layout of the same model (the
+        next fit()'s) can use it as its own."""
         return (self.size, self._gaps, self._slots, self._names) == (
-            other.size,
-            other._gaps,
-            other._slots,
-            other._names,
+            size,
+            gaps,
+            slots,
+            names,
         )
 
     def forget_writes(self) -> None:

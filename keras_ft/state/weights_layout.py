@@ -210,10 +210,9 @@ class WeightsLayout:
         self._ensure_laid_out()
         if buffer is None or not self._fast or self._buffer is not None:
             return
-        mine = CopyBuffer(
+        if buffer.holds(
             self._size, self._gaps, self._data_slots(), self.dataset_names()
-        )
-        if mine.same_layout(buffer):
+        ):
             buffer.forget_writes()
             self._buffer = buffer
 
