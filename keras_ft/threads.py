@@ -362,7 +362,7 @@ def _forget_removal(future: Future) -> None:
 # A finished backup's checkpoints, moved out of `backup_dir` in one rename
 # each and removed in a thread of their own: fit()'s end does not wait for
 # the disk; the interpreter does, at exit (the threads are not daemons).
-_discards: set[threading.Thread] = set()
+_discards: dict[threading.Thread, str] = {}
 
 
 def remove_later(path: str) -> None:
@@ -371,7 +371,7 @@ def remove_later(path: str) -> None:
         target=_discard, args=(path,), name="keras-ft-discard", daemon=False
     )
     with _removals_lock:
-        _discards.add(thread)
+        _discards[thread] = path
     thread.start()
 
 
@@ -380,7 +380,13 @@ def _discard(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
     finally:
         with _removals_lock:
-            _discards.discard(threading.current_thread())
+            _discards.pop(threading.current_thread(), None)
+
+
+def pending_removals() -> set[str]:
+    """The directories `remove_later()` is removing now, in this process."""
+    with _removals_lock:
+        return set(_discards.values())
 
 
 def wait_for_discards() -> None:

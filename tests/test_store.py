@@ -7,8 +7,10 @@ import os
 import random
 import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -17,6 +19,7 @@ import numpy as np
 import pytest
 from conftest import run_once_on, tree_digest
 
+import keras_ft
 from keras_ft import threads
 from keras_ft.checkpoint import files, local
 from keras_ft.checkpoint import format as format_module
@@ -389,41 +392,89 @@ def test_clear_removes_the_directory_when_empty(tmp_path):
     assert not os.path.exists(tmp_path / "chief")
 
 
-def test_clear_beside_the_backup_moves_everything_out_and_removes_it_later(
-    tmp_path, monkeypatch
-):
-    """fit()'s end does not wait for the disk: the checkpoints leave the
-    backup in one rename each, and their removal is not waited for."""
-    backup = tmp_path / "backup"
-    (tmp_path / "theirs").mkdir()  # Beside the backup: not keras-ft's.
+def _held_removal(monkeypatch) -> threading.Event:
+    """keras-ft's background removals, held until the event is set (a slow
+    disk); any other `shutil.rmtree` (the user's) runs at once."""
+    release = threading.Event()
+    rmtree = shutil.rmtree
+
+    def held(path, *args, **kwargs):
+        if threading.current_thread().name == "keras-ft-discard":
+            assert release.wait(30)
+        rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", held)
+    return release
+
+
+def _finished_store(backup) -> CheckpointStore:
     store = CheckpointStore(str(backup / "chief"), KeepLast(3))
     for i in range(3):
         store.save(write_payload(bytes([i]) * 1000), {})
     os.mkdir(backup / "chief" / ".staging-00000009-1-abcd")
-    release = threading.Event()
-    rmtree = shutil.rmtree
+    return store
 
-    def held(path, *args, **kwargs):  # The disk, slow: held until released.
-        assert release.wait(30)
-        rmtree(path, *args, **kwargs)
 
-    monkeypatch.setattr(shutil, "rmtree", held)
+_MOVED = [".staging-00000009-1-abcd", "ckpt-00000001", "ckpt-00000002", "ckpt-00000003"]
+
+
+def test_clear_moves_everything_to_the_trash_and_removes_it_later(
+    tmp_path, monkeypatch
+):
+    """fit()'s end does not wait for the disk: the checkpoints leave the
+    backup in one rename each, into this user's trash in the temporary
+    directory (on this filesystem), and their removal is not waited for.
+    Nothing appears beside the backup: the user removing the directory that
+    holds it, right after fit(), does not race the removal."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    parent = tmp_path / "work"
+    backup = parent / "backup"
+    store = _finished_store(backup)
+    release = _held_removal(monkeypatch)
+    store.clear(beside=str(backup))
+    assert os.listdir(parent) == ["backup"] and os.listdir(backup) == []
+    trash = tmp_path / "tmp" / f"keras-ft-trash-{os.getuid()}"
+    assert stat.S_IMODE(os.lstat(trash).st_mode) == 0o700
+    (moved,) = os.listdir(trash)
+    assert moved.startswith("deleted-") and sorted(os.listdir(trash / moved)) == _MOVED
+    shutil.rmtree(parent)  # The user's, while the removal is held: no race.
+    release.set()
+    threads.wait_for_discards()
+    assert os.listdir(trash) == []
+
+
+def test_clear_moves_everything_beside_the_backup_where_the_trash_is_refused(
+    tmp_path, monkeypatch
+):
+    """A trash name that is a link (or another user's) is not used: the
+    checkpoints wait beside the backup instead, and are still removed later."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(
+        tmp_path / "elsewhere", tmp_path / "tmp" / f"keras-ft-trash-{os.getuid()}"
+    )
+    backup = tmp_path / "backup"
+    (tmp_path / "theirs").mkdir()  # Beside the backup: not keras-ft's.
+    store = _finished_store(backup)
+    release = _held_removal(monkeypatch)
     store.clear(beside=str(backup))
     assert not os.path.exists(backup / "chief")
     (moved,) = [n for n in os.listdir(tmp_path) if n.startswith(".backup.")]
-    assert sorted(os.listdir(tmp_path / moved)) == [
-        ".staging-00000009-1-abcd", "ckpt-00000001", "ckpt-00000002",
-        "ckpt-00000003",
-    ]  # fmt: skip
+    assert sorted(os.listdir(tmp_path / moved)) == _MOVED
     release.set()
-    threads.wait_for_discards()
-    assert sorted(os.listdir(tmp_path)) == ["backup", "theirs"]
+    keras_ft.wait_for_backups()  # The public wait includes the removal.
+    assert sorted(os.listdir(tmp_path)) == ["backup", "elsewhere", "theirs", "tmp"]
     assert os.listdir(backup) == []  # `backup_dir` itself: the claim's to remove.
+    assert os.listdir(tmp_path / "elsewhere") == []
 
 
-def test_what_a_killed_removal_left_beside_the_backup_goes_at_the_next_start(
-    tmp_path,
-):
+def test_what_a_killed_removal_left_goes_at_the_next_start(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    trash = tmp_path / "tmp" / f"keras-ft-trash-{os.getuid()}"
+    (trash / "deleted-0123456789ab" / "ckpt-00000001").mkdir(parents=True)
+    (trash / "theirs").mkdir()  # Not a name keras-ft gives.
     backup = tmp_path / "backup"
     left = tmp_path / ".backup.keras-ft-deleted-0123456789ab"
     (left / "ckpt-00000001").mkdir(parents=True)
@@ -437,6 +488,7 @@ def test_what_a_killed_removal_left_beside_the_backup_goes_at_the_next_start(
     local.sweep_discarded(str(backup))
     threads.wait_for_discards()
     assert not left.exists() and other.exists()
+    assert os.listdir(trash) == ["theirs"]
     assert (outside / "keep.txt").read_text() == "mine"  # A link: not followed.
 
 

@@ -28,6 +28,7 @@ import os
 import secrets
 import shutil
 import stat
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from typing import IO
@@ -50,9 +51,12 @@ _SPARE_PREFIX = ".spare-"
 # Where the processes of a sharded save put their pieces before the chief's
 # commit gathers them (`distribute/sharded.py`): what a killed save left.
 _LEFTOVERS = (_STAGING_PREFIX, _TRASH_PREFIX, _SPARE_PREFIX, PARTS_PREFIX)
-# A finished backup's checkpoints, beside `backup_dir` while they are removed
-# (`LocalStorage.discard()`): `.<name of backup_dir><_DISCARDED>-<token>`.
+# A finished backup's checkpoints while they are removed in the background
+# (`LocalStorage.discard()`): `<_TRASH_ENTRY><token>` in this user's trash
+# (`<tempdir>/keras-ft-trash-<uid>`), or where that is on another filesystem,
+# `.<name of backup_dir><_DISCARDED>-<token>` beside `backup_dir`.
 _DISCARDED = ".keras-ft-deleted"
+_TRASH_ENTRY = "deleted-"
 
 
 class LocalStorage:
@@ -235,36 +239,49 @@ class LocalStorage:
         threads.remove_in_background(trash)
 
     def discard(self, beside: str) -> bool:
-        """Moves every checkpoint and leftover out of this directory, into a
-        new directory beside `beside` (`backup_dir`, which this one is or is
-        in), and removes that in the background: this directory holds
-        nothing of a save's at once, whatever the checkpoints' size. A kill
-        leaves it for the next start's `sweep_discarded()`.
+        """Moves every checkpoint and leftover out of this directory and
+        removes them in the background: this directory holds nothing of a
+        save's at once, whatever the checkpoints' size.
 
-        Returns `False` where that directory cannot be made or the entries
-        not renamed into it (no permission, another filesystem); what was
-        not moved is still here then."""
+        They go to this user's trash in the temporary directory where that
+        is on the same filesystem (`_trash()`): nothing appears beside
+        `backup_dir`, so removing the directory that holds it right after
+        `fit()` does not race the removal. Elsewhere they go beside
+        `beside` (`backup_dir`, which this directory is or is in). A kill
+        leaves them for the next start's `sweep_discarded()`.
+
+        Returns `False` where neither place can take them (no permission,
+        another filesystem); what was not moved is still here then."""
         paths = [c.path for c in self.checkpoints()] + self._leftover_names()
+        entries = [os.path.basename(p) for p in paths]
         parent, name = os.path.split(os.path.abspath(beside))
-        into = os.path.join(parent, f".{name}{_DISCARDED}-{secrets.token_hex(6)}")
-        try:
-            os.mkdir(into, 0o700)
-        except OSError:
-            return False
-        moved = True
-        try:
-            with self._opened() as directory:
-                target = file_io.open_directory(into, depth=1)
-                try:
-                    for path in paths:
-                        entry = os.path.basename(path)
-                        os.rename(entry, entry, src_dir_fd=directory, dst_dir_fd=target)
-                finally:
-                    os.close(target)
-        except OSError:
-            moved = False
-        threads.remove_later(into)
-        return moved
+        places = [(_trash(parent), _TRASH_ENTRY), (parent, f".{name}{_DISCARDED}-")]
+        for place, prefix in places:
+            if place is None or not entries:
+                continue
+            into = os.path.join(place, f"{prefix}{secrets.token_hex(6)}")
+            try:
+                os.mkdir(into, 0o700)
+            except OSError:
+                continue
+            with contextlib.suppress(OSError):
+                self._move_into(entries, into)
+            threads.remove_later(into)
+        return not entries
+
+    def _move_into(self, entries: list[str], into: str) -> None:
+        """Renames `entries` of this directory into the directory `into`,
+        dropping each from the list once moved; raises at the first that
+        cannot be (another filesystem: `EXDEV`)."""
+        with self._opened() as directory:
+            target = file_io.open_directory(into, depth=1)
+            try:
+                while entries:
+                    entry = entries[0]
+                    os.rename(entry, entry, src_dir_fd=directory, dst_dir_fd=target)
+                    entries.pop(0)
+            finally:
+                os.close(target)
 
     def _rename(self, old: str, new: str) -> None:
         """Renames `old` to `new`, both entries of this directory, inside
@@ -484,20 +501,51 @@ def _probe_write(directory: int) -> None:
 
 def sweep_discarded(backup_dir: str) -> None:
     """Removes, in the background, what `LocalStorage.discard()` moved out
-    of `backup_dir` and a killed process did not finish removing. Only
-    directories: an entry of that name that is a link is left alone."""
+    of `backup_dir` (and of this user's other backups, into the trash) and a
+    killed process did not finish removing. Only directories: an entry of
+    that name that is a link is left alone. One still being removed by a
+    live process is removed twice over, harmlessly: both ignore what the
+    other removed first."""
     if is_url(backup_dir):
         return
     parent, name = os.path.split(os.path.abspath(backup_dir))
-    prefix = f".{name}{_DISCARDED}-"
+    for place, prefix in (
+        (parent, f".{name}{_DISCARDED}-"),
+        (_trash(parent), _TRASH_ENTRY),
+    ):
+        if place is None:
+            continue
+        try:
+            entries = [n for n in os.listdir(place) if n.startswith(prefix)]
+        except OSError:
+            continue
+        pending = threads.pending_removals()
+        for entry in entries:
+            path = os.path.join(place, entry)
+            if path not in pending and _is_directory(path):
+                threads.remove_later(path)
+
+
+def _trash(near: str) -> str | None:
+    """This user's trash directory, `<tempdir>/keras-ft-trash-<uid>`, made
+    if missing, where it is on the filesystem of the directory `near` (a
+    rename into it then works); `None` elsewhere, or where that name is not
+    a directory of this user's that only this user can write (a link, or
+    another user's)."""
+    getuid = getattr(os, "getuid", None)
+    if getuid is None:
+        return None
+    trash = os.path.join(tempfile.gettempdir(), f"keras-ft-trash-{getuid()}")
     try:
-        entries = [n for n in os.listdir(parent) if n.startswith(prefix)]
+        if os.stat(near).st_dev != os.stat(os.path.dirname(trash)).st_dev:
+            return None
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(trash, 0o700)
+        found = os.lstat(trash)
     except OSError:
-        return
-    for entry in entries:
-        path = os.path.join(parent, entry)
-        if _is_directory(path):
-            threads.remove_later(path)
+        return None
+    mine = stat.S_ISDIR(found.st_mode) and found.st_uid == getuid()
+    return trash if mine and not found.st_mode & 0o022 else None
 
 
 def _is_directory(path: str) -> bool:

@@ -17,7 +17,12 @@ from keras_ft import events, threads
 from keras_ft.checkpoint.errors import CheckpointWriteError
 from keras_ft.checkpoint.format import Checkpoint
 from keras_ft.errors import NonFiniteStateError
-from keras_ft.threads import BackgroundWriter, PendingWrite, wait_for_removals
+from keras_ft.threads import (
+    BackgroundWriter,
+    PendingWrite,
+    wait_for_discards,
+    wait_for_removals,
+)
 
 # One writer per chief directory in this process, shared by every training
 # on it (see above). Never emptied: an idle writer holds no thread.
@@ -34,10 +39,16 @@ Commit = Callable[[threading.Event, PendingWrite | None, PendingWrite | None], A
 
 
 def wait_for_backups() -> None:
-    """Waits until every backup being written in the background is committed.
+    """Waits until every backup being written in the background is committed,
+    and a finished fit()'s checkpoints are removed from disk.
 
-    `fit()` waits by itself at train end; call this after `fit()` raised, to
-    look at the backup directory, or before copying it elsewhere.
+    `fit()` waits for its writes by itself at train end; call this after
+    `fit()` raised, to look at the backup directory, or before copying it
+    elsewhere. A finished fit()'s checkpoints leave `backup_dir` before it
+    returns, but are removed in the background: call this before measuring
+    the disk, or before removing a directory that holds `backup_dir` when
+    that is on another filesystem than the temporary directory (there they
+    wait beside `backup_dir`, in `.<name>.keras-ft-deleted-*`).
 
     Raises:
         keras_ft.CheckpointWriteError: if one of those writes failed.
@@ -45,6 +56,7 @@ def wait_for_backups() -> None:
     for writer in list(_writers.values()):
         writer.wait()
     wait_for_removals()
+    wait_for_discards()
 
 
 class SaveQueue:
