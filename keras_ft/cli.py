@@ -22,10 +22,9 @@ import sys
 from typing import Any
 
 import keras_ft
-from keras_ft.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from keras_ft.checkpoint.format import is_url, local_path
-from keras_ft.checkpoint.lock import DirectoryInUseError
 from keras_ft.checkpoint.store import CheckpointStore, checkpoints_dir, open_storage
+from keras_ft.errors import CheckpointError, CorruptCheckpointError, DirectoryInUseError
 
 
 class UsageError(Exception):

@@ -13,12 +13,13 @@ from typing import Any
 import keras
 
 from keras_ft import compat, events
-from keras_ft.checkpoint.store import CheckpointStore, CheckpointWriteError
+from keras_ft.checkpoint.store import CheckpointStore
 from keras_ft.distribute.cluster import TaskSpec
 from keras_ft.distribute.launch import (
     launch_from_environment,
     warn_of_jax_default_timeouts,
 )
+from keras_ft.errors import CheckpointWriteError
 from keras_ft.state import ResumePoint
 from keras_ft.training import exits, inputs, restarts, resume, tuner
 from keras_ft.training.goodput import GoodputRecorder

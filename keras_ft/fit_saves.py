@@ -16,8 +16,8 @@ from typing import Any
 import keras
 
 from keras_ft import compat, events
-from keras_ft.checkpoint.errors import CheckpointWriteError
-from keras_ft.state import NonFiniteStateError, rng
+from keras_ft.errors import CheckpointWriteError, NonFiniteStateError
+from keras_ft.state import rng
 from keras_ft.state.training_state import progress_text
 from keras_ft.training import batch_ends, callback_state, inputs, neighbours, policy
 from keras_ft.worker_training_state import WorkerTrainingState

@@ -19,12 +19,12 @@ from typing import Any
 
 from keras_ft import backend as host
 from keras_ft import events, threads
-from keras_ft.checkpoint.errors import CorruptCheckpointError
 from keras_ft.checkpoint.files import ReadProgress
 from keras_ft.checkpoint.format import Checkpoint
 from keras_ft.checkpoint.store import CheckpointStore
 from keras_ft.distribute import sharded
 from keras_ft.distribute.cluster import TaskSpec
+from keras_ft.errors import CorruptCheckpointError
 from keras_ft.state.training_state import TrainingState
 
 # In a local tier: the bucket checkpoint it last copied there.

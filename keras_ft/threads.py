@@ -35,7 +35,7 @@ from typing import Any
 class Cancelled(Exception):
     """Work called off before it was done: it has no result and no error.
 
-    `keras_ft.checkpoint.errors.SaveCancelled` is the checkpoint's kind.
+    `keras_ft.errors.SaveCancelled` is the checkpoint's kind.
     """
 
 

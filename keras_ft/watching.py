@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from keras_ft import events
-from keras_ft.checkpoint.errors import CheckpointError, CorruptCheckpointError
 from keras_ft.checkpoint.format import is_url, local_path
 from keras_ft.checkpoint.store import (
     MANIFEST_FILE,
@@ -29,6 +28,7 @@ from keras_ft.checkpoint.store import (
     checkpoints_dir,
     open_store,
 )
+from keras_ft.errors import CheckpointError, CorruptCheckpointError
 from keras_ft.state import contents
 from keras_ft.training.policy import check_seconds
 

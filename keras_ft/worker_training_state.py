@@ -14,11 +14,12 @@ from keras_ft.checkpoint.format import is_url, local_path
 from keras_ft.checkpoint.lock import check_platform
 from keras_ft.checkpoint.store import Checkpoint, CheckpointStore
 from keras_ft.distribute.cluster import TaskSpec, current_task
+from keras_ft.errors import NonFiniteStateError
 from keras_ft.saves.chief import write_snapshot
 from keras_ft.saves.parts import assemble
 from keras_ft.saves.queue import wait_for_backups
 from keras_ft.saves.tiers import local_tier_dir
-from keras_ft.state import NonFiniteStateError, ResumePoint, TrainingState
+from keras_ft.state import ResumePoint, TrainingState
 from keras_ft.state.snapshots import SnapshotPlace
 from keras_ft.state.weights_copy import CopyBuffer
 from keras_ft.threads import wait_for_removals

@@ -6,7 +6,7 @@ import h5py
 import numpy as np
 import pytest
 
-from keras_ft.checkpoint.errors import CorruptCheckpointError
+from keras_ft.errors import CorruptCheckpointError
 from keras_ft.state import arrays
 
 

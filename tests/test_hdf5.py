@@ -15,7 +15,7 @@ from conftest import make_model, weights_of
 
 from keras_ft import WorkerTrainingState
 from keras_ft.checkpoint import files as file_io
-from keras_ft.checkpoint.errors import CorruptCheckpointError
+from keras_ft.errors import CorruptCheckpointError
 from keras_ft.state import arrays, hdf5
 
 

@@ -109,6 +109,33 @@ def test_every_error_is_defined_in_errors_py():
 
 
 @ONCE
+def test_every_error_is_imported_from_errors_py():
+    """One path to each error: `keras_ft.errors` (or the package's public
+    names), never a module that happens to import it."""
+    tests = os.path.join(os.path.dirname(PACKAGE), "tests")
+    paths = list(modules().values()) + [
+        os.path.join(tests, n) for n in os.listdir(tests) if n.endswith(".py")
+    ]
+    found = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or node.module in (
+                None, "keras_ft", "keras_ft.errors"
+            ):  # fmt: skip
+                continue
+            for alias in node.names:
+                if node.module.startswith("keras_ft") and alias.name.endswith(
+                    ("Error", "Warning")
+                ):
+                    found.append(
+                        f"{os.path.basename(path)}: {node.module}.{alias.name}"
+                    )
+    assert found == []
+
+
+@ONCE
 def test_backend_branches_live_in_backend_py():
     """`if backend == ...` only where backend differences are the module's
     job: `backend.py`, `compat/` (each framework's private names) and

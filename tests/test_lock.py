@@ -12,7 +12,8 @@ import pytest
 from conftest import run_once_on, subprocess_env
 
 from keras_ft.checkpoint import lock as lock_module
-from keras_ft.checkpoint.lock import DirectoryInUseError, DirectoryLock
+from keras_ft.checkpoint.lock import DirectoryLock
+from keras_ft.errors import DirectoryInUseError
 
 # Loads lock.py alone, so the child starts in milliseconds.
 _HOLDER = textwrap.dedent(

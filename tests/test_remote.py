@@ -619,8 +619,8 @@ def test_a_lapsed_lease_taken_over_is_never_written_over(monkeypatch):
     lapsed lease: the first never writes over it, and each of its saves is
     refused as a write error (so `on_save_error="warn"` keeps training)."""
     from keras_ft.checkpoint import remote
-    from keras_ft.checkpoint.errors import LeaseLapsedError
     from keras_ft.checkpoint.store import open_store
+    from keras_ft.errors import LeaseLapsedError
 
     monkeypatch.setenv(remote.LEASE_SECONDS_ENV, "1")
     backup = f"memory://taken-{os.getpid()}-{time.monotonic_ns()}/chief"
@@ -764,8 +764,8 @@ def test_a_heartbeat_never_writes_over_a_lease_taken_over_in_s3(s3_server, monke
     once a second writer took the lapsed lease over, the first's next beat
     is refused by the server, and its next commit with it."""
     from keras_ft.checkpoint import remote
-    from keras_ft.checkpoint.errors import LeaseLapsedError
     from keras_ft.checkpoint.store import open_store
+    from keras_ft.errors import LeaseLapsedError
 
     monkeypatch.setenv(remote.LEASE_SECONDS_ENV, "1")
     backup = url("taken") + "/chief"
@@ -800,8 +800,8 @@ def test_a_manifest_is_never_committed_over_another(s3_server, data):
     """Two writers that picked the same checkpoint number: the second's
     manifest is refused by the server, the save says so, and the first's
     checkpoint is not deleted."""
-    from keras_ft.checkpoint.errors import LeaseLapsedError
     from keras_ft.checkpoint.store import open_store
+    from keras_ft.errors import LeaseLapsedError
 
     backup = url("manifest") + "/chief"
     store = open_store(backup)

@@ -8,8 +8,8 @@ from conftest import make_data, make_model
 
 import keras_ft
 from keras_ft import threads
-from keras_ft.checkpoint.errors import CheckpointWriteError, ProcessesDisagreeError
 from keras_ft.checkpoint.store import open_store
+from keras_ft.errors import CheckpointWriteError, ProcessesDisagreeError
 from keras_ft.saves.tiers import TieredStore
 from keras_ft.training.policy import KeepLast
 

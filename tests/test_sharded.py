@@ -35,14 +35,14 @@ from conftest import (
 )
 
 import keras_ft
-from keras_ft.checkpoint.errors import (
+from keras_ft.checkpoint.parts import LocalParts, remove_local_parts
+from keras_ft.checkpoint.store import CheckpointStore, open_store
+from keras_ft.distribute import sharded
+from keras_ft.errors import (
     CorruptCheckpointError,
     ProcessesDisagreeError,
     SaveCancelled,
 )
-from keras_ft.checkpoint.parts import LocalParts, remove_local_parts
-from keras_ft.checkpoint.store import CheckpointStore, open_store
-from keras_ft.distribute import sharded
 from keras_ft.state import TrainingState, arrays
 
 HARNESS = os.path.join(

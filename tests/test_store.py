@@ -23,11 +23,8 @@ import keras_ft
 from keras_ft import threads
 from keras_ft.checkpoint import files, local
 from keras_ft.checkpoint import format as format_module
-from keras_ft.checkpoint.store import (
-    CheckpointStore,
-    CorruptCheckpointError,
-    NoGoodCheckpointError,
-)
+from keras_ft.checkpoint.store import CheckpointStore
+from keras_ft.errors import CorruptCheckpointError, NoGoodCheckpointError
 from keras_ft.training.policy import KeepLast
 
 

@@ -8,7 +8,7 @@ import pytest
 from conftest import iterations, make_model, weights_of
 
 import keras_ft
-from keras_ft.checkpoint.errors import CorruptCheckpointError
+from keras_ft.errors import CorruptCheckpointError
 from keras_ft.state import TrainingState
 from keras_ft.worker_training_state import write_snapshot
 

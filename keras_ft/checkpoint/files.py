@@ -25,7 +25,7 @@ import numpy as np
 import xxhash
 
 from keras_ft import events, threads
-from keras_ft.checkpoint.errors import SaveCancelled
+from keras_ft.errors import SaveCancelled
 from keras_ft.threads import Watermark
 
 try:

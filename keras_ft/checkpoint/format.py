@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from keras_ft.checkpoint import files as file_io
-from keras_ft.checkpoint.errors import CorruptCheckpointError
+from keras_ft.errors import CorruptCheckpointError
 
 MANIFEST_FILE = "manifest.json"
 METADATA_FILE = "metadata.json"

@@ -24,8 +24,8 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from keras_ft import events, threads
-from keras_ft.checkpoint.errors import DirectoryInUseError, LeaseLapsedError
 from keras_ft.checkpoint.transfers import _Refused
+from keras_ft.errors import DirectoryInUseError, LeaseLapsedError
 
 if TYPE_CHECKING:
     from keras_ft.checkpoint.remote import ObjectStorage

@@ -14,8 +14,8 @@ import os
 import socket
 import sys
 
-from keras_ft.checkpoint.errors import DirectoryInUseError
 from keras_ft.checkpoint.files import CHIEF_FILE, open_regular
+from keras_ft.errors import DirectoryInUseError
 
 try:
     import fcntl

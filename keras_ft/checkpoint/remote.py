@@ -50,10 +50,6 @@ from keras_ft import events, threads
 from keras_ft.checkpoint import files as file_io
 from keras_ft.checkpoint import scratch, transfers
 from keras_ft.checkpoint.downloads import LocalCopies
-from keras_ft.checkpoint.errors import (
-    LeaseLapsedError,
-    SaveCancelled,
-)
 from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.format import (
     MANIFEST_FILE,
@@ -72,6 +68,10 @@ from keras_ft.checkpoint.lease import (  # noqa: F401  (also named here, as befo
     conditional_writes,
 )
 from keras_ft.checkpoint.local import LocalStorage
+from keras_ft.errors import (
+    LeaseLapsedError,
+    SaveCancelled,
+)
 
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 # Options, beside any "*endpoint*", that pick the server a URL is on.

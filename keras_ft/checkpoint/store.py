@@ -34,13 +34,6 @@ from typing import IO, Any, Protocol, TypeVar
 from keras_ft import events, threads
 from keras_ft.checkpoint import files as file_io
 from keras_ft.checkpoint import verify
-from keras_ft.checkpoint.errors import (
-    CheckpointError,
-    CheckpointWriteError,
-    CorruptCheckpointError,
-    NoGoodCheckpointError,
-    SaveCancelled,
-)
 from keras_ft.checkpoint.files import ReadProgress, Staging
 from keras_ft.checkpoint.format import (
     MANIFEST_FILE,
@@ -63,6 +56,13 @@ from keras_ft.checkpoint.format import (
 )
 from keras_ft.checkpoint.local import LocalStorage
 from keras_ft.checkpoint.parts import Parts
+from keras_ft.errors import (
+    CheckpointError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    NoGoodCheckpointError,
+    SaveCancelled,
+)
 
 __all__ = [
     "MANIFEST_FILE",

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from keras_ft import events, threads
 from keras_ft.checkpoint import files as file_io
-from keras_ft.checkpoint.errors import CorruptCheckpointError
 from keras_ft.checkpoint.files import ReadProgress
 from keras_ft.checkpoint.format import (
     MANIFEST_FILE,
@@ -21,6 +20,7 @@ from keras_ft.checkpoint.format import (
     digest_algorithm,
     parse_json,
 )
+from keras_ft.errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
     from keras_ft.checkpoint.store import Storage

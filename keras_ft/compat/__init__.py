@@ -33,7 +33,6 @@ from keras_ft.compat.multi_worker import (
 )
 from keras_ft.compat.registry import (
     DISABLE_ENV,
-    CompatibilityWarning,
     available,
     disabled,
     fail,
@@ -76,7 +75,6 @@ __all__ = [
     "ArrayView",
     "CHECKED_KERAS_VERSIONS",
     "DISABLE_ENV",
-    "CompatibilityWarning",
     "GrainView",
     "PyDatasetView",
     "TfDataState",

@@ -49,15 +49,15 @@ import numpy as np
 from keras_ft import backend as host
 from keras_ft import threads
 from keras_ft.checkpoint import files as file_io
-from keras_ft.checkpoint.errors import (
+from keras_ft.checkpoint.files import Staging
+from keras_ft.checkpoint.format import PIECEWISE
+from keras_ft.checkpoint.parts import Parts
+from keras_ft.errors import (
     CheckpointError,
     CorruptCheckpointError,
     ProcessesDisagreeError,
     SaveCancelled,
 )
-from keras_ft.checkpoint.files import Staging
-from keras_ft.checkpoint.format import PIECEWISE
-from keras_ft.checkpoint.parts import Parts
 
 # A shards table lists every variable's pieces: far below this.
 _MAX_TABLE_BYTES = 256 << 20

@@ -10,17 +10,18 @@ from collections.abc import Callable
 from concurrent import futures
 
 from keras_ft import threads
-from keras_ft.checkpoint.errors import (
-    LeaseLapsedError,
-    ProcessesDisagreeError,
-    SaveCancelled,
-)
 from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.format import Checkpoint
 from keras_ft.distribute.cluster import TaskSpec
+from keras_ft.errors import (
+    LeaseLapsedError,
+    NonFiniteStateError,
+    ProcessesDisagreeError,
+    SaveCancelled,
+)
 from keras_ft.saves.queue import SaveQueue
 from keras_ft.saves.tiers import TieredStore
-from keras_ft.state import WEIGHTS_FILE, NonFiniteStateError, Snapshot, arrays
+from keras_ft.state import WEIGHTS_FILE, Snapshot, arrays
 from keras_ft.state.snapshots import SnapshotPlace
 from keras_ft.state.training_state import TrainingState, optimizer_step, progress_text
 from keras_ft.state.weights_copy import CapturedWeights

@@ -14,9 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from keras_ft import events, threads
-from keras_ft.checkpoint.errors import CheckpointWriteError
 from keras_ft.checkpoint.format import Checkpoint
-from keras_ft.errors import NonFiniteStateError
+from keras_ft.errors import CheckpointWriteError, NonFiniteStateError
 from keras_ft.threads import (
     BackgroundWriter,
     PendingWrite,

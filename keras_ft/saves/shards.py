@@ -19,10 +19,11 @@ from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.format import Checkpoint
 from keras_ft.distribute import sharded
 from keras_ft.distribute.cluster import TaskSpec
+from keras_ft.errors import NonFiniteStateError
 from keras_ft.saves.chief import ChiefSaver
 from keras_ft.saves.queue import SaveQueue
 from keras_ft.saves.tiers import TieredStore
-from keras_ft.state import NonFiniteStateError, Snapshot, TrainingState, arrays
+from keras_ft.state import Snapshot, TrainingState, arrays
 from keras_ft.state.snapshots import SnapshotPlace
 from keras_ft.state.training_state import optimizer_step
 from keras_ft.threads import PendingWrite

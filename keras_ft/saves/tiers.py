@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from keras_ft import backend as host
 from keras_ft import events
-from keras_ft.checkpoint.errors import CheckpointWriteError, ProcessesDisagreeError
 from keras_ft.checkpoint.files import ReadProgress, Staging
 from keras_ft.checkpoint.format import METADATA_FILE, Checkpoint
 from keras_ft.checkpoint.store import CheckpointStore, open_store
 from keras_ft.distribute.cluster import TaskSpec
+from keras_ft.errors import CheckpointWriteError, ProcessesDisagreeError
 from keras_ft.local_tier import LocalTier
 from keras_ft.state import ResumePoint, TrainingState
 from keras_ft.threads import PendingWrite

@@ -13,8 +13,6 @@ from typing import Any
 
 __all__ = [
     "WEIGHTS_FILE",
-    "ConfigurationChangedError",
-    "NonFiniteStateError",
     "ResumePoint",
     "Snapshot",
     "TrainingState",

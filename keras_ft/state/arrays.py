@@ -16,7 +16,7 @@ from typing import IO, Any
 import h5py
 import numpy as np
 
-from keras_ft.checkpoint.errors import CorruptCheckpointError
+from keras_ft.errors import CorruptCheckpointError
 from keras_ft.state import hdf5
 
 ARRAYS_FILE = "arrays.h5"

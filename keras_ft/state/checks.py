@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 
 from keras_ft import compat, events
-from keras_ft.checkpoint.errors import CorruptCheckpointError
+from keras_ft.errors import CorruptCheckpointError
 
 
 def check_build_config(model: keras.Model, directory: str, metadata: dict) -> None:

@@ -13,7 +13,7 @@ from typing import IO, Any
 
 import h5py
 
-from keras_ft.checkpoint.errors import CorruptCheckpointError
+from keras_ft.errors import CorruptCheckpointError
 from keras_ft.state import arrays, hdf5, saved_state
 
 STATE_FORMAT_VERSION = 1

@@ -15,7 +15,7 @@ from typing import Any
 
 import h5py
 
-from keras_ft.checkpoint.errors import CorruptCheckpointError
+from keras_ft.errors import CorruptCheckpointError
 
 # Element types keras-ft's HDF5 files hold; anything else is not ours.
 NUMERIC_KINDS = "biuf"

@@ -26,13 +26,15 @@ import numpy as np
 from keras_ft import backend as host
 from keras_ft import events
 from keras_ft.checkpoint import files as file_io
-from keras_ft.checkpoint.errors import CorruptCheckpointError
 from keras_ft.checkpoint.files import ReadProgress
 from keras_ft.checkpoint.store import METADATA_FILE
 from keras_ft.distribute import sharded
 
 # Raised here; `keras_ft.state` names them too.
-from keras_ft.errors import ConfigurationChangedError, NonFiniteStateError  # noqa: F401
+from keras_ft.errors import (
+    ConfigurationChangedError,
+    CorruptCheckpointError,
+)
 from keras_ft.state import (
     arrays,
     checks,

@@ -25,7 +25,7 @@ import numpy as np
 from keras_ft import backend as host
 from keras_ft import compat
 from keras_ft.checkpoint import files as file_io
-from keras_ft.checkpoint.errors import CorruptCheckpointError
+from keras_ft.errors import CorruptCheckpointError
 from keras_ft.state import hdf5
 from keras_ft.state.weights_copy import Slot, slot_view
 from keras_ft.state.weights_layout import (
