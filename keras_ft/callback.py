@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import keras
 
-from keras_ft import compat, goodput
+from keras_ft import compat, epoch_end, goodput
 from keras_ft.checkpoint.format import signing_key
 from keras_ft.checkpoint.lock import check_platform
 from keras_ft.checkpoint.remote import check_storage_options
@@ -416,23 +416,26 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._batches.epoch_end()
         self._deadline.epoch_end()
         skipped = self._resumption is not None and self._resumption.skips_epoch(epoch)
-        if self.preempted_by or skipped:
-            return  # Backed up at the exact step already, or a skipped epoch.
-        if logs is not None:
+        if logs is not None and not (self.preempted_by or skipped):
             for service in self._services:
                 service.before_epoch_backup(logs)
-        steps = self.params.get("steps")
-        stopper = services.stopped_by(self._services)
-        if steps and self._batches.done < steps:
-            # Stopped mid-epoch by another callback.
-            batch = self._batches.done
-            if batch > self._batches.skip_until:
-                self._saves.at_stopped_epoch(self.model, logs, epoch, batch, stopper)
-            return
-        # Run, whether or not its state can be backed up: a fit() that ran
-        # every epoch is over, diverged or not.
-        self._epochs_completed = epoch + 1
-        self._saves.at_epoch_end(self.model, logs, epoch, stopper)
+        end = epoch_end.EpochEnd(
+            epoch=epoch,
+            done=self._batches.done,
+            steps=self.params.get("steps"),
+            preempted=bool(self.preempted_by),
+            skipped=skipped,
+            skip_until=self._batches.skip_until,
+            stop=epoch_end.Stop.of(services.stopped_by(self._services)),
+            saves_stopped_epochs=self._backs_up_stopped_epochs,
+            last_saved=self._saves.last,
+        )
+        end = self._saves.with_schedules(end)
+        decision = epoch_end.decide(end)
+        if decision.completed:
+            self._epochs_completed = epoch + 1
+        if decision.action is not epoch_end.Action.NOTHING:
+            self._saves.at_epoch_end(self.model, logs, end, decision)
 
     def _on_epoch_end_after_all(self, epoch: int, logs: dict | None) -> None:
         self._saves.after_every_epoch_end(self.model, epoch)

@@ -8,6 +8,7 @@ raises, is handled here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -16,6 +17,7 @@ from typing import Any
 import keras
 
 from keras_ft import compat, events
+from keras_ft.epoch_end import Action, Decision, EpochEnd
 from keras_ft.errors import CheckpointWriteError, NonFiniteStateError
 from keras_ft.state import rng
 from keras_ft.state.training_state import progress_text
@@ -157,43 +159,35 @@ class FitSaves:
         self.skipped_non_finite = None
         return True
 
-    def at_stopped_epoch(
-        self,
-        model: keras.Model,
-        logs: dict | None,
-        epoch: int,
-        batch: int,
-        stopper: Any,
-    ) -> None:
-        """An epoch another callback stopped at `batch` (a `BackupService`
-        that stopped it: `stopper`): backed up where it is, unless a
-        diverged model stopped it or nothing but preemptions is saved."""
-        stop_saved = stopper is not None and stopper.backs_up_stop
-        diverged = stopper is not None and not stop_saved
-        if (
-            (self._backs_up_stopped_epochs or stop_saved)
-            and not diverged
-            and self.last != (epoch, batch)
-        ):
-            self.save(model, logs, epoch, batch)
+    def with_schedules(self, end: EpochEnd) -> EpochEnd:
+        """`end` with the schedules' verdicts, where they are asked."""
+        if not end.asks_schedules:
+            return end
+        now = time.monotonic()
+        return dataclasses.replace(
+            end,
+            scheduled=self._schedule.on_epoch_end(now),
+            scheduled_locally=self._local_schedule.on_epoch_end(now),
+            later_stateful=bool(self._callbacks.later_stateful()),
+        )
 
     def at_epoch_end(
-        self, model: keras.Model, logs: dict | None, epoch: int, stopper: Any
+        self, model: keras.Model, logs: dict | None, end: EpochEnd, decision: Decision
     ) -> None:
-        """An epoch's end: backed up if a schedule says so (or a stop that
-        asks for a backup, `stopper`)."""
-        now = time.monotonic()
-        stop_saved = stopper is not None and stopper.backs_up_stop
-        to_bucket = self._schedule.on_epoch_end(now) or stop_saved
-        if not to_bucket and not self._local_schedule.on_epoch_end(now):
+        """Backs up what `decide(end)` said to, `decision`."""
+        if decision.action is Action.SAVE_STOPPED:
+            self.save(model, logs, end.epoch, end.done)
             return
         # The epoch is backed up now, whatever a later callback does. Those
         # that keep state update it in their own on_epoch_end: a second
         # backup, once they have run, replaces this one.
-        later = self._callbacks.later_stateful()
-        saved = self.save(model, logs, epoch, None, pending=later, to_bucket=to_bucket)
-        if saved and later:
-            self._pending_epoch_end = (epoch, logs, to_bucket)
+        later = self._callbacks.later_stateful() if decision.again_after_all else []
+        to_bucket = decision.to_bucket
+        saved = self.save(
+            model, logs, end.epoch, None, pending=later, to_bucket=to_bucket
+        )
+        if saved and decision.again_after_all:
+            self._pending_epoch_end = (end.epoch, logs, to_bucket)
 
     def after_every_epoch_end(self, model: keras.Model, epoch: int) -> None:
         """Once every callback's epoch end ran: the epoch's save again, if
