@@ -9,7 +9,11 @@ from collections.abc import Sequence
 import keras
 
 from keras_ft import compat, epoch_end, goodput
-from keras_ft.checkpoint.format import signing_key
+from keras_ft.checkpoint.format import (
+    signing_key,
+    validate_backup_dir,
+    validate_local_dir,
+)
 from keras_ft.checkpoint.lock import check_platform
 from keras_ft.checkpoint.remote import check_storage_options
 from keras_ft.distribute.cluster import TaskSpec
@@ -42,8 +46,6 @@ from keras_ft.training.services import BackupService
 from keras_ft.training.warm_start import WarmStart, warm_start_from
 from keras_ft.worker_training_state import (
     WorkerTrainingState,
-    validate_backup_dir,
-    validate_local_dir,
     validate_on_config_change,
 )
 

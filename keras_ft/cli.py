@@ -22,8 +22,7 @@ import sys
 from typing import Any
 
 import keras_ft
-from keras_ft.checkpoint.format import is_url, local_path
-from keras_ft.checkpoint.store import CheckpointStore, checkpoints_dir, open_storage
+from keras_ft.checkpoint.store import CheckpointStore, locate, open_storage
 from keras_ft.errors import CheckpointError, CorruptCheckpointError, DirectoryInUseError
 
 
@@ -114,32 +113,23 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _store(backup_dir: str) -> CheckpointStore:
-    """The chief's checkpoints of `backup_dir`, or a `UsageError` saying why not."""
-    if is_url(backup_dir):  # A bucket has no directories to look at first.
-        try:
-            return _open(checkpoints_dir(backup_dir))
-        except (ImportError, ValueError) as e:
-            raise UsageError(str(e)) from None
-    path = local_path(backup_dir)
-    if not os.path.isdir(path):
-        raise UsageError(f"{path!r} does not exist or is not a directory.")
-    chief = os.path.join(path, "chief")
-    if os.path.isdir(chief):
-        return _open(chief)
-    if CheckpointStore(path).checkpoints():  # Pointed at chief/ itself.
-        return _open(path)
-    raise UsageError(
-        f"{path!r} is not a keras-ft backup directory: it has no chief/ "
-        "directory of checkpoints. Pass the `backup_dir` given to "
-        "keras_ft.BackupAndRestore."
-    )
-
-
-def _open(location: str) -> CheckpointStore:
-    """A store whose `verify()` checks contents too, as a restore does."""
+    """The chief's checkpoints of `backup_dir`, or a `UsageError` saying why
+    not. Its `verify()` checks contents too, as a restore does."""
     from keras_ft.state.contents import inspect
 
-    return CheckpointStore(location, inspect=inspect)
+    try:
+        store, checkpoint = locate(backup_dir, inspect=inspect)
+    except (CheckpointError, ImportError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    # A directory with neither `chief/` nor checkpoints of its own.
+    empty = os.path.basename(store.directory) != "chief" and not store.checkpoints()
+    if checkpoint is not None or empty:
+        raise UsageError(
+            f"{backup_dir!r} is not a keras-ft backup directory: it has no chief/ "
+            "directory of checkpoints. Pass the `backup_dir` given to "
+            "keras_ft.BackupAndRestore."
+        )
+    return store
 
 
 def _examine(store: Any) -> list[dict[str, Any]]:
@@ -299,7 +289,7 @@ def _goodput(args: argparse.Namespace) -> int:
     # a finished one's in the file its `goodput_file` named (or, written by
     # an older keras-ft, in `backup_dir` itself).
     where = args.backup_dir
-    if not is_url(where) and os.path.isfile(where):
+    if os.path.isfile(where):
         attempts = goodput.load_file(where)
     else:
         attempts = []
@@ -307,7 +297,7 @@ def _goodput(args: argparse.Namespace) -> int:
             store = _store(where)
             attempts, where = goodput.load_attempts(store), store.directory
         except UsageError:
-            if is_url(where) or not os.path.isdir(local_path(where)):
+            if not os.path.isdir(where):  # Nor a bucket: not a backup.
                 raise
         if not attempts:
             try:

@@ -19,13 +19,11 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from keras_ft import events
-from keras_ft.checkpoint.format import is_url, local_path
 from keras_ft.checkpoint.store import (
-    MANIFEST_FILE,
     Checkpoint,
     CheckpointStore,
-    checkpoint_sequence,
     checkpoints_dir,
+    locate,
     open_store,
 )
 from keras_ft.errors import CheckpointError, CorruptCheckpointError
@@ -230,21 +228,7 @@ def _checkpoint_at(
     if isinstance(where, CommittedCheckpoint):
         where = Checkpoint(where.sequence, where.path)
     if isinstance(where, Checkpoint):
-        parent, _, name = where.path.rstrip("/").rpartition("/")
+        parent = where.path.rstrip("/").rpartition("/")[0]
         return open_store(parent, None, storage_options), where
-    path = os.fspath(where).rstrip("/")
-    parent, _, name = path.rpartition("/")
-    sequence = checkpoint_sequence(name)
-    if is_url(path):
-        if sequence is not None:
-            return open_store(parent, None, storage_options), Checkpoint(sequence, path)
-        return open_store(checkpoints_dir(path), None, storage_options)
-    path = local_path(path)
-    if os.path.isfile(os.path.join(path, MANIFEST_FILE)):
-        found = Checkpoint(sequence or 0, path)
-        return CheckpointStore(os.path.dirname(path)), found
-    if not os.path.isdir(path):
-        raise CheckpointError(
-            f"{path!r} is neither a keras-ft checkpoint nor a backup directory."
-        )
-    return CheckpointStore(checkpoints_dir(path))
+    store, checkpoint = locate(os.fspath(where), storage_options)
+    return store if checkpoint is None else (store, checkpoint)

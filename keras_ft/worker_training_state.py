@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from collections.abc import Callable, Iterator
 
 import keras
 
 from keras_ft import errors, events
-from keras_ft.checkpoint.format import is_url, local_path
+from keras_ft.checkpoint.format import validate_backup_dir, validate_local_dir
 from keras_ft.checkpoint.lock import check_platform
 from keras_ft.checkpoint.store import Checkpoint, CheckpointStore
 from keras_ft.distribute.cluster import TaskSpec, current_task
@@ -29,8 +28,6 @@ from keras_ft.training.listeners import CheckpointListener, check_listeners, not
 __all__ = [
     "WorkerTrainingState",
     "local_tier_dir",
-    "validate_backup_dir",
-    "validate_local_dir",
     "validate_on_config_change",
     "wait_for_backups",
     "write_snapshot",
@@ -467,77 +464,3 @@ def validate_on_config_change(value: object) -> str:
             f"'raise'. Received: on_config_change={value!r}"
         )
     return value
-
-
-def validate_local_dir(local_dir: object, backup_dir: str) -> str | None:
-    """Returns `local_dir` as a path (or `None`), or raises a `ValueError`."""
-    if local_dir is None:
-        return None
-    if not isinstance(local_dir, (str, os.PathLike)) or not os.fspath(local_dir):
-        raise ValueError(
-            "Invalid value for argument `local_dir`. Expected a path to a "
-            f"directory on this machine, or None. Received: local_dir={local_dir!r}"
-        )
-    path = os.fsdecode(os.fspath(local_dir))
-    if is_url(path):
-        raise ValueError(
-            "Invalid value for argument `local_dir`: it is a URL; the local tier "
-            "is a directory on this machine's own disk. Received: "
-            f"local_dir={path!r}"
-        )
-    if not is_url(backup_dir):
-        raise ValueError(
-            "Invalid value for argument `local_dir`: `backup_dir` is a directory "
-            "already, and a local tier is for a bucket `backup_dir` (s3://, "
-            "gs://...). Pass local_dir=None, or a bucket as backup_dir. Received: "
-            f"local_dir={path!r}, backup_dir={backup_dir!r}"
-        )
-    path = local_path(path)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(
-            "Invalid value for argument `local_dir`: it is an existing file, not "
-            f"a directory. Received: local_dir={path!r}"
-        )
-    return path
-
-
-# `s3:/bucket/run`: a URL after a path function collapsed its `//`.
-_LOST_SLASH = re.compile(r"[a-z][a-z0-9+.-]*:/(?!/)")
-
-
-def validate_backup_dir(backup_dir: object) -> str:
-    """Returns `backup_dir` as a string, or raises a `ValueError` saying why not."""
-    if not backup_dir:
-        # Keras' own sentence first, so code matching its message still works.
-        raise ValueError(
-            "Empty `backup_dir` argument passed. Expected a non-empty path to a "
-            f"directory. Received: backup_dir={backup_dir!r}"
-        )
-    if not isinstance(backup_dir, (str, os.PathLike)) or not os.fspath(backup_dir):
-        raise ValueError(
-            "Invalid value for argument `backup_dir`. Expected a non-empty path "
-            f"to a directory. Received: backup_dir={backup_dir!r}"
-        )
-    path = os.fspath(backup_dir)
-    if not isinstance(path, str):
-        path = os.fsdecode(path)
-    if is_url(path):
-        return path.rstrip("/")  # Object storage: checked at train begin.
-    if _LOST_SLASH.match(path):
-        # What `os.path.join()` or `normpath()` make of a URL: as a local
-        # path it would become a directory named after the scheme.
-        scheme, _, rest = path.partition(":/")
-        raise ValueError(
-            "Invalid value for argument `backup_dir`: it looks like a URL that "
-            f"lost a slash, which would be a local directory named {scheme + ':'!r}."
-            f" Write it as {scheme}://{rest}, or as ./{path} for a local "
-            f"directory. Received: backup_dir={path!r}"
-        )
-    path = local_path(path)
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(
-            "Invalid value for argument `backup_dir`: it is an existing file, not "
-            "a directory. Pass a directory path (it is created if missing). "
-            f"Received: backup_dir={path!r}"
-        )
-    return path

@@ -136,6 +136,29 @@ def test_every_error_is_imported_from_errors_py():
 
 
 @ONCE
+def test_only_the_checkpoint_package_asks_whether_a_path_is_a_bucket():
+    """One opener: `keras_ft.checkpoint` tells a bucket from a directory
+    (`locate()`, `open_storage()`); callers pass the location on."""
+    found = []
+    for module, path in modules().items():
+        if unit(module) == "keras_ft.checkpoint":
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                names = {a.name for a in node.names}
+            elif isinstance(node, ast.Attribute):
+                names = {node.attr}
+            else:
+                continue
+            found += [
+                f"{module}: {n}" for n in sorted(names & {"is_url", "local_path"})
+            ]
+    assert found == []
+
+
+@ONCE
 def test_backend_branches_live_in_backend_py():
     """`if backend == ...` only where backend differences are the module's
     job: `backend.py`, `compat/` (each framework's private names) and

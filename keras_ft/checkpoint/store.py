@@ -680,6 +680,38 @@ def open_store(
     )
 
 
+def locate(
+    where: str,
+    storage_options: dict | None = None,
+    inspect: Callable[[dict, Callable[[str], IO[bytes]], str], None] | None = None,
+) -> tuple[CheckpointStore, Checkpoint | None]:
+    """The store of a backup (`backup_dir`, or the directory of checkpoints
+    itself) and `None`, or of one checkpoint of it and that checkpoint: in
+    a bucket or on this disk, whichever `where` names.
+
+    Raises:
+        CheckpointError: if `where` is on this disk and is neither.
+    """
+    path = where.rstrip("/") or where
+    parent, _, name = path.rpartition("/")
+    sequence = checkpoint_sequence(name)
+    if is_url(path):
+        at = parent if sequence is not None else checkpoints_dir(path)
+        store = CheckpointStore(at, storage_options=storage_options, inspect=inspect)
+        return store, None if sequence is None else Checkpoint(sequence, path)
+    path = local_path(path)
+    if os.path.isfile(os.path.join(path, MANIFEST_FILE)):
+        found = Checkpoint(sequence or 0, path)
+        return CheckpointStore(os.path.dirname(path), inspect=inspect), found
+    if not os.path.isdir(path):
+        missing = "" if os.path.exists(path) else "does not exist: it "
+        raise CheckpointError(
+            f"{path!r} {missing}is neither a keras-ft checkpoint nor a backup "
+            "directory."
+        )
+    return CheckpointStore(checkpoints_dir(path), inspect=inspect), None
+
+
 def checkpoints_dir(path: str) -> str:
     """A backup directory's checkpoints: in `chief/`, or in `path` itself."""
     if is_url(path):
