@@ -65,7 +65,7 @@ BACKENDS = ("tensorflow", "jax", "torch")
 
 def state_values(model) -> list:
     """The backend tensors of the model's and optimizer's variables."""
-    from keras_ft.backend import raw_value
+    from keras_ft.backend.device_memory import raw_value
 
     return [raw_value(v) for v in model.weights + model.optimizer.variables]
 
@@ -113,7 +113,7 @@ class HeldUp:
 
 def device_copy_seconds(model) -> float:
     """One fused on-device copy of the state, as a save makes it."""
-    from keras_ft.backend import device_snapshot
+    from keras_ft.backend.device_memory import device_snapshot
 
     values = state_values(model)
     start = time.perf_counter()
@@ -243,7 +243,7 @@ def measure_size(args, width: int, root: str) -> dict:
     import keras
 
     import keras_ft
-    from keras_ft.backend import accelerator
+    from keras_ft.backend.device_memory import accelerator
 
     model = build_model(width)
     x, y = data(20)

@@ -213,7 +213,7 @@ class CopyOnly:
         import keras
         import numpy as np
 
-        from keras_ft.backend import view
+        from keras_ft.backend.host_memory import view
 
         self.every = every
         self.buffer = None

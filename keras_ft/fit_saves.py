@@ -9,7 +9,6 @@ raises, is handled here.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import keras
 
 from keras_ft import compat, events
+from keras_ft.backend import finiteness
 from keras_ft.epoch_end import Action, Decision, EpochEnd
 from keras_ft.errors import CheckpointWriteError, NonFiniteStateError
 from keras_ft.state import rng
@@ -344,10 +344,4 @@ def _non_finite_text(error: NonFiniteStateError, where: str | None = None) -> st
 
 
 def _finite_loss(logs: dict | None) -> bool:
-    loss = (logs or {}).get("loss")
-    if loss is None:
-        return True
-    try:
-        return math.isfinite(float(loss))
-    except (TypeError, ValueError):
-        return True
+    return finiteness.finite_number((logs or {}).get("loss"))

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
-from keras_ft import backend as host
 from keras_ft import events, threads
+from keras_ft.backend import cross_process
 from keras_ft.checkpoint.files import ReadProgress
 from keras_ft.checkpoint.format import Checkpoint
 from keras_ft.checkpoint.store import CheckpointStore
@@ -75,7 +75,7 @@ class LocalTier:
         if self.task.is_chief:
             bucket = threads.submit(threads.transfer, self._bucket_newest)
         try:
-            with host.collectives_scope(self._state.model):
+            with cross_process.collectives_scope(self._state.model):
                 return self._tier_or_none(read, bucket)
         finally:
             # Done before the restore reads the bucket itself: two reads of
@@ -100,13 +100,13 @@ class LocalTier:
                 saves[position[2]] = (checkpoint, position)
         # The newest step every process's tier holds (an empty tier, a new
         # machine, holds none: then all restore from the bucket).
-        step = host.least_in_all_processes(max(saves, default=-1))
+        step = cross_process.least_in_all_processes(max(saves, default=-1))
         mine = saves.get(step)
         if self._state.sharded():
             # The read runs collectives: every process reaches it, or none.
             # Its files but the pieces (checked as read) are checked first.
             intact = mine is not None and self._covers_this_layout(mine[0])
-            if not host.all_processes_agree(intact):
+            if not cross_process.all_processes_agree(intact):
                 return None
         found = None if mine is None else self._fetch(mine[0], read)
         # Every process restores from its tier at that step, or all from the
@@ -114,7 +114,7 @@ class LocalTier:
         # on the bucket holds for all: their points are the same; it is
         # awaited after the tier's read.)
         usable = found is not None and not _bucket_newer(bucket, mine[1])
-        if not host.all_processes_agree(usable):
+        if not cross_process.all_processes_agree(usable):
             if found is not None:
                 self.store.release(found[0])
             return None

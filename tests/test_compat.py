@@ -179,10 +179,10 @@ found = []
 start = time.perf_counter()
 for i in range(20):
     found.append([
-        host.least_in_all_processes(10 * i + index),
-        host.first_process_value(100 + index),
-        host.all_processes_agree(index == 0 or i % 2 == 0),
-        host.same_in_all_processes(i if i % 3 else i + index),
+        cross_process.least_in_all_processes(10 * i + index),
+        cross_process.first_process_value(100 + index),
+        cross_process.all_processes_agree(index == 0 or i % 2 == 0),
+        cross_process.same_in_all_processes(i if i % 3 else i + index),
     ])
 took = time.perf_counter() - start
 """
@@ -190,7 +190,8 @@ _AGREEMENTS = (
     """
 import json, os, sys, time
 import keras_ft
-from keras_ft import backend as host, compat
+from keras_ft.backend import cross_process
+from keras_ft import compat
 index = int(sys.argv[1])
 keras_ft.initialize_cluster(coordinator_address="127.0.0.1:" + sys.argv[2],
                             num_processes=2, process_id=index)
@@ -265,16 +266,16 @@ _TORCH_AGREEMENTS = (
     """
 import json, sys, time
 import torch.distributed as dist
-from keras_ft import backend as host
+from keras_ft.backend import cross_process
 index = int(sys.argv[1])
-alone = host.gathers_across_processes()
+alone = cross_process.gathers_across_processes()
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2],
                         rank=index, world_size=2)
 """
     + _AGREE
     + """
 print("RESULT", json.dumps({"found": found, "alone": alone,
-      "group": host.gathers_across_processes()}), flush=True)
+      "group": cross_process.gathers_across_processes()}), flush=True)
 # Leave the group together: a process that exits while its peer's gloo
 # threads still talk to it aborts ("terminate called without an active
 # exception").

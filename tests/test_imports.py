@@ -27,7 +27,7 @@ def modules() -> dict[str, str]:
 
 
 def unit(module: str) -> str:
-    """A subpackage (`keras_ft.state`) or a top module (`keras_ft.backend`)."""
+    """A subpackage (`keras_ft.state`) or a top module (`keras_ft.callback`)."""
     return ".".join(module.split(".")[:2])
 
 
@@ -159,11 +159,39 @@ def test_only_the_checkpoint_package_asks_whether_a_path_is_a_bucket():
 
 
 @ONCE
-def test_backend_branches_live_in_backend_py():
+def test_the_backend_package_is_split_by_concern():
+    """No module of `backend/` over 450 lines; callers import the module of
+    the concern they need (the package itself names none)."""
+    for module, path in modules().items():
+        if module.startswith("keras_ft.backend."):
+            with open(path, encoding="utf-8") as f:
+                assert len(f.readlines()) <= 450, module
+    with open(os.path.join(PACKAGE, "backend", "__init__.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    assert [type(n).__name__ for n in tree.body] == ["Expr"]  # Its docstring.
+
+
+@ONCE
+def test_finiteness_is_decided_in_one_module():
+    """`isfinite` only in `backend/finiteness.py` (an argument's check that a
+    number of seconds is finite, `training/policy.py`, aside)."""
+    found = []
+    for module, path in modules().items():
+        if module in ("keras_ft.backend.finiteness", "keras_ft.training.policy"):
+            continue
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if "isfinite" in line or "is_finite" in line:
+                    found.append(f"{module}:{number}")
+    assert found == []
+
+
+@ONCE
+def test_backend_branches_live_in_the_backend_package():
     """`if backend == ...` only where backend differences are the module's
-    job: `backend.py`, `compat/` (each framework's private names) and
+    job: `backend/`, `compat/` (each framework's private names) and
     `distribute/` (each framework's cluster)."""
-    allowed = ("keras_ft/backend.py", "keras_ft/compat/", "keras_ft/distribute/")
+    allowed = ("keras_ft/backend/", "keras_ft/compat/", "keras_ft/distribute/")
     found = []
     for path in modules().values():
         relative = os.path.relpath(path, os.path.dirname(PACKAGE))

@@ -11,7 +11,8 @@ import pytest
 from conftest import BATCH_SIZE, STEPS_PER_EPOCH, iterations, make_model, weights_of
 
 import keras_ft
-from keras_ft import backend, compat
+from keras_ft import compat
+from keras_ft.backend import device_memory, finiteness, host_memory
 from keras_ft.training import batch_ends
 
 NAN_BATCH = 2  # Zero-based: the third batch of each epoch is poisoned.
@@ -250,31 +251,31 @@ def test_the_device_check_finds_a_nan_or_an_infinity_in_any_variable(dtype):
         keras.Variable(np.arange(5), dtype="int32", trainable=False),
         keras.Variable(np.ones(7), dtype=dtype),
     ]
-    assert backend.device_all_finite(values)
+    assert finiteness.device_all_finite(values)
     for bad in (np.nan, np.inf, -np.inf):
         for variable in (values[0], values[2]):
             before = keras.ops.convert_to_numpy(variable)
             poisoned_value = np.array(before, copy=True)
             poisoned_value.reshape(-1)[-1] = bad
             variable.assign(poisoned_value)
-            assert not backend.device_all_finite(values), (bad, variable.path)
+            assert not finiteness.device_all_finite(values), (bad, variable.path)
             variable.assign(before)
-    assert backend.device_all_finite(values)
-    assert backend.device_all_finite([values[1]])
-    assert backend.device_all_finite([])
+    assert finiteness.device_all_finite(values)
+    assert finiteness.device_all_finite([values[1]])
+    assert finiteness.device_all_finite([])
 
 
 def test_on_an_accelerator_the_weights_are_checked_there(backup_dir, data, monkeypatch):
     """No weight is read into host memory at a batch whose state is finite;
     the one that is not is still named, and rolled back from."""
-    monkeypatch.setattr(backend, "accelerator", lambda value: "gpu")
-    real_view, read = backend.view, []
+    monkeypatch.setattr(device_memory, "accelerator", lambda value: "gpu")
+    real_view, read = host_memory.view, []
 
     def counted_view(value):
         read.append(value)
         return real_view(value)
 
-    monkeypatch.setattr(backend, "view", counted_view)
+    monkeypatch.setattr(host_memory, "view", counted_view)
     x, y = data
     guard = keras_ft.NanGuard()
     model = make_model()

@@ -405,10 +405,10 @@ def test_a_share_moved_from_device_copies_holds_what_a_copy_holds(monkeypatch):
     CPU), lets each device copy go, and reuses the buffer the next time."""
     import jax.numpy as jnp
 
-    from keras_ft import backend
+    from keras_ft.backend import device_memory
 
-    monkeypatch.setattr(backend, "_read_in_place", lambda array: False)
-    monkeypatch.setattr(backend, "_MOVE_PIECE", 1000)
+    monkeypatch.setattr(device_memory, "_read_in_place", lambda array: False)
+    monkeypatch.setattr(device_memory, "_MOVE_PIECE", 1000)
     rng = np.random.default_rng(0)
     values = [
         jnp.asarray(rng.normal(size=(37, 29)).astype("float32")),
@@ -416,7 +416,7 @@ def test_a_share_moved_from_device_copies_holds_what_a_copy_holds(monkeypatch):
         jnp.asarray(7, "int32"),
     ]
     copied = sharded.take_share(values)
-    copies, _ = backend.device_snapshot(values)
+    copies, _ = device_memory.device_snapshot(values)
     moved = sharded.move_share(copies)
     assert copies == [None] * len(values)
     assert moved.layout == copied.layout
@@ -424,7 +424,7 @@ def test_a_share_moved_from_device_copies_holds_what_a_copy_holds(monkeypatch):
         assert mine.data.dtype == theirs.data.dtype
         np.testing.assert_array_equal(mine.data, theirs.data)
     doubled = [v * 2 for v in values]
-    again = sharded.move_share(backend.device_snapshot(doubled)[0], reuse=moved)
+    again = sharded.move_share(device_memory.device_snapshot(doubled)[0], reuse=moved)
     assert again is moved
     for piece, value in zip(again.pieces, doubled, strict=True):
         np.testing.assert_array_equal(piece.data, np.asarray(value))

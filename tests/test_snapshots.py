@@ -20,7 +20,8 @@ import pytest
 from conftest import make_data, make_model, subprocess_env
 
 import keras_ft
-from keras_ft import backend, threads
+from keras_ft import threads
+from keras_ft.backend import device_memory, finiteness
 from keras_ft.state import rng, snapshots, weights_copy, weights_layout
 from keras_ft.state.snapshots import SnapshotPlace
 
@@ -79,7 +80,7 @@ def test_auto_copies_to_host_memory_on_the_cpu_and_device_where_asked():
     model = make_model()
     variables = model.weights + model.optimizer.variables
     # Host memory on the CPU (these machines); the device on an accelerator.
-    on_accelerator = backend.accelerator(variables[0]) is not None
+    on_accelerator = device_memory.accelerator(variables[0]) is not None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # The nondeterminism notice, on a GPU.
         auto = SnapshotPlace("auto").on_device(lambda: variables)
@@ -102,7 +103,7 @@ def test_a_device_without_room_for_a_snapshot_copies_to_host_memory(
 ):
     """The device's free memory, as its backend reports it (a hook here:
     these machines have no accelerator), decides before the first save."""
-    monkeypatch.setattr(backend, "device_free_bytes", lambda value: 16 << 10)
+    monkeypatch.setattr(device_memory, "device_free_bytes", lambda value: 16 << 10)
     x, y = make_data()
     model = make_model(units=2000)  # 48,004 bytes of weights; with Adam's, 3x + 12.
     state = keras_ft.WorkerTrainingState(model, str(tmp_path), snapshot="device")
@@ -113,7 +114,9 @@ def test_a_device_without_room_for_a_snapshot_copies_to_host_memory(
         state.back_up(1)
     said = [str(w.message) for w in caught if "snapshot" in str(w.message)]
     assert len(said) == 1, said  # Once, at the first save.
-    gpu = backend.accelerator(model.weights[0]) is not None  # On the device machine.
+    gpu = (
+        device_memory.accelerator(model.weights[0]) is not None
+    )  # On the device machine.
     assert f"no room on the {'GPU' if gpu else 'device'}" in said[0], said
     assert "(140.6 KiB needed, 16.0 KiB free)" in said[0], said  # 144,024 bytes.
     # Decided: not asked again.
@@ -125,7 +128,7 @@ def test_a_device_without_room_for_a_snapshot_copies_to_host_memory(
 
 
 def test_room_enough_keeps_the_snapshot_on_the_device(monkeypatch):
-    monkeypatch.setattr(backend, "device_free_bytes", lambda value: 1 << 40)
+    monkeypatch.setattr(device_memory, "device_free_bytes", lambda value: 1 << 40)
     model = make_model()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -136,7 +139,7 @@ def test_an_out_of_memory_snapshot_falls_back_to_host_memory(tmp_path, monkeypat
     def no_room(values):
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(backend, "device_snapshot", no_room)
+    monkeypatch.setattr(device_memory, "device_snapshot", no_room)
     # The rest of the state is read once a save: in a cluster such a read
     # may be a collective, which a process falling back alone must not repeat.
     reads = []
@@ -156,7 +159,7 @@ def test_an_out_of_memory_snapshot_falls_back_to_host_memory(tmp_path, monkeypat
 def test_the_nondeterminism_notice_says_how_once(monkeypatch):
     """On an accelerator with nondeterministic kernels, the first save says
     that no run there is bitwise reproducible, and what makes it so."""
-    monkeypatch.setattr(backend, "accelerator", lambda value: "gpu")
+    monkeypatch.setattr(device_memory, "accelerator", lambda value: "gpu")
     monkeypatch.setattr(snapshots, "_told_nondeterminism", set())
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
@@ -178,7 +181,7 @@ def test_the_nondeterminism_notice_says_how_once(monkeypatch):
 
 
 def test_no_nondeterminism_notice_once_determinism_is_set(monkeypatch):
-    monkeypatch.setattr(backend, "accelerator", lambda value: "gpu")
+    monkeypatch.setattr(device_memory, "accelerator", lambda value: "gpu")
     monkeypatch.setattr(snapshots, "_told_nondeterminism", set())
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -248,7 +251,7 @@ def test_one_snapshot_on_the_device_at_a_time(tmp_path, monkeypatch):
     """Saving every batch, the next snapshot is made only once the last one
     was moved to host memory and let go: the device holds at most one copy
     of the state beyond training's."""
-    made_by_device = backend.device_snapshot
+    made_by_device = device_memory.device_snapshot
     alive: list[weakref.ref] = []
     counts = []
 
@@ -259,7 +262,7 @@ def test_one_snapshot_on_the_device_at_a_time(tmp_path, monkeypatch):
         alive.extend(weakref.ref(c) for c in copies)
         return copies, made
 
-    monkeypatch.setattr(backend, "device_snapshot", counted)
+    monkeypatch.setattr(device_memory, "device_snapshot", counted)
     x, y = make_data()
     model = make_model(units=256)
     save = keras_ft.BackupAndRestore(str(tmp_path), save_freq=1, snapshot="device")
@@ -274,8 +277,8 @@ def test_jax_moves_a_snapshot_to_host_memory_in_pieces(monkeypatch):
     each device copy is let go once moved."""
     import jax.numpy as jnp
 
-    monkeypatch.setattr(backend, "_read_in_place", lambda array: False)
-    monkeypatch.setattr(backend, "_MOVE_PIECE", 1000)
+    monkeypatch.setattr(device_memory, "_read_in_place", lambda array: False)
+    monkeypatch.setattr(device_memory, "_MOVE_PIECE", 1000)
     rng = np.random.default_rng(0)
     values = [
         jnp.asarray(rng.normal(size=(37, 29)).astype("float32")),  # 8 rows a piece.
@@ -286,10 +289,10 @@ def test_jax_moves_a_snapshot_to_host_memory_in_pieces(monkeypatch):
         jnp.zeros((3, 0)),
         jnp.asarray(7, "int32"),
     ]
-    copies, made = backend.device_snapshot(values)
+    copies, made = device_memory.device_snapshot(values)
     made()
     destinations = [np.empty(v.shape, v.dtype) for v in copies]
-    backend.move_to_host(copies, destinations)
+    device_memory.move_to_host(copies, destinations)
     assert copies == [None] * len(values)
     for value, moved in zip(values, destinations, strict=True):
         np.testing.assert_array_equal(moved, np.asarray(value))
@@ -311,10 +314,10 @@ def test_each_device_checks_its_pieces_of_a_snapshot():
         jnp.asarray([jnp.inf], "float16"),
         jnp.asarray(2.0),
     ]
-    copies, _ = backend.device_snapshot(values)
-    assert backend.non_finite_pieces(copies) == {1, 2, 5}
-    assert backend.non_finite_pieces(copies[:1] + copies[3:5]) == set()
-    assert backend.shard_shape(values[1]) == (4, 3)
+    copies, _ = device_memory.device_snapshot(values)
+    assert finiteness.non_finite_pieces(copies) == {1, 2, 5}
+    assert finiteness.non_finite_pieces(copies[:1] + copies[3:5]) == set()
+    assert device_memory.shard_shape(values[1]) == (4, 3)
 
 
 @pytest.mark.parametrize("pieces", [False, True], ids=["whole", "in pieces"])
@@ -324,12 +327,12 @@ def test_a_move_says_where_each_value_may_land_and_where_it_has(monkeypatch, pie
     if pieces:
         if keras.backend.backend() != "jax":
             pytest.skip("JAX's own move in pieces")
-        monkeypatch.setattr(backend, "_read_in_place", lambda array: False)
-        monkeypatch.setattr(backend, "_MOVE_PIECE", 1000)
+        monkeypatch.setattr(device_memory, "_read_in_place", lambda array: False)
+        monkeypatch.setattr(device_memory, "_MOVE_PIECE", 1000)
     rng = np.random.default_rng(0)
     values = [rng.normal(size=shape).astype("float32")
               for shape in [(37, 29), (5,), (3, 400), (0, 3), ()]]  # fmt: skip
-    copies, made = backend.device_snapshot(
+    copies, made = device_memory.device_snapshot(
         [keras.ops.convert_to_tensor(v) for v in values]
     )
     made()
@@ -344,7 +347,9 @@ def test_a_move_says_where_each_value_may_land_and_where_it_has(monkeypatch, pie
         np.testing.assert_array_equal(destinations[i], values[i])
         told.append(("landed", i))
 
-    assert backend.move_to_host(copies, destinations, before=before, landed=landed)
+    assert device_memory.move_to_host(
+        copies, destinations, before=before, landed=landed
+    )
     assert told == [
         (what, i) for i in range(len(values)) for what in ("before", "landed")
     ]
@@ -394,9 +399,9 @@ def test_a_save_called_off_stops_its_move_to_host_memory(tmp_path, monkeypatch):
     off: a move to host memory still waiting stops there, nothing is
     committed, and the next save moves as usual."""
     moves = []
-    move_to_host = backend.move_to_host
+    move_to_host = device_memory.move_to_host
     monkeypatch.setattr(
-        backend, "move_to_host", lambda *a: moves.append(1) or move_to_host(*a)
+        device_memory, "move_to_host", lambda *a: moves.append(1) or move_to_host(*a)
     )
     x, y = make_data()
     model = make_model(units=64)
@@ -427,7 +432,9 @@ def test_a_save_called_off_stops_its_move_to_host_memory(tmp_path, monkeypatch):
 
 def test_a_move_stops_between_arrays_when_told():
     values = [keras.ops.arange(10.0), keras.ops.arange(5.0)]
-    copies, made = backend.device_snapshot([backend.raw_value(v) for v in values])
+    copies, made = device_memory.device_snapshot(
+        [device_memory.raw_value(v) for v in values]
+    )
     made()
     values = [keras.ops.convert_to_numpy(v) for v in values]
     destinations = [np.zeros_like(v) for v in values]
@@ -437,7 +444,7 @@ def test_a_move_stops_between_arrays_when_told():
         asked.append(1)
         return len(asked) > 1  # After the first array.
 
-    assert backend.move_to_host(copies, destinations, stopped) is False
+    assert device_memory.move_to_host(copies, destinations, stopped) is False
     np.testing.assert_array_equal(destinations[0], values[0])
     np.testing.assert_array_equal(destinations[1], np.zeros(5))
 
@@ -474,7 +481,7 @@ def test_a_dropped_training_unlocks_its_page_locked_buffer(tmp_path):
         gc.collect()
         cudart = torch.cuda.cudart()
         assert int(cudart.cudaHostUnregister(address)) != 0  # Not locked now.
-        backend._clear_cuda_error()
+        device_memory._clear_cuda_error()
     # Page-locked memory is allocated and used afterwards without a CUDA error.
     pinned = torch.zeros(1 << 20, dtype=torch.uint8, pin_memory=True)
     assert int(pinned.to("cuda", non_blocking=True).sum()) == 0

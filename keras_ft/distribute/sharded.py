@@ -46,8 +46,8 @@ from typing import Any
 import ml_dtypes  # noqa: F401  (registers bfloat16 & co. as NumPy dtypes)
 import numpy as np
 
-from keras_ft import backend as host
 from keras_ft import threads
+from keras_ft.backend import cross_process, device_memory, finiteness
 from keras_ft.checkpoint import files as file_io
 from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.format import PIECEWISE
@@ -167,7 +167,7 @@ class Share:
 
 def is_sharded(variables: list) -> bool:
     """Whether a save of `variables` must be sharded: one spans processes."""
-    return any(host.spans_processes(v) for v in variables)
+    return any(cross_process.spans_processes(v) for v in variables)
 
 
 def take_share(
@@ -180,13 +180,13 @@ def take_share(
         values = [
             (i, start, stop, view, True)
             for i, variable in enumerate(variables)
-            for (start, stop), view in host.own_pieces(variable)
+            for (start, stop), view in cross_process.own_pieces(variable)
         ]
     else:
         values = [
             (i, start, stop, view, first)
             for i, variable in enumerate(variables)
-            for (start, stop), view, first in host.held_pieces(variable)
+            for (start, stop), view, first in cross_process.held_pieces(variable)
         ]
     return Share.copy_of(values, reuse)
 
@@ -201,19 +201,23 @@ def move_share(
     device buffer goes as soon as it is moved."""
     sources, layout = [], []
     for i in range(len(copies)):
-        for (start, stop), data, first in host.held_shards(copies[i]):
+        for (start, stop), data, first in cross_process.held_shards(copies[i]):
             if first or every_replica:
                 sources.append(data)
                 layout.append((i, start, stop, np.dtype(data.dtype), first))
         copies[i] = None
     share = reuse if reuse is not None and reuse.layout == layout else Share(layout)
-    host.move_to_host(sources, [piece.data for piece in share.pieces])
+    device_memory.move_to_host(sources, [piece.data for piece in share.pieces])
     return share
 
 
 def non_finite(share: Share, names: list[str]) -> list[str]:
     """Names of the variables of which a piece holds a NaN or an infinity."""
-    bad = {p.variable for p in share.pieces if not host.all_finite(p.data.reshape(-1))}
+    bad = {
+        p.variable
+        for p in share.pieces
+        if not finiteness.all_finite(p.data.reshape(-1))
+    }
     return [names[i] for i in sorted(bad)]
 
 
@@ -534,7 +538,7 @@ class ShardedReader:
         self._queued: collections.deque[_Run] = collections.deque()
         self._ahead = 0  # Bytes being fetched.
 
-    def read(self, variable: int, bounds: host.Bounds) -> np.ndarray:
+    def read(self, variable: int, bounds: cross_process.Bounds) -> np.ndarray:
         """The slice `bounds` (start, stop) of the variable at `variable`."""
         spec = self._variables[variable]
         start, stop = bounds
@@ -567,7 +571,7 @@ class ShardedReader:
             )
         return out
 
-    def missing(self, needs: list[list[host.Bounds]]) -> str | None:
+    def missing(self, needs: list[list[cross_process.Bounds]]) -> str | None:
         """The first of the slices `needs[i]` of the variable at `i` that the
         checkpoint's pieces do not cover, as text; `None` if they cover all.
         Reads the table only (a local tier holds one process's pieces: those
@@ -582,7 +586,7 @@ class ShardedReader:
                     return f"{spec['path']!r} [{list(start)}:{list(stop)}]"
         return None
 
-    def read_ahead(self, needs: list[list[host.Bounds]]) -> None:
+    def read_ahead(self, needs: list[list[cross_process.Bounds]]) -> None:
         """From a bucket, starts fetching every piece the slices `needs[i]`
         of the variable at `i` overlap, up to `_AHEAD_BYTES` of ranged GETs
         at once, so that `read()` finds each in memory as it checks and
@@ -741,25 +745,27 @@ def read_variables(
         reader = ShardedReader(directory, specs, ranges)
         reader.read_ahead(
             [
-                host.bounds_needed(variable, tuple(spec[2]))
+                cross_process.bounds_needed(variable, tuple(spec[2]))
                 for variable, spec in zip(variables, specs, strict=True)
             ]
         )
         for i, (variable, spec) in enumerate(zip(variables, specs, strict=True)):
             values.append(
-                host.build_like(variable, tuple(spec[2]), _reader_of(reader, i))
+                cross_process.build_like(
+                    variable, tuple(spec[2]), _reader_of(reader, i)
+                )
             )
     except (CorruptCheckpointError, OSError, ValueError, KeyError, TypeError) as e:
         error = e
     finally:
         if reader is not None:
             reader.close()
-    agreed = host.all_processes_agree(error is None)
+    agreed = cross_process.all_processes_agree(error is None)
     # Each process found its newest checkpoint itself: they must be the same
     # save (its tag; in a local tier, each process reads a file of its own).
     save = reader.save if reader is not None and reader.save else None
     name = save or os.path.basename(os.path.normpath(directory))
-    same = host.same_in_all_processes(zlib.crc32(name.encode()))
+    same = cross_process.same_in_all_processes(zlib.crc32(name.encode()))
     if agreed and not same:
         raise CheckpointError(
             f"The processes of this training found different newest checkpoints "
@@ -790,7 +796,7 @@ def missing_in(directory: str, variables: list, specs: list[list]) -> str | None
     try:
         return reader.missing(
             [
-                host.bounds_needed(variable, tuple(spec[2]))
+                cross_process.bounds_needed(variable, tuple(spec[2]))
                 for variable, spec in zip(variables, specs, strict=True)
             ]
         )
@@ -802,7 +808,9 @@ def missing_in(directory: str, variables: list, specs: list[list]) -> str | None
         reader.close()
 
 
-def _reader_of(reader: ShardedReader, i: int) -> Callable[[host.Bounds], np.ndarray]:
+def _reader_of(
+    reader: ShardedReader, i: int
+) -> Callable[[cross_process.Bounds], np.ndarray]:
     return lambda bounds: reader.read(i, bounds)
 
 
@@ -851,7 +859,7 @@ def _overlapping(
             yield piece, low, high
 
 
-def _overlaps(piece: dict, bounds: host.Bounds) -> bool:
+def _overlaps(piece: dict, bounds: cross_process.Bounds) -> bool:
     try:
         return any(_overlapping([piece], *bounds))
     except (KeyError, TypeError, ValueError):

@@ -13,8 +13,8 @@ from __future__ import annotations
 from concurrent import futures
 from concurrent.futures import Future
 
-from keras_ft import backend as host
 from keras_ft import threads
+from keras_ft.backend import cross_process, device_memory, finiteness
 from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.format import Checkpoint
 from keras_ft.distribute import sharded
@@ -82,7 +82,7 @@ class ShardedSaver:
         source, bad = self._copy(snapshot, names, on_device)
         # A piece only one process holds may be the one that is not finite.
         # Every process agrees the same way whichever way it copied.
-        if not host.all_processes_agree(not bad):
+        if not cross_process.all_processes_agree(not bad):
             raise NonFiniteStateError(bad or ["another process's pieces"])
         if isinstance(source, sharded.Share):
             share: Future = Future()
@@ -115,8 +115,10 @@ class ShardedSaver:
         if on_device:
             try:
                 variables = self._state.saved_variables()
-                copies, _ = host.device_snapshot([host.raw_value(v) for v in variables])
-                bad = host.non_finite_pieces(copies)
+                copies, _ = device_memory.device_snapshot(
+                    [device_memory.raw_value(v) for v in variables]
+                )
+                bad = finiteness.non_finite_pieces(copies)
             except Exception as e:
                 if not self._snapshots.out_of_memory(e):
                     raise
@@ -157,7 +159,9 @@ class ShardedSaver:
         chief = self._task.is_chief
         # The chief holds the lock and has no write in flight: the next
         # number is free. A collective, as every sharded save's check.
-        sequence = host.first_process_value(storage.next_sequence() if chief else 0)
+        sequence = cross_process.first_process_value(
+            storage.next_sequence() if chief else 0
+        )
         parts = storage.parts(tag, sequence)
         process = self._task.task_index
         if not chief:

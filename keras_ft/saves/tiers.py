@@ -14,8 +14,8 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from keras_ft import backend as host
 from keras_ft import events
+from keras_ft.backend import cross_process
 from keras_ft.checkpoint.files import ReadProgress, Staging
 from keras_ft.checkpoint.format import METADATA_FILE, Checkpoint
 from keras_ft.checkpoint.store import CheckpointStore, open_store
@@ -93,8 +93,8 @@ class TieredStore:
         if self.local is None:
             return
         if task.num_workers > 1:
-            with host.collectives_scope(model):
-                agree = host.gathers_across_processes()
+            with cross_process.collectives_scope(model):
+                agree = cross_process.gathers_across_processes()
             if not agree:
                 raise ValueError(
                     "Invalid value for argument `local_dir`: in a run of "

@@ -26,7 +26,8 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_ft import backend, compat
+from keras_ft import compat
+from keras_ft.backend import random_state
 from keras_ft.state import generators
 
 
@@ -36,10 +37,10 @@ def capture() -> dict[str, Any]:
     seed_state = compat.keras_global_seed_state()
     if seed_state is not None:
         state["keras"] = keras.ops.convert_to_numpy(seed_state.value)
-    torch_state = backend.generator_state()
+    torch_state = random_state.generator_state()
     if torch_state is not None:
         state["torch"] = torch_state
-    cuda_states = backend.device_generator_states()
+    cuda_states = random_state.device_generator_states()
     if cuda_states is not None:
         state["torch_cuda"] = cuda_states
     return state
@@ -92,7 +93,7 @@ def check(state: Any) -> None:
         torch_state = state["torch"]
         if not isinstance(torch_state, np.ndarray) or torch_state.dtype != np.uint8:
             raise ValueError("PyTorch's generator state is not bytes")
-        backend.check_generator_state(torch_state)
+        random_state.check_generator_state(torch_state)
     if "torch_cuda" in state:
         cuda_states = state["torch_cuda"]
         if not isinstance(cuda_states, list) or not all(
@@ -100,7 +101,7 @@ def check(state: Any) -> None:
             for s in cuda_states
         ):
             raise ValueError("PyTorch's CUDA generator states are not bytes")
-        backend.check_device_generator_states(cuda_states)
+        random_state.check_device_generator_states(cuda_states)
 
 
 def apply(state: dict[str, Any], only: tuple[str, ...] | None = None) -> None:
@@ -120,6 +121,6 @@ def apply(state: dict[str, Any], only: tuple[str, ...] | None = None) -> None:
     if "keras" in state:
         compat.set_keras_global_seed_state(np.asarray(state["keras"]))
     if "torch" in state:
-        backend.set_generator_state(state["torch"])
+        random_state.set_generator_state(state["torch"])
     if "torch_cuda" in state:
-        backend.set_device_generator_states(state["torch_cuda"])
+        random_state.set_device_generator_states(state["torch_cuda"])

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import keras
 
-from keras_ft import backend as host
 from keras_ft import events
+from keras_ft.backend import device_memory, random_state
 from keras_ft.state.checks import nbytes
 
 SNAPSHOT_MODES = ("auto", "device", "host")
@@ -86,7 +86,7 @@ class SnapshotPlace:
         return True
 
     def _decide(self, variables: list) -> bool:
-        kind = host.accelerator(variables[0]) if variables else None
+        kind = device_memory.accelerator(variables[0]) if variables else None
         if kind is not None:
             _tell_nondeterminism(kind)
         if self.mode == "host" or not variables:
@@ -95,10 +95,12 @@ class SnapshotPlace:
             return False  # On the CPU, the snapshot is the host copy itself.
         # On each device, its own pieces of the variables split across devices.
         needed = sum(
-            nbytes(host.shard_shape(v), keras.backend.standardize_dtype(v.dtype))
+            nbytes(
+                device_memory.shard_shape(v), keras.backend.standardize_dtype(v.dtype)
+            )
             for v in variables
         )
-        free = host.device_free_bytes(variables[0])
+        free = device_memory.device_free_bytes(variables[0])
         if free is not None and needed > free * _ROOM:
             events.warn(
                 "fallback",
@@ -129,7 +131,7 @@ def _tell_nondeterminism(kind: str) -> None:
     if backend in _told_nondeterminism:
         return
     _told_nondeterminism.add(backend)
-    advice = host.nondeterminism()
+    advice = random_state.nondeterminism()
     if advice is None:
         return
     events.warn(

@@ -23,8 +23,8 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_ft import backend as host
 from keras_ft import events
+from keras_ft.backend import cross_process
 from keras_ft.checkpoint import files as file_io
 from keras_ft.checkpoint.files import ReadProgress
 from keras_ft.checkpoint.store import METADATA_FILE
@@ -242,7 +242,7 @@ class TrainingState:
 
     def layouts(self) -> list[str]:
         """How each saved variable is laid out across devices, as text."""
-        return [host.sharding_text(v) for v in self.saved_variables()]
+        return [cross_process.sharding_text(v) for v in self.saved_variables()]
 
     def prepare(self, copy: bool = True, reuse: CopyBuffer | None = None) -> None:
         """Walks the model now rather than at the first snapshot; with `copy`,

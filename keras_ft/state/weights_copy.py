@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from keras_ft import threads
-from keras_ft.backend import all_finite, pin_host
+from keras_ft.backend.device_memory import pin_host
+from keras_ft.backend.finiteness import all_finite
 from keras_ft.threads import Watermark
 
 

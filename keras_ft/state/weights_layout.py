@@ -41,8 +41,8 @@ import keras
 import ml_dtypes
 import numpy as np
 
-from keras_ft import backend as host
 from keras_ft import compat
+from keras_ft.backend import device_memory, finiteness, host_memory
 from keras_ft.checkpoint import files as file_io
 from keras_ft.state import hdf5
 from keras_ft.state.contents import WEIGHTS_FILE
@@ -152,7 +152,7 @@ class WeightsLayout:
         if not copy:
             return CapturedWeights(self._chunks_around(values))
         if on_device:
-            copies, made = host.device_snapshot(values)
+            copies, made = device_memory.device_snapshot(values)
 
             def move(
                 destinations: list[np.ndarray],
@@ -165,11 +165,13 @@ class WeightsLayout:
                 # In the buffer's file order; each copy let go once moved.
                 ordered = [copies[i] for i in order]
                 copies.clear()
-                return host.move_to_host(ordered, destinations, stopped, before, landed)
+                return device_memory.move_to_host(
+                    ordered, destinations, stopped, before, landed
+                )
 
             buffer = self._copy_buffer()
             if values:  # Not waited for: training goes on.
-                buffer.pin(host.staging_device(values[0]), wait=False)
+                buffer.pin(device_memory.staging_device(values[0]), wait=False)
             captured = buffer.capture([], fill, move=move)
             captured.from_device = True
             return captured
@@ -249,7 +251,7 @@ class WeightsLayout:
         page-locked memory (`backend.staging_device()`), or `None`."""
         self._ensure_laid_out()
         values = self._read_values(raw=True) if self._fast else None
-        return host.staging_device(values[0]) if values else None
+        return device_memory.staging_device(values[0]) if values else None
 
     @contextlib.contextmanager
     def staged(
@@ -296,8 +298,8 @@ class WeightsLayout:
 
         def for_assign(array: np.ndarray) -> Any:
             if device is None:
-                return host.for_assign(array)
-            return host.to_device(array, device)
+                return host_memory.for_assign(array)
+            return device_memory.to_device(array, device)
 
         for offset, part in sorted(parts, key=lambda p: p[0]):
             size = len(part) if isinstance(part, bytes) else part.nbytes
@@ -368,11 +370,11 @@ class WeightsLayout:
                 return None
             for slot in group.slots:
                 if raw:
-                    value = host.raw_value(current[slot.key])
+                    value = device_memory.raw_value(current[slot.key])
                     dtype = keras.backend.standardize_dtype(value.dtype)
                     same = tuple(value.shape) == slot.shape and dtype == slot.dtype.name
                 else:
-                    value = host.view(current[slot.key])
+                    value = host_memory.view(current[slot.key])
                     same = value.shape == slot.shape and value.dtype == slot.dtype
                 if not same:
                     return None
@@ -414,7 +416,9 @@ def _capture_public(model: keras.Model) -> CapturedWeights:
     captured.non_finite.extend(
         v.path
         for v in saved_variables(model)
-        if not host.all_finite(np.asarray(keras.ops.convert_to_numpy(v)).reshape(-1))
+        if not finiteness.all_finite(
+            np.asarray(keras.ops.convert_to_numpy(v)).reshape(-1)
+        )
     )
     return captured
 
@@ -594,7 +598,7 @@ def fingerprint(model: keras.Model) -> tuple:
 def _slot(key: str, value: Any) -> Slot:
     # Only the shape and type: a value may be a copy (optimizers make one of
     # each variable), and all of them at once would be a lot.
-    array = host.view(value)
+    array = host_memory.view(value)
     return Slot(key, array.shape, array.dtype, None)
 
 

@@ -22,8 +22,8 @@ import keras
 import ml_dtypes
 import numpy as np
 
-from keras_ft import backend as host
 from keras_ft import compat
+from keras_ft.backend import device_memory, host_memory
 from keras_ft.checkpoint import files as file_io
 from keras_ft.errors import CorruptCheckpointError
 from keras_ft.state import hdf5
@@ -119,7 +119,7 @@ def _read_staged(
         with layout.staged(read_file, device) as image:
             stores = layout.values_in(image, device=device)
             # The buffer is the next save's: every move out of it first.
-            host.transfers_done(device)
+            device_memory.transfers_done(device)
     if stores is None:
         return None
     return ReadWeights(path, fingerprint(model), stores, None)
@@ -190,10 +190,12 @@ def load(
         group: {slot.key: slot_view(buffer, slot) for slot in slots}
         for group, slots in groups.items()
     }
-    compat.load_with_keras_walk(model, views, host.for_assign)
+    compat.load_with_keras_walk(model, views, host_memory.for_assign)
     exact = views.get(EXACT_GROUP)
     if exact:
-        load_exact_store(model, {k: host.for_assign(v) for k, v in exact.items()})
+        load_exact_store(
+            model, {k: host_memory.for_assign(v) for k, v in exact.items()}
+        )
 
 
 def check(path: str, layout: WeightsLayout | None = None) -> None:

@@ -58,7 +58,8 @@ from typing import Any
 
 import numpy as np
 
-from keras_ft import backend, compat, events
+from keras_ft import compat, events
+from keras_ft.backend import fit_loop
 from keras_ft.state import ResumePoint, rng
 
 # The loads before the training position whose random state is kept (of a
@@ -187,7 +188,7 @@ class InputPosition:
             state = grain_state(saved["grain"])
             if state is None:
                 return False  # Damaged: replayed.
-            self.grain.skip(state, point.batch, backend.loop_pulls_batches())
+            self.grain.skip(state, point.batch, fit_loop.loop_pulls_batches())
             return True
         if self.view is None:
             return False
@@ -196,7 +197,7 @@ class InputPosition:
         indices = self.view.trained_indices(point.batch)
         if indices is None:
             return False
-        self.view.skip(indices, placeholders=backend.loop_pulls_batches())
+        self.view.skip(indices, placeholders=fit_loop.loop_pulls_batches())
         self._loads = point.batch
         if self.view.sequential:
             self._resume_rng = saved["rng"]

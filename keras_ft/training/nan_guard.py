@@ -8,13 +8,13 @@ learning rate and past the batch that blew it up, and keep going.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from typing import Any
 
 import keras
 
-from keras_ft import backend, compat, events
+from keras_ft import compat, events
+from keras_ft.backend import device_memory, finiteness, host_memory
 from keras_ft.compat import print_msg
 from keras_ft.state.training_state import optimizer_step
 from keras_ft.training import batch_ends
@@ -181,7 +181,7 @@ class NanGuard(BackupService):
             values = compat.live_trainable_values(self._fit_model)
             if values is None:
                 values = self.model.trainable_variables
-            flag = backend.finite_flag(values)
+            flag = finiteness.finite_flag(values)
             if flag is not None:
                 self._pending = (flag, batch - 1)
 
@@ -231,7 +231,9 @@ class NanGuard(BackupService):
         for key, value in saved.items():
             # Validation ran before this epoch end: on the state rolled back
             # to where a batch end found the NaN, so only a NaN is replaced.
-            if key in logs and not (key.startswith("val_") and _finite(logs[key])):
+            if key in logs and not (
+                key.startswith("val_") and finiteness.finite_number(logs[key])
+            ):
                 logs[key] = value
 
     def _note(self, batch: int, logs: dict | None) -> None:
@@ -241,7 +243,7 @@ class NanGuard(BackupService):
         with _noting:
             self._last_end = max(self._last_end, batch)
             first = self._lossy is None or batch < self._lossy[0]
-            diverged = loss is not None and not math.isfinite(loss)
+            diverged = loss is not None and not finiteness.finite_number(loss)
             if diverged and first and batch > self._undone_through:
                 self._lossy = (batch, f"the loss is {loss}", logs)
 
@@ -373,26 +375,21 @@ def _loss(logs: dict | None) -> float | None:
 def _non_finite(logs: dict | None, model: keras.Model) -> str | None:
     """What is not finite (the loss, or a weight), or `None`."""
     loss = _loss(logs)
-    if loss is not None and not math.isfinite(loss):
+    if loss is not None and not finiteness.finite_number(loss):
         return f"the loss is {loss}"
     variables = model.trainable_variables
-    on_device = bool(variables) and backend.accelerator(variables[0]) is not None
+    on_device = bool(variables) and device_memory.accelerator(variables[0]) is not None
     # On the device: one boolean read back, not every weight copied to host
     # memory at every batch.
-    if on_device and backend.device_all_finite(variables):
+    if on_device and finiteness.device_all_finite(variables):
         return None
     for variable in variables:  # In host memory: read in place.
-        if not backend.all_finite(backend.view(variable).reshape(-1)):
+        if not finiteness.all_finite(host_memory.view(variable).reshape(-1)):
             return f"{variable.path} holds NaN or infinity"
     return None
 
 
-def _finite(value: Any) -> bool:
-    try:
-        return math.isfinite(float(value))
-    except (TypeError, ValueError):
-        return True  # Not a number: nothing to replace.
-
-
 def _finite_logs(logs: dict | None) -> dict[str, float]:
-    return {k: v for k, v in batch_ends.numbers(logs).items() if math.isfinite(v)}
+    return {
+        k: v for k, v in batch_ends.numbers(logs).items() if finiteness.finite_number(v)
+    }

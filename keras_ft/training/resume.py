@@ -2,7 +2,7 @@
 
 `fit()` restarts an epoch at its first batch. To continue at batch `k`, the
 model's `train_function` is replaced for the first `k` steps by one that does
-not run the model, then hands back the real one (`backend.skipped_step()`
+not run the model, then hands back the real one (`fit_loop.skipped_step()`
 knows how each backend's `fit()` loop calls `train_function`). Where the input
 can skip the trained batches itself (`inputs.py`: a `PyDataset`, a `tf.data`
 iterator restored), the skipped steps pull nothing; otherwise each takes its
@@ -19,7 +19,8 @@ from typing import Any
 
 import keras
 
-from keras_ft import backend, compat, events
+from keras_ft import compat, events
+from keras_ft.backend import fit_loop
 from keras_ft.state import ResumePoint, rng
 from keras_ft.training import callback_state, neighbours
 from keras_ft.training.inputs import InputPosition
@@ -73,9 +74,9 @@ class FastForward:
     def _skip(self, *args: Any) -> Any:
         if self.at_source is not None:
             at_source, self.at_source = self.at_source, None
-            self.pulls = not at_source(backend.step_iterator(args))
+            self.pulls = not at_source(fit_loop.step_iterator(args))
         self.remaining -= self.steps_per_execution
-        result, batches, iterator = backend.skipped_step(
+        result, batches, iterator = fit_loop.skipped_step(
             args, self.logs, self.steps_per_execution, pull=self.pulls
         )
         if not self.pulls and self.on_first_batch is not None:

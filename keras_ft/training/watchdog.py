@@ -35,7 +35,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from keras_ft import backend, compat, events, threads
+from keras_ft import compat, events, threads
+from keras_ft.backend import cross_process
 
 # sysexits.h's EX_TEMPFAIL: "a temporary failure; the user is invited to retry".
 RETRYABLE_EXIT_CODE = 75
@@ -268,7 +269,7 @@ class FitDeadline:
         peers_first = (
             task.num_workers > 1
             and task.task_index == 0
-            and backend.coordinator_in_process_zero()
+            and cross_process.coordinator_in_process_zero()
         )
         self.stop()  # Left by a fit() that raised.
         fit_calls = weakref.ref(callback_list) if callback_list is not None else None
