@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 
 _WHERE = {
     "BackupAndRestore": "keras_ft.callback",
+    "BackupOptions": "keras_ft.options",
     "Checkpoint": "keras_ft.checkpoint.store",
     "CheckpointError": "keras_ft.errors",
     "CheckpointListener": "keras_ft.training.listeners",
@@ -46,6 +47,7 @@ _WHERE = {
 
 __all__ = [
     "BackupAndRestore",
+    "BackupOptions",
     "Checkpoint",
     "CheckpointError",
     "CheckpointListener",
@@ -103,6 +105,7 @@ if TYPE_CHECKING:
         NoGoodCheckpointError,
         NonFiniteStateError,
     )
+    from keras_ft.options import BackupOptions
     from keras_ft.state import ResumePoint
     from keras_ft.training.listeners import CheckpointListener
     from keras_ft.training.nan_guard import NanGuard

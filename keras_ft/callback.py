@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Sequence
@@ -9,19 +10,13 @@ from collections.abc import Sequence
 import keras
 
 from keras_ft import compat, epoch_end, goodput
-from keras_ft.checkpoint.format import (
-    signing_key,
-    validate_backup_dir,
-    validate_local_dir,
-)
 from keras_ft.checkpoint.lock import check_platform
-from keras_ft.checkpoint.remote import check_storage_options
 from keras_ft.distribute.cluster import TaskSpec
 from keras_ft.fit_batches import FitBatches
 from keras_ft.fit_begin import close_stale, open_backup, resume_fit, watch_cluster
 from keras_ft.fit_saves import FitSaves, check_on_save_error
+from keras_ft.options import BackupOptions
 from keras_ft.state import ResumePoint, rng
-from keras_ft.state.snapshots import validate_snapshot
 from keras_ft.state.training_state import optimizer_step
 from keras_ft.state.weights_copy import CopyBuffer
 from keras_ft.training import (
@@ -35,7 +30,6 @@ from keras_ft.training import (
 )
 from keras_ft.training.goodput import GoodputRecorder
 from keras_ft.training.listeners import CheckpointListener, check_listeners
-from keras_ft.training.policy import KeepLast
 from keras_ft.training.preemption import (
     Preemption,
     check_grace_period,
@@ -44,10 +38,7 @@ from keras_ft.training.preemption import (
 )
 from keras_ft.training.services import BackupService
 from keras_ft.training.warm_start import WarmStart, warm_start_from
-from keras_ft.worker_training_state import (
-    WorkerTrainingState,
-    validate_on_config_change,
-)
+from keras_ft.worker_training_state import WorkerTrainingState
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -229,7 +220,6 @@ class BackupAndRestore(keras.callbacks.Callback):
         # callback is made, as Keras' own callbacks fail.
         super().__init__()
         check_platform()
-        self.snapshot = validate_snapshot(snapshot)
         if goodput_file is not None and not isinstance(
             goodput_file, (str, os.PathLike)
         ):
@@ -238,12 +228,24 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"file, or None. Received: goodput_file={goodput_file!r}"
             )
         self.goodput_file = goodput_file
-        self.backup_dir = validate_backup_dir(backup_dir)
-        self.storage_options = check_storage_options(self.backup_dir, storage_options)
-        self.on_config_change = validate_on_config_change(on_config_change)
-        signing_key(manifest_key)  # Validated now rather than at train begin.
-        self.manifest_key = manifest_key
-        self.local_dir = validate_local_dir(local_dir, self.backup_dir)
+        # Checked once, here; each fit()'s WorkerTrainingState takes it whole.
+        self.options = BackupOptions(
+            backup_dir,
+            keep=keep,
+            async_save=async_save,
+            storage_options=storage_options,
+            verbose=verbose,
+            on_config_change=on_config_change,
+            manifest_key=manifest_key,
+            local_dir=local_dir,
+            snapshot=snapshot,
+        )
+        if double_checkpoint and keep < 2:  # Keras' two files: two checkpoints.
+            self.options = dataclasses.replace(self.options, keep=2)
+        self.backup_dir, self.local_dir = (
+            self.options.backup_dir,
+            self.options.local_dir,
+        )
         self._local_schedule = policy.local_schedule(local_save_freq, self.local_dir)
         self.local_save_freq = local_save_freq
         watchdog.check_stall_timeout(stall_timeout, first_batch_timeout)
@@ -264,16 +266,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._backs_up_stopped_epochs = (
             save_freq is not False or save_every_seconds is not None
         )
-        KeepLast(keep)  # Validated now rather than at train begin.
         check_on_save_error(on_save_error)
         self.save_freq = save_freq
         self.save_every_seconds = save_every_seconds
         self.double_checkpoint = bool(double_checkpoint)
         self.delete_checkpoint = bool(delete_checkpoint)
-        self.keep = max(keep, 2) if double_checkpoint else keep
         self.verbose = verbose
         self.on_save_error = on_save_error
-        self.async_save = bool(async_save)
         self.exit_on_preemption = bool(exit_on_preemption)
         self._preemption = Preemption(
             parse_signals(preemption_signals), check_grace_period(grace_period)

@@ -84,19 +84,14 @@ def open_backup(
     backup_dir = tuner.trial_backup_dir(
         callback.backup_dir, callback_list.callbacks if callback_list else []
     )
+    options = callback.options
+    if backup_dir != options.backup_dir:
+        options = dataclasses.replace(options, backup_dir=backup_dir)
     state = WorkerTrainingState(
         model,
-        backup_dir,
-        keep=callback.keep,
-        async_save=callback.async_save,
+        options,
         listeners=callback.listeners,
-        storage_options=callback.storage_options,
-        verbose=callback.verbose,
-        on_config_change=callback.on_config_change,
-        manifest_key=callback.manifest_key,
-        local_dir=callback.local_dir,
         check_extra=functools.partial(resume.check_saved, callbacks=others),
-        snapshot=callback.snapshot,
     )
     state.fit_number = None if interactive() else fit_number(backup_dir)
     warmed = None

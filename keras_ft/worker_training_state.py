@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Iterator
 
 import keras
 
 from keras_ft import errors, events
-from keras_ft.checkpoint.format import validate_backup_dir, validate_local_dir
 from keras_ft.checkpoint.lock import check_platform
 from keras_ft.checkpoint.store import Checkpoint, CheckpointStore
 from keras_ft.distribute.cluster import TaskSpec, current_task
 from keras_ft.errors import NonFiniteStateError
+from keras_ft.options import BackupOptions
 from keras_ft.saves.chief import write_snapshot
 from keras_ft.saves.parts import assemble
 from keras_ft.saves.queue import wait_for_backups
 from keras_ft.saves.tiers import local_tier_dir
 from keras_ft.state import ResumePoint, TrainingState
-from keras_ft.state.snapshots import SnapshotPlace
 from keras_ft.state.weights_copy import CopyBuffer
 from keras_ft.threads import wait_for_removals
 from keras_ft.training.listeners import CheckpointListener, check_listeners, notify
@@ -28,10 +28,13 @@ from keras_ft.training.listeners import CheckpointListener, check_listeners, not
 __all__ = [
     "WorkerTrainingState",
     "local_tier_dir",
-    "validate_on_config_change",
     "wait_for_backups",
     "write_snapshot",
 ]
+
+
+# The option arguments' defaults: set alongside a `BackupOptions`, an error.
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(BackupOptions)}
 
 
 class WorkerTrainingState:
@@ -50,8 +53,10 @@ class WorkerTrainingState:
 
     Args:
         model: A compiled `keras.Model`.
-        backup_dir: Directory for the backup. Files other than the ones
-            keras-ft creates are never touched.
+        backup_dir: Directory for the backup (or an fsspec URL). Files
+            other than the ones keras-ft creates are never touched. Or a
+            `keras_ft.BackupOptions` holding it and the options below
+            (`keep` to `snapshot`, but `task`, `listeners`, `check_extra`).
         keep: How many committed checkpoints to keep, at least 1. Defaults
             to `2`, so that a damaged newest checkpoint has a fallback.
         async_save: If `True`, `back_up()` returns once the state is copied
@@ -125,7 +130,7 @@ class WorkerTrainingState:
     def __init__(
         self,
         model: keras.Model,
-        backup_dir: str | os.PathLike,
+        backup_dir: str | os.PathLike | BackupOptions,
         *,
         keep: int = 2,
         task: TaskSpec | None = None,
@@ -140,12 +145,28 @@ class WorkerTrainingState:
         snapshot: str = "auto",
     ):
         check_platform()
-        self.backup_dir = validate_backup_dir(backup_dir)
-        self.local_dir = validate_local_dir(local_dir, self.backup_dir)
-        self.on_config_change = validate_on_config_change(on_config_change)
+        given = {
+            "keep": keep, "async_save": async_save, "storage_options": storage_options,
+            "verbose": verbose, "on_config_change": on_config_change,
+            "manifest_key": manifest_key, "local_dir": local_dir, "snapshot": snapshot,
+        }  # fmt: skip
+        if isinstance(backup_dir, BackupOptions):
+            options = backup_dir
+            also = [n for n, v in given.items() if v != _DEFAULTS[n]]
+            if also:
+                raise ValueError(
+                    f"Invalid arguments {', '.join(also)}: `backup_dir` is a "
+                    "`BackupOptions`, which holds them. Pass either the options or "
+                    "the arguments, not both."
+                )
+        else:
+            options = BackupOptions(backup_dir, **given)
+        self.options = options
+        self.backup_dir, self.local_dir = options.backup_dir, options.local_dir
+        self.on_config_change = options.on_config_change
+        self.async_save = options.async_save
         self.listeners = check_listeners(listeners)
         self.task = task if task is not None else current_task()
-        self.async_save = bool(async_save)
         self._state = TrainingState(model)
         if check_extra is not None and not callable(check_extra):
             raise ValueError(
@@ -154,20 +175,7 @@ class WorkerTrainingState:
             )
         self._state.check_extra = check_extra
         self._state.fit_number = None
-        self._parts = assemble(
-            self,
-            self._state,
-            self.task,
-            self.backup_dir,
-            self.local_dir,
-            keep,
-            async_save=self.async_save,
-            listeners=self.listeners,
-            storage_options=storage_options,
-            verbose=verbose,
-            manifest_key=manifest_key,
-            snapshots=SnapshotPlace(snapshot),
-        )
+        self._parts = assemble(self, self._state, self.task, options, self.listeners)
 
     @property
     def model(self) -> keras.Model:
@@ -455,12 +463,3 @@ class WorkerTrainingState:
         self._parts.tiers.clear_local()  # Every process's own.
         self._parts.root.remove_root()  # `backup_dir` itself, if nothing else is in it.
         self._parts.queue.release()
-
-
-def validate_on_config_change(value: object) -> str:
-    if value not in ("warn", "raise"):
-        raise ValueError(
-            "Invalid value for argument `on_config_change`. Expected 'warn' or "
-            f"'raise'. Received: on_config_change={value!r}"
-        )
-    return value

@@ -10,12 +10,12 @@ save (the chief's, a process's shards, a worker's throwaway save).
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from typing import Any
 
 from keras_ft.checkpoint.store import CheckpointStore, Storage, open_storage, open_store
 from keras_ft.distribute.cluster import TaskSpec, chief_dir
+from keras_ft.options import BackupOptions
 from keras_ft.saves.chief import ChiefSaver
 from keras_ft.saves.claims import ChiefClaim
 from keras_ft.saves.queue import SaveQueue
@@ -46,34 +46,28 @@ def assemble(
     training: Any,
     state: TrainingState,
     task: TaskSpec,
-    backup_dir: str,
-    local_dir: str | os.PathLike | None,
-    keep: int,
-    *,
-    async_save: bool,
+    options: BackupOptions,
     listeners: list[CheckpointListener],
-    storage_options: dict | None,
-    verbose: int,
-    manifest_key: str | bytes | None,
-    snapshots: SnapshotPlace,
 ) -> SaveParts:
     """The parts of `training` (a `WorkerTrainingState`, whose lifetime the
     queue's hold on the thread pools follows)."""
     # A disk (rename commit, flock) or a bucket (manifest-last commit,
     # lease): one protocol, and nothing here asks which.
+    backup_dir, keep = options.backup_dir, options.keep
     store = open_store(
         chief_dir(backup_dir),
         KeepLast(keep),
-        storage_options,
-        progress=sys.stdout if verbose else None,
-        manifest_key=manifest_key,
+        options.storage_options,
+        progress=sys.stdout if options.verbose else None,
+        manifest_key=options.manifest_key,
     )
-    root = open_storage(backup_dir, storage_options)
+    root = open_storage(backup_dir, options.storage_options)
     lock = store.writer_lock()
     tiers = TieredStore.open(
-        store, lock, root, local_dir, keep, task, state, manifest_key
+        store, lock, root, options.local_dir, keep, task, state, options.manifest_key
     )
-    queue = SaveQueue(store.identity, async_save, training)
+    queue = SaveQueue(store.identity, options.async_save, training)
+    snapshots = SnapshotPlace(options.snapshot)
     # The chief holds the backup's lock; another worker only the temporary
     # directory its throwaway saves go to.
     scratch = None if task.is_chief else WorkerScratch(store, task, backup_dir)
