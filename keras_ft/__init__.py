@@ -21,7 +21,6 @@ _WHERE = {
     "CheckpointError": "keras_ft.errors",
     "CheckpointListener": "keras_ft.training.listeners",
     "CheckpointWriteError": "keras_ft.errors",
-    "CommittedCheckpoint": "keras_ft.watching",
     "CompatibilityWarning": "keras_ft.errors",
     "ConfigurationChangedError": "keras_ft.errors",
     "CorruptCheckpointError": "keras_ft.errors",
@@ -52,7 +51,6 @@ __all__ = [
     "CheckpointError",
     "CheckpointListener",
     "CheckpointWriteError",
-    "CommittedCheckpoint",
     "CompatibilityWarning",
     "ConfigurationChangedError",
     "CorruptCheckpointError",
@@ -113,5 +111,5 @@ if TYPE_CHECKING:
     from keras_ft.training.stops import StopAtStep, StopAtTime
     from keras_ft.training.warm_start import WarmStart
     from keras_ft.training.watchdog import RETRYABLE_EXIT_CODE
-    from keras_ft.watching import CommittedCheckpoint, load_checkpoint, watch
+    from keras_ft.watching import load_checkpoint, watch
     from keras_ft.worker_training_state import WorkerTrainingState, wait_for_backups

@@ -12,7 +12,6 @@ trainer's retention deletes under it is passed over.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -34,34 +33,13 @@ if TYPE_CHECKING:
     import keras
 
 
-@dataclasses.dataclass(frozen=True)
-class CommittedCheckpoint:
-    """A committed checkpoint that verified when it was found.
-
-    Attributes:
-        path: The checkpoint's directory.
-        epoch: Epochs completed at the save (where a resume starts).
-        batch: Batches of the next epoch trained at the save.
-        step: The optimizer's `iterations` at the save.
-        saved_at: When it was saved, in seconds since the epoch.
-        sequence: Its number in the backup; newer ones have larger numbers.
-    """
-
-    path: str
-    epoch: int
-    batch: int
-    step: int
-    saved_at: float
-    sequence: int
-
-
 def watch(
     backup_dir: str | os.PathLike,
     timeout: float | None = None,
     poll_seconds: float = 1.0,
     storage_options: dict | None = None,
     timeout_fn: Callable[[], bool] | None = None,
-) -> Iterator[CommittedCheckpoint]:
+) -> Iterator[Checkpoint]:
     """Yields each checkpoint of a backup as it is committed, oldest first.
 
     Those already there come first, then each new one, exactly once and in
@@ -136,10 +114,10 @@ def watch(
 
 
 def load_checkpoint(
-    checkpoint: CommittedCheckpoint | Checkpoint | str | os.PathLike,
+    checkpoint: Checkpoint | str | os.PathLike,
     model: keras.Model,
     storage_options: dict | None = None,
-) -> CommittedCheckpoint:
+) -> Checkpoint:
     """Loads a checkpoint's model (and optimizer) variables into `model`.
 
     The model must be built the same way as the one trained (the same
@@ -210,14 +188,14 @@ def _deleted(checkpoint: Checkpoint) -> CheckpointError:
     )
 
 
-def _committed(checkpoint: Checkpoint, metadata: dict[str, Any]) -> CommittedCheckpoint:
-    return CommittedCheckpoint(
-        path=checkpoint.path,
+def _committed(checkpoint: Checkpoint, metadata: dict[str, Any]) -> Checkpoint:
+    return Checkpoint(
+        checkpoint.sequence,
+        checkpoint.path,
         epoch=int(metadata.get("epochs_completed", 0)),
         batch=int(metadata.get("batches_completed", 0)),
         step=int(metadata.get("step", 0)),
         saved_at=float(metadata.get("saved_at", 0.0)),
-        sequence=checkpoint.sequence,
     )
 
 
@@ -225,8 +203,6 @@ def _checkpoint_at(
     where: Any, storage_options: dict | None
 ) -> tuple[Any, Checkpoint] | Any:
     """`(store, checkpoint)` for one checkpoint, or the store of a backup."""
-    if isinstance(where, CommittedCheckpoint):
-        where = Checkpoint(where.sequence, where.path)
     if isinstance(where, Checkpoint):
         parent = where.path.rstrip("/").rpartition("/")[0]
         return open_store(parent, None, storage_options), where

@@ -187,6 +187,15 @@ def test_finiteness_is_decided_in_one_module():
 
 
 @ONCE
+def test_one_public_checkpoint_type():
+    """`keras_ft.Checkpoint` is what a listener, a store and `watch()` give."""
+    import keras_ft
+
+    public = [n for n in keras_ft.__all__ if n.endswith("Checkpoint")]
+    assert public == ["Checkpoint"]
+
+
+@ONCE
 def test_backend_branches_live_in_the_backend_package():
     """`if backend == ...` only where backend differences are the module's
     job: `backend/`, `compat/` (each framework's private names) and

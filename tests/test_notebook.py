@@ -57,7 +57,7 @@ def outputs(notebook) -> tuple[str, list[dict]]:
     return "".join(text), errors
 
 
-def committed(backup_dir: str) -> list[keras_ft.CommittedCheckpoint]:
+def committed(backup_dir: str) -> list[keras_ft.Checkpoint]:
     return list(keras_ft.watch(backup_dir, timeout=0))
 
 

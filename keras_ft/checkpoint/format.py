@@ -41,6 +41,11 @@ _NOTICE_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}\.json")
 class Checkpoint:
     """A committed checkpoint.
 
+    Where it was read (`watch()`, `load_checkpoint()`), it also says what it
+    holds: `epoch`, `batch`, `step` and `saved_at`; elsewhere (a listener's,
+    a store's listing) they are `None`. Two checkpoints are equal when their
+    `sequence` and `path` are.
+
     Attributes:
         sequence: The checkpoint's number; a newer checkpoint has a larger one.
         path: The checkpoint's directory (or prefix, in object storage).
@@ -48,6 +53,10 @@ class Checkpoint:
             files in the bucket (`Storage.local_copy(ranged=...)`), how to
             read byte ranges of them: `ranges(name, offset, size) -> bytes`;
             else `None`.
+        epoch: Epochs completed at the save (where a resume starts).
+        batch: Batches of the next epoch trained at the save.
+        step: The optimizer's `iterations` at the save.
+        saved_at: When it was saved, in seconds since the epoch.
     """
 
     sequence: int
@@ -55,6 +64,10 @@ class Checkpoint:
     ranges: Callable[[str, int, int], bytes] | None = dataclasses.field(
         default=None, compare=False, repr=False
     )
+    epoch: int | None = dataclasses.field(default=None, compare=False)
+    batch: int | None = dataclasses.field(default=None, compare=False)
+    step: int | None = dataclasses.field(default=None, compare=False)
+    saved_at: float | None = dataclasses.field(default=None, compare=False)
 
     @property
     def name(self) -> str:
