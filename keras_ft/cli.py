@@ -22,6 +22,7 @@ import sys
 from typing import Any
 
 import keras_ft
+from keras_ft.checkpoint.format import CHIEF_DIR
 from keras_ft.checkpoint.store import CheckpointStore, locate, open_storage
 from keras_ft.errors import CheckpointError, CorruptCheckpointError, DirectoryInUseError
 
@@ -122,7 +123,7 @@ def _store(backup_dir: str) -> CheckpointStore:
     except (CheckpointError, ImportError, ValueError) as e:
         raise UsageError(str(e)) from None
     # A directory with neither `chief/` nor checkpoints of its own.
-    empty = os.path.basename(store.directory) != "chief" and not store.checkpoints()
+    empty = os.path.basename(store.directory) != CHIEF_DIR and not store.checkpoints()
     if checkpoint is not None or empty:
         raise UsageError(
             f"{backup_dir!r} is not a keras-ft backup directory: it has no chief/ "
@@ -273,7 +274,7 @@ def _export(args: argparse.Namespace) -> int:
     from keras_ft.watching import load_checkpoint
 
     model = keras.saving.load_model(args.model)
-    loaded = load_checkpoint(store.directory.rsplit("/chief", 1)[0], model)
+    loaded = load_checkpoint(store.directory.rsplit(f"/{CHIEF_DIR}", 1)[0], model)
     if out.endswith(".keras"):
         model.save(out)
     else:

@@ -7,10 +7,10 @@ import os
 
 import pytest
 
+from keras_ft.checkpoint.format import chief_directory
 from keras_ft.checkpoint.store import CheckpointStore
 from keras_ft.distribute.cluster import (
     TaskSpec,
-    chief_dir,
     current_task,
     worker_temp_name,
 )
@@ -87,9 +87,11 @@ def test_single_process_is_chief(monkeypatch):
 
 def test_directories(tmp_path):
     root = str(tmp_path)
-    assert chief_dir(root) == os.path.join(root, "chief")
+    assert chief_directory(root) == os.path.join(root, "chief")
+    assert chief_directory("s3://bucket/run/") == "s3://bucket/run/chief"
+    assert chief_directory(f"file://{root}") == os.path.join(root, "chief")
     # A worker's throwaway saves: beside the chief's directory on a disk.
-    storage = CheckpointStore(chief_dir(root)).storage
+    storage = CheckpointStore(chief_directory(root)).storage
     assert storage.scratch_dir(worker_temp_name(2)) == os.path.join(
         root, "workertemp_2"
     )

@@ -118,6 +118,18 @@ def is_url(path: str) -> bool:
     return bool(sep) and scheme != "file" and re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme)
 
 
+# The chief's checkpoints, in `backup_dir`: the one place that names it.
+CHIEF_DIR = "chief"
+
+
+def chief_directory(backup_dir: str) -> str:
+    """Where the chief commits the checkpoints of `backup_dir` (a directory
+    or a URL)."""
+    if is_url(backup_dir):
+        return f"{backup_dir.rstrip('/')}/{CHIEF_DIR}"
+    return os.path.join(local_path(backup_dir), CHIEF_DIR)
+
+
 def local_path(path: str) -> str:
     """`path` without a `file://` scheme."""
     return path[len("file://") :] if path.startswith("file://") else path

@@ -45,6 +45,7 @@ from keras_ft.checkpoint.format import (
     check_notice_name,
     checkpoint_name,
     checkpoint_sequence,
+    chief_directory,
     is_notice_name,
     is_url,
     json_bytes,
@@ -714,8 +715,8 @@ def locate(
 
 def checkpoints_dir(path: str) -> str:
     """A backup directory's checkpoints: in `chief/`, or in `path` itself."""
+    chief = chief_directory(path)
     if is_url(path):
-        return f"{path.rstrip('/')}/chief"
+        return chief
     path = local_path(path)
-    chief = os.path.join(path, "chief")
     return chief if os.path.isdir(chief) or not os.path.isdir(path) else path

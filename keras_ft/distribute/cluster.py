@@ -12,7 +12,6 @@ import dataclasses
 import json
 import os
 
-CHIEF_DIR = "chief"
 _WORKER_TEMP_PREFIX = "workertemp_"
 
 
@@ -120,11 +119,6 @@ def _task_from_tf_strategy() -> TaskSpec | None:
         task_type == "worker" and chiefs == 0 and task_index == 0
     )
     return TaskSpec(task_type, task_index, max(1, chiefs + workers), is_chief)
-
-
-def chief_dir(backup_dir: str) -> str:
-    """Where the chief commits checkpoints."""
-    return os.path.join(backup_dir, CHIEF_DIR)
 
 
 def worker_temp_name(task_index: int) -> str:

@@ -13,8 +13,9 @@ import dataclasses
 import sys
 from typing import Any
 
+from keras_ft.checkpoint.format import chief_directory
 from keras_ft.checkpoint.store import CheckpointStore, Storage, open_storage, open_store
-from keras_ft.distribute.cluster import TaskSpec, chief_dir
+from keras_ft.distribute.cluster import TaskSpec
 from keras_ft.options import BackupOptions
 from keras_ft.saves.chief import ChiefSaver
 from keras_ft.saves.claims import ChiefClaim
@@ -55,7 +56,7 @@ def assemble(
     # lease): one protocol, and nothing here asks which.
     backup_dir, keep = options.backup_dir, options.keep
     store = open_store(
-        chief_dir(backup_dir),
+        chief_directory(backup_dir),
         KeepLast(keep),
         options.storage_options,
         progress=sys.stdout if options.verbose else None,
