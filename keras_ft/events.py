@@ -85,6 +85,20 @@ def say(
         (write or _write_line)(message)
 
 
+# What was said once per process (`first_time()`): a notice that does not
+# change between trainings would only repeat itself at every fit().
+_said: set[tuple[str, str]] = set()
+
+
+def first_time(kind: str, key: str) -> bool:
+    """Whether the once-per-process notice `key` of `kind` is said now (it
+    is `True` once; `False` after)."""
+    if (kind, key) in _said:
+        return False
+    _said.add((kind, key))
+    return True
+
+
 def warn(
     kind: str,
     message: str,

@@ -260,3 +260,11 @@ def test_a_long_restore_from_disk_draws_its_progress(tmp_path, monkeypatch):
     last = line.split("\r")[-1]
     assert last.startswith("keras-ft: reading ckpt-00000001 [")
     assert "] 3 MB/3 MB" in last
+
+
+def test_a_notice_said_once_per_process(monkeypatch):
+    monkeypatch.setattr(events, "_said", set())
+    assert events.first_time("nondeterminism", "jax")
+    assert not events.first_time("nondeterminism", "jax")
+    assert events.first_time("nondeterminism", "torch")  # Another key,
+    assert events.first_time("best effort", "jax")  # or another kind.

@@ -20,9 +20,9 @@ import pytest
 from conftest import make_data, make_model, subprocess_env
 
 import keras_ft
-from keras_ft import threads
+from keras_ft import events, threads
 from keras_ft.backend import device_memory, finiteness
-from keras_ft.state import rng, snapshots, weights_copy, weights_layout
+from keras_ft.state import rng, weights_copy, weights_layout
 from keras_ft.state.snapshots import SnapshotPlace
 
 
@@ -160,7 +160,7 @@ def test_the_nondeterminism_notice_says_how_once(monkeypatch):
     """On an accelerator with nondeterministic kernels, the first save says
     that no run there is bitwise reproducible, and what makes it so."""
     monkeypatch.setattr(device_memory, "accelerator", lambda value: "gpu")
-    monkeypatch.setattr(snapshots, "_told_nondeterminism", set())
+    monkeypatch.setattr(events, "_said", set())
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.delenv("TF_DETERMINISTIC_OPS", raising=False)
@@ -182,7 +182,7 @@ def test_the_nondeterminism_notice_says_how_once(monkeypatch):
 
 def test_no_nondeterminism_notice_once_determinism_is_set(monkeypatch):
     monkeypatch.setattr(device_memory, "accelerator", lambda value: "gpu")
-    monkeypatch.setattr(snapshots, "_told_nondeterminism", set())
+    monkeypatch.setattr(events, "_said", set())
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     monkeypatch.setenv("TF_DETERMINISTIC_OPS", "1")

@@ -36,9 +36,6 @@ LEASE_SECONDS_ENV = "KERAS_FT_LEASE_SECONDS"
 _CONDITIONAL = ("s3", "s3a")
 # One process's memory: no other writer to race with.
 _LOCAL_ONLY = ("memory",)
-# Filesystems said to have no conditional write: once per process (a warning
-# per training would repeat what does not change).
-_warned_best_effort: set[str] = set()
 # The lease each prefix has in this process, if any. A fit() that raised
 # keeps its lease, as it keeps a flock, until a later fit() here takes it:
 # that one stops the earlier heartbeat, which would otherwise write the
@@ -293,9 +290,8 @@ def _put_if(fs: Any, key: str, data: bytes, over: str | None = None) -> Any:
 
 def _warn_best_effort(fs: Any, directory: str) -> None:
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    if protocol in _LOCAL_ONLY or protocol in _warned_best_effort:
+    if protocol in _LOCAL_ONLY or not events.first_time("best effort", protocol):
         return
-    _warned_best_effort.add(protocol)
     events.warn(
         "lease",
         f"keras-ft: the lease on {directory} is best effort: {protocol}:// "

@@ -111,14 +111,10 @@ def nbytes(shape: tuple, dtype: str) -> int:
     return int(np.prod(shape, dtype=object)) * itemsize
 
 
-_warned_unchecked: set[str] = set()  # Model classes said once, per process.
-
-
 def _warn_unchecked_build(model: keras.Model) -> None:
     kind = type(model).__name__
-    if kind in _warned_unchecked:
+    if not events.first_time("unchecked build", kind):
         return
-    _warned_unchecked.add(kind)
     events.warn(
         "restore",
         f"keras-ft: model {model.name!r} ({kind}) cannot be copied from its "

@@ -27,7 +27,6 @@ SNAPSHOT_MODES = ("auto", "device", "host")
 # The share of the device's free memory a snapshot may take: the rest is
 # left to what training allocates between saves.
 _ROOM = 0.9
-_told_nondeterminism: set[str] = set()  # Once per process and backend.
 # How each backend's allocator says it has no room (PyTorch's
 # OutOfMemoryError, XLA's RESOURCE_EXHAUSTED, TensorFlow's
 # ResourceExhaustedError).
@@ -128,9 +127,8 @@ def _tell_nondeterminism(kind: str) -> None:
     """Says once, where kernels on this accelerator are not deterministic,
     that no run there is bitwise reproducible, and what makes it so."""
     backend = keras.backend.backend()
-    if backend in _told_nondeterminism:
+    if not events.first_time("nondeterminism", backend):
         return
-    _told_nondeterminism.add(backend)
     advice = random_state.nondeterminism()
     if advice is None:
         return
