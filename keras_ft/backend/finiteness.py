@@ -152,7 +152,10 @@ def all_finite(array: np.ndarray) -> bool:
     if array.dtype.kind != "f" and array.dtype != ml_dtypes.bfloat16:
         return True
     accumulate = np.float32 if array.dtype.itemsize < 4 else None
-    if np.isfinite(np.add.reduce(array, dtype=accumulate)):
+    # An overflowing sum (or inf - inf) is an answer here, not a warning.
+    with np.errstate(over="ignore", invalid="ignore"):
+        total = np.add.reduce(array, dtype=accumulate)
+    if np.isfinite(total):
         return True
     return bool(np.isfinite(array).all())
 
