@@ -171,19 +171,27 @@ def test_the_backend_package_is_split_by_concern():
     assert [type(n).__name__ for n in tree.body] == ["Expr"]  # Its docstring.
 
 
+def lines_with(words: tuple[str, ...], allowed: tuple[str, ...]) -> list[str]:
+    """`path:line` of each line of the package holding one of `words`, in
+    the files whose path (from the repository) starts with none of `allowed`."""
+    found = []
+    for path in modules().values():
+        relative = os.path.relpath(path, os.path.dirname(PACKAGE))
+        if relative.startswith(allowed):
+            continue
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if any(word in line for word in words):
+                    found.append(f"{relative}:{number}")
+    return found
+
+
 @ONCE
 def test_finiteness_is_decided_in_one_module():
     """`isfinite` only in `backend/finiteness.py` (an argument's check that a
     number of seconds is finite, `training/policy.py`, aside)."""
-    found = []
-    for module, path in modules().items():
-        if module in ("keras_ft.backend.finiteness", "keras_ft.training.policy"):
-            continue
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if "isfinite" in line or "is_finite" in line:
-                    found.append(f"{module}:{number}")
-    assert found == []
+    allowed = ("keras_ft/backend/finiteness.py", "keras_ft/training/policy.py")
+    assert lines_with(("isfinite", "is_finite"), allowed) == []
 
 
 @ONCE
@@ -201,13 +209,5 @@ def test_backend_branches_live_in_the_backend_package():
     job: `backend/`, `compat/` (each framework's private names) and
     `distribute/` (each framework's cluster)."""
     allowed = ("keras_ft/backend/", "keras_ft/compat/", "keras_ft/distribute/")
-    found = []
-    for path in modules().values():
-        relative = os.path.relpath(path, os.path.dirname(PACKAGE))
-        if relative.startswith(allowed):
-            continue
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if "backend.backend() ==" in line or "backend.backend() !=" in line:
-                    found.append(f"{relative}:{number}")
-    assert found == []
+    branches = ("backend.backend() ==", "backend.backend() !=")
+    assert lines_with(branches, allowed) == []
