@@ -81,7 +81,7 @@ def test_an_uncaught_error_ends_the_process_with_its_status(tmp_path, kind, stat
 
 @ONCE
 def test_the_documented_scheduler_policies_use_the_codes_keras_ft_exits_with():
-    """The YAML in the design notes parses, and its exit codes are the ones
+    """The YAML in docs/internals.md parses, and its exit codes are the ones
     the package uses: preempted, retryable (a stall or a lost peer, or JAX's
     abort), and a bug."""
     import re
@@ -90,7 +90,7 @@ def test_the_documented_scheduler_policies_use_the_codes_keras_ft_exits_with():
     import yaml
     from conftest import TESTS_DIR
 
-    with open(f"{TESTS_DIR}/../docs/design.md") as f:
+    with open(f"{TESTS_DIR}/../docs/internals.md") as f:
         blocks = re.findall(r"```yaml\n(.*?)```", f.read(), re.S)
     policies = [yaml.safe_load(textwrap.dedent(block)) for block in blocks]
     pod = next(p["podFailurePolicy"] for p in policies if "podFailurePolicy" in p)
