@@ -62,6 +62,10 @@ class LocalTier:
     ):
         self.store, self.bucket, self.task = store, bucket, task
         self._state = state
+        # The bucket checkpoint this machine last committed, as noted; read
+        # from the note (the last run's) when first needed.
+        self._committed: dict | None = None
+        self._committed_known = False
 
     def newest(
         self, read: Callable[[Checkpoint, ReadProgress], Any]
@@ -170,27 +174,70 @@ class LocalTier:
         bucket = self.bucket.checkpoints()
         return self._bucket_position(bucket[-1]) if bucket else None
 
+    def uploading(self, checkpoint: Checkpoint, metadata: dict) -> None:
+        """Notes in the local tier, right before the bucket commits
+        `checkpoint` (saved at `metadata`'s point), that it may be the
+        bucket's newest: a process killed before `uploaded()` (between the
+        commit and its note) still finds it noted."""
+        self._note(committing=_noted(checkpoint, metadata))
+
     def uploaded(self, checkpoint: Checkpoint, metadata: dict) -> None:
         """Notes in the local tier that `checkpoint` (saved at `metadata`'s
         point) is the bucket's newest, as far as this machine knows: a
         restore that finds it so reads nothing in the bucket but its
         listing."""
-        note = {"sequence": checkpoint.sequence, "position": _position(metadata)}
-        self.store.replace_notice(_UPLOADED_NOTICE, json.dumps(note).encode())
+        self._committed = _noted(checkpoint, metadata)
+        self._committed_known = True
+        self._note()
+
+    def upload_failed(self) -> None:
+        """Takes back `uploading()`'s note: that commit did not happen, and
+        its number may go to another checkpoint."""
+        self._note()
+
+    def _note(self, committing: dict | None = None) -> None:
+        """Writes the note: the bucket checkpoint this machine last
+        committed, and the one it is committing (if any). Unwritten, the
+        note is only out of date: a restore then reads the bucket's."""
+        if not self._committed_known:
+            self._committed = self._read_note().get("committed")
+            self._committed_known = True
+        note = {"committed": self._committed}
+        if committing is not None:
+            note["committing"] = committing
+        try:
+            self.store.replace_notice(_UPLOADED_NOTICE, json.dumps(note).encode())
+        except OSError as e:
+            events.log("tier", f"the local tier's note of uploads is not written: {e}")
+
+    def _read_note(self) -> dict:
+        """The note's entries by name (`{}` if there is none or it is
+        damaged); a note of an earlier version is its `committed` entry."""
+        try:
+            note = json.loads(self.store.read_notice(_UPLOADED_NOTICE) or b"")
+        except (OSError, ValueError, RecursionError):
+            return {}
+        if isinstance(note, dict) and "sequence" in note:
+            return {"committed": note}
+        return note if isinstance(note, dict) else {}
 
     def _bucket_position(self, newest: Checkpoint) -> tuple[int, int, int]:
         """How far training was at the bucket's newest checkpoint: from this
-        machine's note if it uploaded that one, else from its metadata."""
-        data = self.store.read_notice(_UPLOADED_NOTICE)
-        try:
-            note = json.loads(data or b"")
-            if note["sequence"] == newest.sequence:
-                return _position(
-                    dict(zip(_POSITION_KEYS, note["position"], strict=True))
-                )
-        except (ValueError, TypeError, KeyError, RecursionError):
-            pass  # No note, or a damaged one: the bucket says.
+        machine's note if it committed that one, else from its metadata."""
+        for entry in self._read_note().values():
+            try:
+                if entry["sequence"] == newest.sequence:
+                    return _position(
+                        dict(zip(_POSITION_KEYS, entry["position"], strict=True))
+                    )
+            except (TypeError, KeyError, ValueError):
+                continue  # A damaged entry: the bucket says.
         return _position(self.bucket.unverified_metadata(newest))
+
+
+def _noted(checkpoint: Checkpoint, metadata: dict) -> dict:
+    """A bucket checkpoint as the note names it."""
+    return {"sequence": checkpoint.sequence, "position": _position(metadata)}
 
 
 def _bucket_newer(

@@ -709,7 +709,7 @@ def test_a_preemption_backs_up_to_the_local_tier_first(tmp_path, data):
     tier = keras_ft.checkpoint.store.open_store(str(tmp_path / "ssd" / name))
     assert tier.unverified_metadata(tier.checkpoints()[-1])["step"] == step
     with open(os.path.join(tier.directory, "uploaded.json")) as f:
-        assert json.load(f) == {"sequence": 1, "position": [0, 4, step]}
+        assert json.load(f) == {"committed": {"sequence": 1, "position": [0, 4, step]}}
 
 
 def test_check_extra_makes_a_checkpoint_whose_extra_it_refuses_damaged(

@@ -172,7 +172,11 @@ class LocalStorage:
         )
 
     def commit(
-        self, staging: Staging, names: list[str], before_number: Callable[[], None]
+        self,
+        staging: Staging,
+        names: list[str],
+        before_number: Callable[[], None],
+        numbered: Callable[[Checkpoint], None],
     ) -> Checkpoint:
         """Syncs the staged files and renames the directory: the commit."""
         if staging.from_paths or staging.in_place:
@@ -187,6 +191,7 @@ class LocalStorage:
         committed = self.checkpoints()
         sequence = committed[-1].sequence + 1 if committed else 1
         final = os.path.join(self.directory, checkpoint_name(sequence))
+        numbered(Checkpoint(sequence, final))
         # rename() of a directory is atomic, and refuses to replace a
         # non-empty directory, so no committed checkpoint is ever overwritten.
         self._rename(staging.path, final)

@@ -277,7 +277,11 @@ class ObjectStorage:
         return Staging(path, cancel, sync=False)  # Uploaded, not kept.
 
     def commit(
-        self, staging: Staging, names: list[str], before_number: Callable[[], None]
+        self,
+        staging: Staging,
+        names: list[str],
+        before_number: Callable[[], None],
+        numbered: Callable[[Checkpoint], None],
     ) -> Checkpoint:
         """Uploads the staged files concurrently, then the manifest: the
         commit. What was uploaded of a failed or called-off commit is
@@ -311,6 +315,7 @@ class ObjectStorage:
             if shown is not None:
                 shown.close()
             staging.check_cancelled()
+            numbered(committed)
             self._commit_manifest(local(MANIFEST_FILE), committed)
         except _Refused:
             raise LeaseLapsedError(

@@ -142,10 +142,15 @@ class Storage(Protocol):
         ...
 
     def commit(
-        self, staging: Staging, names: list[str], before_number: Callable[[], None]
+        self,
+        staging: Staging,
+        names: list[str],
+        before_number: Callable[[], None],
+        numbered: Callable[[Checkpoint], None],
     ) -> Checkpoint:
         """Makes the staged files `names` (manifest included) durable, calls
-        `before_number()`, then commits them under the next number."""
+        `before_number()`, then commits them under the next number, calling
+        `numbered()` with the checkpoint they become right before."""
         ...
 
     def unstage(self, staging: Staging) -> None:
@@ -553,6 +558,7 @@ class CheckpointStore:
         cancel: threading.Event | None = None,
         after: Callable[[], None] | None = None,
         supersedes: Callable[[], Checkpoint | None] | None = None,
+        committing: Callable[[Checkpoint], None] | None = None,
     ) -> Checkpoint:
         """Writes and atomically commits a new checkpoint.
 
@@ -571,6 +577,10 @@ class CheckpointStore:
                 the checkpoint it replaces (or `None`), which is deleted
                 before retention runs, so that it takes no older
                 checkpoint's place. Defaults to `None`.
+            committing: Called with the checkpoint (its number and path)
+                right before the commit makes it visible: a note of what is
+                being committed, written there, is never later than the
+                commit. Defaults to `None`.
 
         Returns:
             The committed checkpoint.
@@ -596,7 +606,10 @@ class CheckpointStore:
                 body = manifest_body(files, time.time(), self._key)
                 f.write(json_bytes(body, indent=1))
             committed = self.storage.commit(
-                staging, [*files, MANIFEST_FILE], after or (lambda: None)
+                staging,
+                [*files, MANIFEST_FILE],
+                after or (lambda: None),
+                committing or (lambda checkpoint: None),
             )
         finally:
             self.storage.unstage(staging)

@@ -136,19 +136,16 @@ class TieredStore:
         backup's store. `after()` runs before each commit; a save that
         `replaced` supersedes is deleted once it is committed."""
         if self.local is None or direct:
-            committed = self.backup.save(
+            return self._to_bucket(
                 write, metadata, cancel, after, self._superseded(replaced, "bucket")
             )
-            if self.tier is not None:  # A sharded save's bucket copy.
-                self.tier.uploaded(committed, metadata)
-            return committed
         committed = self.local.save(
             write, metadata, cancel, after, self._superseded(replaced, "local")
         )
         if not to_bucket:
             return committed
         local = committed
-        committed = self.backup.save(
+        committed = self._to_bucket(
             functools.partial(_copy_of, self.local, local),
             metadata,
             cancel,
@@ -156,9 +153,32 @@ class TieredStore:
             self._superseded(replaced, "bucket"),
         )
         self._copies[committed.path] = local
-        self.tier.uploaded(committed, metadata)
         while len(self._copies) > _REMEMBERED:
             del self._copies[next(iter(self._copies))]
+        return committed
+
+    def _to_bucket(
+        self,
+        write: Callable[[Staging], None],
+        metadata: dict,
+        cancel: Any,
+        after: Callable[[], None],
+        supersedes: Callable[[], Checkpoint | None] | None,
+    ) -> Checkpoint:
+        """Commits one save into the backup's store; with a local tier, the
+        tier's note says which checkpoint that is from right before the
+        commit (`LocalTier.uploading()`)."""
+        if self.tier is None:
+            return self.backup.save(write, metadata, cancel, after, supersedes)
+        committing = functools.partial(self.tier.uploading, metadata=metadata)
+        try:
+            committed = self.backup.save(
+                write, metadata, cancel, after, supersedes, committing
+            )
+        except BaseException:
+            self.tier.upload_failed()
+            raise
+        self.tier.uploaded(committed, metadata)
         return committed
 
     def _superseded(
