@@ -14,8 +14,8 @@ from keras_ft.checkpoint.lock import check_platform
 from keras_ft.distribute.cluster import TaskSpec
 from keras_ft.fit_batches import FitBatches
 from keras_ft.fit_begin import close_stale, open_backup, resume_fit, watch_cluster
-from keras_ft.fit_saves import FitSaves, check_on_save_error
-from keras_ft.options import BackupOptions
+from keras_ft.fit_saves import FitSaves
+from keras_ft.options import BackupOptions, FitOptions
 from keras_ft.state import ResumePoint, rng
 from keras_ft.state.training_state import optimizer_step
 from keras_ft.state.weights_copy import CopyBuffer
@@ -29,15 +29,13 @@ from keras_ft.training import (
     watchdog,
 )
 from keras_ft.training.goodput import GoodputRecorder
-from keras_ft.training.listeners import CheckpointListener, check_listeners
+from keras_ft.training.listeners import CheckpointListener
 from keras_ft.training.preemption import (
     Preemption,
-    check_grace_period,
     exit_after,
-    parse_signals,
 )
 from keras_ft.training.services import BackupService
-from keras_ft.training.warm_start import WarmStart, warm_start_from
+from keras_ft.training.warm_start import WarmStart
 from keras_ft.worker_training_state import WorkerTrainingState
 
 
@@ -215,19 +213,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         snapshot: str = "auto",
         goodput_file: str | os.PathLike | None = None,
     ):
-        # Long for a reason: one line per argument (as in the README's API
-        # block), each checked here so that a bad value fails when the
-        # callback is made, as Keras' own callbacks fail.
         super().__init__()
         check_platform()
-        if goodput_file is not None and not isinstance(
-            goodput_file, (str, os.PathLike)
-        ):
-            raise ValueError(
-                "Invalid value for argument `goodput_file`. Expected a path to a "
-                f"file, or None. Received: goodput_file={goodput_file!r}"
-            )
-        self.goodput_file = goodput_file
         # Checked once, here; each fit()'s WorkerTrainingState takes it whole.
         self.options = BackupOptions(
             backup_dir,
@@ -242,40 +229,37 @@ class BackupAndRestore(keras.callbacks.Callback):
         )
         if double_checkpoint and keep < 2:  # Keras' two files: two checkpoints.
             self.options = dataclasses.replace(self.options, keep=2)
-        self.backup_dir, self.local_dir = (
-            self.options.backup_dir,
-            self.options.local_dir,
+        self.fit_options = FitOptions(
+            save_freq,
+            double_checkpoint,
+            delete_checkpoint,
+            overhead_budget=overhead_budget,
+            save_every_seconds=save_every_seconds,
+            on_save_error=on_save_error,
+            preemption_signals=preemption_signals,
+            grace_period=grace_period,
+            exit_on_preemption=exit_on_preemption,
+            warm_start=warm_start,
+            listeners=listeners,
+            local_dir=self.options.local_dir,
+            local_save_freq=local_save_freq,
+            stall_timeout=stall_timeout,
+            first_batch_timeout=first_batch_timeout,
+            goodput_file=goodput_file,
         )
-        self._local_schedule = policy.local_schedule(local_save_freq, self.local_dir)
-        self.local_save_freq = local_save_freq
-        watchdog.check_stall_timeout(stall_timeout, first_batch_timeout)
-        self.stall_timeout = stall_timeout
-        self.first_batch_timeout = float(first_batch_timeout)
+        # Keras' callbacks keep their arguments as attributes of these names.
+        for options in (self.fit_options, self.options):
+            for field in dataclasses.fields(options):
+                setattr(self, field.name, getattr(options, field.name))
+        self._schedule, self._local_schedule = self.fit_options.schedules()
+        self._backs_up_stopped_epochs = self.fit_options.backs_up_stopped_epochs
         self._deadline = watchdog.FitDeadline()
         self._goodput: GoodputRecorder | None = None
-        self.warm_start = warm_start_from(warm_start)
-        self.listeners = check_listeners(listeners)
         # fit() builds the model before any callback runs: fix that part of
         # Keras for multi-worker strategies now.
         compat.install_multi_worker_fixes_if_needed()
-        self._schedule = policy.schedule_from_arguments(
-            save_freq, overhead_budget, save_every_seconds
-        )
-        # An epoch cut short by another callback is backed up where it stopped
-        # only if the user asked for saves beyond preemption ones.
-        self._backs_up_stopped_epochs = (
-            save_freq is not False or save_every_seconds is not None
-        )
-        check_on_save_error(on_save_error)
-        self.save_freq = save_freq
-        self.save_every_seconds = save_every_seconds
-        self.double_checkpoint = bool(double_checkpoint)
-        self.delete_checkpoint = bool(delete_checkpoint)
-        self.verbose = verbose
-        self.on_save_error = on_save_error
-        self.exit_on_preemption = bool(exit_on_preemption)
         self._preemption = Preemption(
-            parse_signals(preemption_signals), check_grace_period(grace_period)
+            self.fit_options.preemption_signals, self.fit_options.grace_period
         )
         self._state: WorkerTrainingState | None = None
         self._callbacks: callback_state.FitCallbacks | None = None

@@ -330,14 +330,6 @@ class FitSaves:
             raise
 
 
-def check_on_save_error(value: object) -> None:
-    if value not in ("raise", "warn"):
-        raise ValueError(
-            "Invalid value for argument `on_save_error`. Expected 'raise' or "
-            f"'warn'. Received: on_save_error={value!r}"
-        )
-
-
 def _non_finite_text(error: NonFiniteStateError, where: str | None = None) -> str:
     shown = ", ".join(error.variables[:3])
     return f"{shown} hold NaN or infinity at {error.at or where}"

@@ -1,4 +1,4 @@
-"""`BackupOptions`: a training's backup options, checked once."""
+"""`BackupOptions` and `FitOptions`: a training's options, checked once."""
 
 from __future__ import annotations
 
@@ -96,3 +96,53 @@ def test_the_callback_checks_its_options_once_for_every_fit(
     for _ in range(2):
         model.fit(*data, epochs=1, batch_size=16, verbose=0, callbacks=[callback])
     assert made == []
+
+
+@ONCE
+@pytest.mark.parametrize(
+    "arguments, named",
+    [
+        ({"save_freq": 0}, "save_freq=0"),
+        ({"save_freq": "batch"}, "save_freq='batch'"),
+        ({"overhead_budget": 2}, "overhead_budget"),
+        ({"save_every_seconds": -1}, "save_every_seconds=-1"),
+        ({"on_save_error": "ignore"}, "on_save_error='ignore'"),
+        ({"preemption_signals": ("SIGNOPE",)}, "SIGNOPE"),
+        ({"grace_period": 0}, "grace_period=0"),
+        ({"warm_start": 3}, "warm_start"),
+        ({"listeners": [object()]}, "listeners"),
+        ({"local_save_freq": 5}, "local_dir` is None"),
+        ({"local_dir": "/tier", "local_save_freq": 0}, "local_save_freq=0"),
+        ({"stall_timeout": -5}, "stall_timeout"),
+        ({"first_batch_timeout": 0}, "first_batch_timeout"),
+        ({"goodput_file": 7}, "goodput_file=7"),
+    ],
+)
+def test_each_fit_option_is_checked_when_made(arguments, named):
+    with pytest.raises(ValueError, match=named):
+        options_module.FitOptions(**arguments)
+
+
+@ONCE
+def test_fit_options_are_normalized_and_the_callback_shows_them(tmp_path):
+    import signal
+
+    fit = options_module.FitOptions(
+        save_freq=False, preemption_signals="SIGUSR1", grace_period=3,
+        exit_on_preemption=0, first_batch_timeout=60,
+    )  # fmt: skip
+    assert fit.preemption_signals == (signal.SIGUSR1,)
+    assert fit.grace_period == 3.0 and fit.first_batch_timeout == 60.0
+    assert fit.exit_on_preemption is False and fit.listeners == ()
+    assert not fit.backs_up_stopped_epochs  # Only preemption saves asked for.
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fit.save_freq = 3
+    # Each call: new schedules, so that one fit()'s counts are not another's.
+    assert fit.schedules()[0] is not fit.schedules()[0]
+
+    callback = keras_ft.BackupAndRestore(
+        str(tmp_path / "backup"), save_freq=4, keep=3, exit_on_preemption=0
+    )
+    assert callback.fit_options.save_freq == callback.save_freq == 4
+    assert callback.keep == 3 and callback.exit_on_preemption is False
+    assert callback.fit_options.backs_up_stopped_epochs
