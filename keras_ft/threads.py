@@ -273,6 +273,8 @@ checker = _Pool(1, "keras-ft-finite-check")
 # next training steps (the writer follows it).
 mover = _Pool(1, "keras-ft-device-to-host")
 _POOLS = (hasher, syncer, verifier, remover, transfer, copy_helper, checker, mover)
+# How many trainings hold the pools: they outlive any one fit() (a save in
+# flight), and the last training to let go shuts them down.
 _holders = 0
 _holders_lock = threading.Lock()
 # Trainings garbage-collected while holding the pools, one entry each, added

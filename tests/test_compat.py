@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import keras
@@ -19,8 +20,11 @@ EPOCHS = 4
 @pytest.fixture(autouse=True)
 def _fresh_registry(monkeypatch):
     """Each test starts with no capability failed or warned about."""
-    monkeypatch.setattr(registry, "_failed", {})
-    monkeypatch.setattr(registry, "_warned", set())
+    fresh = {
+        name: dataclasses.replace(status, failed=None, warned=False)
+        for name, status in registry._known.items()
+    }
+    monkeypatch.setattr(registry, "_known", fresh)
 
 
 class InterruptAtEpochEnd(keras.callbacks.Callback):

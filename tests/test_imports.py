@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 
 from conftest import TESTS_DIR, run_once_on
 
@@ -273,3 +274,93 @@ def test_each_module_has_a_test_file_of_its_own():
         f"{sorted(WITHOUT_A_TEST_FILE - missing)} now have a test file: take them "
         "off WITHOUT_A_TEST_FILE"
     )
+
+
+# Process-wide state: module-level containers something adds to, names a
+# function rebinds (`global`), and cached functions. Issue 55 asks for at
+# most 6; this list only shrinks, and each entry says above it why it must
+# outlive a fit().
+PROCESS_WIDE = frozenset(
+    """
+    backend.jit_cache._compiled checkpoint.lease._HELD checkpoint.local._WRITTEN
+    checkpoint.lock._held checkpoint.scratch._owned checkpoint.scratch._reaped
+    compat.jax_cluster._calls compat.multi_worker._installed
+    compat.registry._known compat.saving._cached_skipset
+    compat.saving._recorder_class compat.saving._views_class
+    distribute.launch._jax_started_here distribute.launch._jax_warned
+    events._said fit_begin._fits_opened saves.queue._holders saves.queue._writers
+    threads._collected threads._discards threads._holders threads._removals
+    training.preemption._fork training.tuner._executions
+    training.watchdog._sentinels training.watchdog._sentinels_lock
+    training.watchdog._wakeup_write
+    """.split()  # noqa: SIM905
+)
+_CONTAINERS = ("dict", "set", "list", "WeakKeyDictionary", "WeakValueDictionary",
+               "WeakSet", "local", "defaultdict", "deque")  # fmt: skip
+# A container changed in place: an item set, or a method that adds or removes.
+_MUTATION = (
+    r"\b{}(\[[^\]]*\]\s*=[^=]"  # An item set,
+    r"|\.(add|append|setdefault|update|pop|discard|clear|remove)\("  # added,
+    r"|\.\w+\s*=[^=])"  # or an attribute set (a threading.local's).
+)
+
+
+def said_above(lines: list[str], node: ast.stmt) -> bool:
+    """Whether a comment is in the block of lines right above `node` (its
+    decorators included): one comment may speak for a group."""
+    row = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+    while row > 1 and lines[row - 2].strip():
+        if lines[row - 2].strip().startswith("#"):
+            return True
+        row -= 1
+    return False
+
+
+def process_wide() -> dict[str, bool]:
+    """Each piece of process-wide state, and whether a comment is above it."""
+    found = {}
+    for module, path in modules().items():
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        lines, tree = text.splitlines(), ast.parse(text)
+        rebound = {
+            name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Global)
+            for name in node.names
+        }
+        for node in tree.body:
+            names, value = [], None
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                if any("cache" in ast.unparse(d) for d in node.decorator_list):
+                    names = [node.name]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = (
+                    node.targets if isinstance(node, ast.Assign) else [node.target]
+                )
+                names = [t.id for t in targets if isinstance(t, ast.Name)]
+                value = node.value
+            for name in names:
+                container = isinstance(value, (ast.Dict, ast.Set, ast.List)) or (
+                    isinstance(value, ast.Call)
+                    and ast.unparse(value.func).split(".")[-1] in _CONTAINERS
+                )
+                mutated = re.search(_MUTATION.format(re.escape(name)), text)
+                if value is None or name in rebound or (container and mutated):
+                    found[f"{module.removeprefix('keras_ft.')}.{name}"] = said_above(
+                        lines, node
+                    )
+    return found
+
+
+@ONCE
+def test_process_wide_state_does_not_grow_and_says_why():
+    found = process_wide()
+    assert set(found) <= PROCESS_WIDE, (
+        f"{sorted(set(found) - PROCESS_WIDE)}: state that outlives a fit() belongs "
+        "to the training (its writer, its state), not to a module"
+    )
+    assert set(found) == PROCESS_WIDE, (
+        f"{sorted(PROCESS_WIDE - set(found))} are gone: take them off PROCESS_WIDE"
+    )
+    assert [name for name, said in found.items() if not said] == []

@@ -40,6 +40,8 @@ __all__ = ["make", "remove", "reap"]
 # lock goes with the process, which is how the next process knows it died).
 _owned: dict[str, int] = {}
 _owned_lock = threading.Lock()
+# Dead processes' directories are removed once per process, at its first
+# scratch directory.
 _reaped = False
 
 

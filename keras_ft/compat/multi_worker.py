@@ -38,6 +38,7 @@ from keras_ft.compat.registry import fail, register, usable
 # Keras (major, minor) versions checked to need, and to work with, the fixes.
 CHECKED_KERAS_VERSIONS = ((3, 10), (3, 11), (3, 12), (3, 13), (3, 14), (3, 15), (3, 16))
 _ENV = "KERAS_FT_MULTI_WORKER_FIXES"
+# Keras is patched once per process: every model built after uses the fixes.
 _installed = False
 
 

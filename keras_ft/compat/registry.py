@@ -43,13 +43,20 @@ class Capability:
     applies: Callable[[], bool] = lambda: True
 
 
+@dataclasses.dataclass
+class _Status:
+    """What this process has learned of one capability."""
+
+    capability: Capability
+    works: bool | None = None  # The check's verdict, once it ran.
+    failed: str | None = None  # Why a use raised.
+    disabled_here: bool = False  # Inside a `disabled()` block.
+    warned: bool = False
+
+
 # What this process's Keras, TensorFlow and JAX have: the same for every
 # training in it, so learned and said once per process.
-_CAPABILITIES: dict[str, Capability] = {}
-_checked: dict[str, bool] = {}
-_failed: dict[str, str] = {}  # Name: why a use raised.
-_disabled_here: set[str] = set()
-_warned: set[str] = set()
+_known: dict[str, _Status] = {}
 
 
 def register(
@@ -58,26 +65,27 @@ def register(
     """Decorates a check function, registering the capability it checks."""
 
     def decorate(check: Callable[[], bool]) -> Callable[[], bool]:
-        _CAPABILITIES[name] = Capability(name, lost, check, applies or (lambda: True))
+        _known[name] = _Status(Capability(name, lost, check, applies or (lambda: True)))
         return check
 
     return decorate
 
 
 def names() -> list[str]:
-    return sorted(_CAPABILITIES)
+    return sorted(_known)
 
 
 def available(name: str) -> bool:
     """Whether `name` can be used here (checked once); never warns."""
-    if name in _disabled_here or name in _failed or name in _disabled_by_env():
+    status = _known[name]
+    if status.disabled_here or status.failed or name in _disabled_by_env():
         return False
-    if name not in _checked:
+    if status.works is None:
         try:
-            _checked[name] = bool(_CAPABILITIES[name].check())
+            status.works = bool(status.capability.check())
         except Exception:  # A check that cannot run is a missing internal.
-            _checked[name] = False
-    return _checked[name]
+            status.works = False
+    return status.works
 
 
 def usable(name: str) -> bool:
@@ -90,24 +98,24 @@ def usable(name: str) -> bool:
 
 def fail(name: str, error: BaseException) -> None:
     """Marks `name` unavailable after a use raised, and warns once."""
-    _failed[name] = f"{type(error).__name__}: {error}"
+    _known[name].failed = f"{type(error).__name__}: {error}"
     warn_lost(name)
 
 
 def warn_lost(name: str) -> None:
-    if name in _warned:
+    status = _known[name]
+    if status.warned:
         return
-    _warned.add(name)
-    capability = _CAPABILITIES[name]
-    if name in _disabled_here or name in _disabled_by_env():
+    status.warned = True
+    if status.disabled_here or name in _disabled_by_env():
         why = f"turned off by {DISABLE_ENV}"
-    elif name in _failed:
-        why = f"using it raised {_failed[name]}"
+    elif status.failed:
+        why = f"using it raised {status.failed}"
     else:
         why = "its internals moved"
     events.warn(
         "compat",
-        f"keras-ft: {capability.lost} (Keras {keras.__version__}: {why}; "
+        f"keras-ft: {status.capability.lost} (Keras {keras.__version__}: {why}; "
         f"capability {name!r}). Backups and resumes still work.",
         CompatibilityWarning,
         stacklevel=3,
@@ -121,9 +129,9 @@ def probe(warn: bool = True) -> dict[str, bool]:
         `{name: available}` for the capabilities that apply.
     """
     found = {}
-    for name, capability in sorted(_CAPABILITIES.items()):
+    for name, status in sorted(_known.items()):
         try:
-            applies = capability.applies()
+            applies = status.capability.applies()
         except Exception:
             applies = False
         if not applies:
@@ -138,24 +146,27 @@ def probe(warn: bool = True) -> dict[str, bool]:
 def disabled(*capabilities: str) -> Iterator[None]:
     """Makes `capabilities` unavailable inside the block, as on a Keras
     without them; each warns again on its first use there."""
-    unknown = set(capabilities) - set(_CAPABILITIES)
+    unknown = set(capabilities) - set(_known)
     if unknown:
         raise ValueError(
             f"Unknown keras-ft capabilities {sorted(unknown)}; known: {names()}."
         )
-    added = set(capabilities) - _disabled_here
-    _disabled_here.update(added)
-    warned = _warned & added
-    _warned.difference_update(added)
+    # Those not off already: each with whether it had warned before.
+    added = {
+        name: _known[name].warned
+        for name in capabilities
+        if not _known[name].disabled_here
+    }
+    for name in added:
+        _known[name].disabled_here, _known[name].warned = True, False
     try:
         yield
     finally:
-        _disabled_here.difference_update(added)
-        _warned.difference_update(added)
-        _warned.update(warned)
+        for name, warned in added.items():
+            _known[name].disabled_here, _known[name].warned = False, warned
 
 
 def _disabled_by_env() -> set[str]:
     value = os.environ.get(DISABLE_ENV, "")
     requested = {n.strip() for n in value.split(",") if n.strip()}
-    return set(_CAPABILITIES) if "all" in requested else requested
+    return set(_known) if "all" in requested else requested

@@ -123,11 +123,15 @@ def _skipsets_cached() -> Iterator[None]:
         saving_lib.get_attr_skipset = original
 
 
+# One cached walk per Keras function for the process: the skip sets depend
+# only on the object type.
 @functools.cache
 def _cached_skipset(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return functools.cache(original)
 
 
+# Made once per process, when first needed: the class derives from a private
+# Keras class that may be gone (then only this use falls back).
 @functools.cache
 def _recorder_class() -> type:
     from keras.src.saving import saving_lib
@@ -165,6 +169,7 @@ def _recorder_class() -> type:
     return Recorder
 
 
+# Made once per process, when first needed (as `_recorder_class`).
 @functools.cache
 def _views_class() -> type:
     from keras.src.saving import saving_lib

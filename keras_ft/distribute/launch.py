@@ -22,7 +22,9 @@ from collections.abc import Mapping
 from keras_ft import events
 from keras_ft.distribute.cluster import TaskSpec, current_task
 
-_jax_started_here = False  # By initialize_cluster(), with short timeouts.
+# The process's one JAX cluster: started by initialize_cluster() (with short
+# timeouts) or elsewhere, which is said once.
+_jax_started_here = False
 _jax_warned = False
 
 
