@@ -25,6 +25,9 @@ class CorruptCheckpointError(CheckpointError):
         self.path = path
         self.reason = reason
 
+    def __reduce__(self):  # Made again from its arguments, across processes.
+        return type(self), (self.path, self.reason)
+
 
 class NoGoodCheckpointError(CheckpointError):
     """Checkpoints exist, but every one of them failed verification."""
@@ -79,6 +82,9 @@ class NonFiniteStateError(CheckpointError):
             "is kept."
         )
 
+    def __reduce__(self):
+        return type(self), (self.variables, self.at)
+
 
 class ConfigurationChangedError(ValueError):
     """The backup was written by a training configured otherwise.
@@ -91,7 +97,7 @@ class ConfigurationChangedError(ValueError):
     """
 
     def __init__(self, directory: str, changes: list[str], unfit: str | None = None):
-        self.changes = list(changes)
+        self.directory, self.changes, self.unfit = directory, list(changes), unfit
         if unfit is None:
             fix = (
                 "Use another `backup_dir` to start this training afresh, or "
@@ -108,6 +114,9 @@ class ConfigurationChangedError(ValueError):
             f"The backup in {directory} was written by a training configured "
             f"otherwise: {summary(self.changes)}. {fix}"
         )
+
+    def __reduce__(self):
+        return type(self), (self.directory, self.changes, self.unfit)
 
 
 def summary(changes: list[str]) -> str:
