@@ -221,9 +221,7 @@ WITHOUT_A_TEST_FILE = frozenset(
     [
         "backend.cross_process",
         "backend.device_memory",
-        "backend.fit_loop",
         "backend.jit_cache",
-        "backend.random_state",
         "checkpoint.downloads",
         "checkpoint.files",
         "checkpoint.lease",
