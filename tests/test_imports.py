@@ -221,7 +221,6 @@ WITHOUT_A_TEST_FILE = frozenset(
     [
         "backend.cross_process",
         "backend.device_memory",
-        "backend.jit_cache",
         "checkpoint.downloads",
         "checkpoint.files",
         "checkpoint.lease",
@@ -229,7 +228,6 @@ WITHOUT_A_TEST_FILE = frozenset(
         "checkpoint.parts",
         "checkpoint.transfers",
         "checkpoint.verify",
-        "compat.building",
         "compat.data",
         "compat.grain_input",
         "compat.jax_cluster",
