@@ -358,3 +358,24 @@ def test_process_wide_state_does_not_grow_and_says_why():
         f"{sorted(PROCESS_WIDE - set(found))} are gone: take them off PROCESS_WIDE"
     )
     assert [name for name, said in found.items() if not said] == []
+
+
+# Public methods of the storage interface and of each storage. Issue 55 asks
+# for at most 12 each (Lightning's CheckpointIO has 4, Orbax's TemporaryPath 8):
+# these only go down.
+STORAGE_METHODS = {"Storage": 32, "LocalStorage": 33, "ObjectStorage": 33}
+
+
+@ONCE
+def test_the_storage_seam_does_not_widen():
+    from keras_ft.checkpoint import local, remote, store
+
+    for cls in (store.Storage, local.LocalStorage, remote.ObjectStorage):
+        public = [
+            n
+            for n, v in vars(cls).items()
+            if not n.startswith("_") and (callable(v) or isinstance(v, property))
+        ]
+        assert len(public) <= STORAGE_METHODS[cls.__name__], (
+            f"{cls.__name__} has {len(public)} public methods: {sorted(public)}"
+        )
