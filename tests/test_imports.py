@@ -238,7 +238,6 @@ WITHOUT_A_TEST_FILE = frozenset(
         "fit_saves",
         "saves.chief",
         "saves.parts",
-        "saves.queue",
         "saves.shards",
         "saves.throwaway",
         "saves.tiers",

@@ -1,0 +1,117 @@
+"""One training's saves in flight on its directory's writer thread
+(`keras_ft/saves/queue.py`): in order, a save that replaces the last calling
+it off, synchronous or not, and one holder per directory. Through whole
+trainings: `test_saves.py`, `test_callback.py`."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from conftest import run_once_on
+
+from keras_ft.checkpoint.format import Checkpoint
+from keras_ft.errors import CheckpointWriteError
+from keras_ft.saves import queue as queue_module
+from keras_ft.saves.queue import SaveQueue
+
+ONCE = run_once_on("torch", "threads; the backend does not matter")
+
+
+class Training:
+    """What a queue asks of the training it belongs to: to finish its
+    writes, and to let go of its lock."""
+
+    def __init__(self, error: Exception | None = None):
+        self.error, self.calls = error, []
+
+    def wait(self):
+        self.calls.append("wait")
+        if self.error is not None:
+            raise self.error
+
+    def unlock(self):
+        self.calls.append("unlock")
+
+
+def directory() -> str:
+    return f"/backups/{time.monotonic_ns()}"  # A writer of its own.
+
+
+def commit_as(sequence: int, seen: list, hold: threading.Event | None = None):
+    def commit(cancel, previous, replaced):
+        if hold is not None:
+            hold.wait(10)
+        if previous is not None:
+            previous.join()  # Commits keep the order of the saves.
+        seen.append((sequence, cancel.is_set(), replaced))
+        return Checkpoint(sequence, f"ckpt-{sequence}")
+
+    return commit
+
+
+@ONCE
+@pytest.mark.parametrize("async_save", [True, False])
+def test_saves_commit_in_order_and_return_when_asked(async_save):
+    training = Training()
+    queue = SaveQueue(directory(), async_save, training)
+    seen: list = []
+    for sequence in (1, 2, 3):
+        queue.start(commit_as(sequence, seen), replaces_last=False)
+        committed = queue.committed()
+        if async_save:
+            assert committed is None
+        else:  # Written before the save returns.
+            assert committed.sequence == sequence and len(seen) == sequence
+    newest = queue.wait()  # In flight: none left where each was waited for.
+    assert newest.sequence == 3 if async_save else newest is None
+    assert [s for s, _, _ in seen] == [1, 2, 3]
+
+
+@ONCE
+def test_a_save_that_replaces_the_last_calls_it_off():
+    queue = SaveQueue(directory(), True, Training())
+    seen: list = []
+    hold = threading.Event()
+    first_cancel = queue.start(commit_as(1, seen, hold), replaces_last=False)
+    second_cancel = queue.start(commit_as(2, seen), replaces_last=True)
+    assert first_cancel.is_set() and not second_cancel.is_set()
+    hold.set()
+    queue.wait()
+    (first, called_off, _), (second, _, replaced) = seen
+    assert (first, called_off, second) == (1, True, 2)
+    assert replaced is not None and replaced.result().sequence == 1
+
+
+@ONCE
+def test_discarding_calls_off_every_save_in_flight():
+    queue = SaveQueue(directory(), True, Training())
+    seen: list = []
+    hold = threading.Event()
+    cancels = [queue.start(commit_as(1, seen, hold), replaces_last=False),
+               queue.start(commit_as(2, seen), replaces_last=False)]  # fmt: skip
+    threading.Timer(0.2, hold.set).start()
+    queue.discard_pending()
+    assert all(c.is_set() for c in cancels) and not queue.busy
+
+
+@ONCE
+def test_a_later_training_closes_the_earlier_one_on_its_directory():
+    """Keras calls no on_train_end for a fit() that raised: the next
+    training on the same directory lets its writes finish, then its lock go;
+    a write of it that failed is a warning there, not this one's error."""
+    where = directory()
+    earlier = Training(CheckpointWriteError(28, "No space left on device"))
+    first = SaveQueue(where, True, earlier)
+    first.hold()
+    later = Training()
+    second = SaveQueue(where, True, later)
+    with pytest.warns(UserWarning, match="earlier fit\\(\\) failed.*No space left"):
+        second.hold()
+    assert earlier.calls == ["wait", "unlock"] and later.calls == []
+    assert queue_module._holders[where]() is later
+    first.release()  # No longer the holder: changes nothing.
+    assert queue_module._holders[where]() is later
+    second.release()
+    assert where not in queue_module._holders
