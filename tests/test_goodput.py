@@ -1,4 +1,5 @@
-"""Goodput: each attempt of a run recorded, and `keras-ft goodput`."""
+"""Goodput: each attempt of a run recorded (`keras_ft/training/goodput.py`),
+and `keras-ft goodput` (`keras_ft/goodput.py`)."""
 
 from __future__ import annotations
 
