@@ -240,7 +240,6 @@ WITHOUT_A_TEST_FILE = frozenset(
         "saves.shards",
         "saves.throwaway",
         "saves.tiers",
-        "state.contents",
         "state.saved_state",
         "state.weights_copy",
         "state.weights_layout",
