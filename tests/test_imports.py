@@ -240,7 +240,6 @@ WITHOUT_A_TEST_FILE = frozenset(
         "saves.shards",
         "saves.throwaway",
         "saves.tiers",
-        "state.saved_state",
         "state.weights_copy",
         "state.weights_layout",
         "state.weights_load",
