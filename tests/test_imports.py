@@ -229,7 +229,6 @@ WITHOUT_A_TEST_FILE = frozenset(
         "checkpoint.verify",
         "compat.data",
         "compat.grain_input",
-        "compat.registry",
         "compat.saving",
         "compat.training",
         "fit_batches",
