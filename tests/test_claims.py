@@ -1,7 +1,6 @@
-"""Who holds a backup (`keras_ft/saves/claims.py`): the chief its lock,
-another worker its own temporary directory (`saves/throwaway.py`'s
-`WorkerScratch`, the same interface). Through whole trainings:
-`test_callback.py`, `test_multi_worker.py`."""
+"""Who holds a backup (`keras_ft/saves/claims.py`): the chief its lock
+(another worker its own temporary directory: `test_throwaway.py`). Through
+whole trainings: `test_callback.py`, `test_multi_worker.py`."""
 
 from __future__ import annotations
 
@@ -15,9 +14,7 @@ from conftest import run_once_on
 from keras_ft import threads
 from keras_ft.checkpoint.format import chief_directory
 from keras_ft.checkpoint.store import open_storage, open_store
-from keras_ft.distribute.cluster import TaskSpec
 from keras_ft.saves.claims import ChiefClaim
-from keras_ft.saves.throwaway import WorkerScratch
 
 ONCE = run_once_on("torch", "locks and directories; the backend does not matter")
 
@@ -94,21 +91,3 @@ def test_a_backup_that_cannot_be_deleted_is_a_warning_and_the_lock_goes(
         claim.delete()
     assert len(store.checkpoints()) == 1
     assert not holds_lock(store.directory)
-
-
-@ONCE
-def test_a_worker_holds_only_its_own_directory(tmp_path):
-    backup_dir = str(tmp_path / "backup")
-    store = open_store(chief_directory(backup_dir))
-    task = TaskSpec("worker", 1, 2, False)
-    scratch = WorkerScratch(store, task, backup_dir)
-    os.makedirs(scratch.path)
-    with open(os.path.join(scratch.path, "stale"), "w") as f:
-        f.write("a killed save's")
-    scratch.acquire()
-    assert not os.path.exists(scratch.path)  # Emptied: one save at a time.
-    assert not os.path.exists(store.directory)  # The chief's is not touched.
-    os.makedirs(scratch.path)
-    scratch.delete()
-    scratch.release()
-    assert os.listdir(tmp_path / "backup") == []  # No trace beside the backup.

@@ -236,7 +236,6 @@ WITHOUT_A_TEST_FILE = frozenset(
         "saves.chief",
         "saves.parts",
         "saves.shards",
-        "saves.throwaway",
         "saves.tiers",
         "state.weights_copy",
         "state.weights_layout",
