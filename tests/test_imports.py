@@ -380,3 +380,39 @@ def test_the_storage_seam_does_not_widen():
         assert len(public) <= STORAGE_METHODS[cls.__name__], (
             f"{cls.__name__} has {len(public)} public methods: {sorted(public)}"
         )
+
+
+@ONCE
+def test_no_module_uses_another_modules_private_names():
+    """`from keras_ft.x import _name` and `x._name` of a keras_ft module:
+    what two modules share is public in the one that defines it."""
+    found = modules()
+    used = []
+    for module, path in found.items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        imported = {}  # Local name: the keras_ft module it is.
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "keras_ft"
+            ):
+                for alias in node.names:
+                    target = f"{node.module}.{alias.name}"
+                    if target in found:
+                        imported[alias.asname or alias.name] = target
+                    elif alias.name.startswith("_"):
+                        used.append(f"{module}: from {node.module} import {alias.name}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in found and alias.asname:
+                        imported[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in imported
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                used.append(f"{module}: {node.value.id}.{node.attr}")
+    assert used == []

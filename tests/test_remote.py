@@ -778,7 +778,7 @@ def test_a_heartbeat_never_writes_over_a_lease_taken_over_in_s3(s3_server, monke
         time.sleep(1.2)
         second.acquire()
         first._write(over=first._etag)  # As its next beat would.
-    except remote._Refused:
+    except remote.Refused:
         pass
     else:
         raise AssertionError("a beat wrote over the lease taken over")

@@ -27,7 +27,7 @@ class LocalCopies:
 
     def __init__(self, storage: ObjectStorage):
         self._storage = storage
-        self._arriving: dict[str, dict[str, transfers._RangedDownload]] = {}
+        self._arriving: dict[str, dict[str, transfers.RangedDownload]] = {}
 
     def make(
         self,
@@ -77,7 +77,7 @@ class LocalCopies:
                 ranges = functools.partial(self._read_range, checkpoint, ranged)
                 local = dataclasses.replace(local, ranges=ranges)
             self._arriving[local.path] = {
-                name: transfers._RangedDownload(
+                name: transfers.RangedDownload(
                     self._storage,
                     checkpoint,
                     name,
@@ -113,7 +113,7 @@ class LocalCopies:
         if name not in names:
             raise FileNotFoundError(errno.ENOENT, f"{name} is not read by ranges")
         key = self._storage._key(checkpoint, name)
-        return transfers._as_os_error(
+        return transfers.as_os_error(
             lambda: self._storage.fs.cat_file(key, start=offset, end=offset + size),
             f"download of {key} (bytes {offset} to {offset + size})",
         )
@@ -127,7 +127,7 @@ class LocalCopies:
     ) -> None:
         key = self._storage._key(checkpoint, name)
         with contextlib.suppress(FileNotFoundError):  # Verification says so.
-            transfers._retried(
+            transfers.retried(
                 lambda: self._storage.fs.get_file(
                     key, path, callback=transfers.moves(shown)
                 )

@@ -24,7 +24,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from keras_ft import events, threads
-from keras_ft.checkpoint.transfers import _Refused
+from keras_ft.checkpoint.transfers import Refused
 from keras_ft.errors import DirectoryInUseError, LeaseLapsedError
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ class RemoteLease:
     def _write(self, over: str | None = None) -> None:
         """Writes this writer's lease. Where the store has conditional
         writes, only over the object whose ETag is `over` (created if
-        `over` is `None`); `_Refused` if another write came first."""
+        `over` is `None`); `Refused` if another write came first."""
         holder = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
@@ -102,7 +102,7 @@ class RemoteLease:
         if not self._conditional:
             self.fs.pipe_file(self.key, data)
             return
-        written = _put_if(self.fs, self.key, data, over)
+        written = put_if(self.fs, self.key, data, over)
         etag = written.get("ETag") if isinstance(written, dict) else None
         self._etag = etag or self._etag_now()
 
@@ -123,7 +123,7 @@ class RemoteLease:
         if self._conditional:
             try:
                 self._write(over=seen)
-            except _Refused:
+            except Refused:
                 self._token = None
                 raise self._in_use(self._read() or {}) from None
         else:
@@ -169,7 +169,7 @@ class RemoteLease:
                         self._taken = held
                         return
                 self._write(over=self._etag)
-            except _Refused:  # Written since: by another (taken over), or by
+            except Refused:  # Written since: by another (taken over), or by
                 # this writer's own last beat whose answer was lost.
                 held = self._read() or {}
                 if held.get("token") == self._token:
@@ -267,7 +267,7 @@ class RemoteLease:
         )
 
 
-def _put_if(fs: Any, key: str, data: bytes, over: str | None = None) -> Any:
+def put_if(fs: Any, key: str, data: bytes, over: str | None = None) -> Any:
     """`fs.pipe_file()`, conditional: the object is created only if absent
     (`over` is `None`), or replaced only if its ETag is `over`.
 
@@ -275,16 +275,16 @@ def _put_if(fs: Any, key: str, data: bytes, over: str | None = None) -> Any:
         The store's answer (on S3, with the new ETag).
 
     Raises:
-        _Refused: if the condition does not hold.
+        Refused: if the condition does not hold.
     """
     condition = {"mode": "create"} if over is None else {"IfMatch": over}
     try:
         return fs.pipe_file(key, data, **condition)
     except FileExistsError:
-        raise _Refused() from None
+        raise Refused() from None
     except Exception as e:  # Network and service errors differ.
         if _precondition_failed(e):
-            raise _Refused() from None
+            raise Refused() from None
         raise
 
 

@@ -62,10 +62,10 @@ from keras_ft.checkpoint.format import (
 from keras_ft.checkpoint.lease import (  # noqa: F401  (also named here, as before)
     LEASE_FILE,
     LEASE_SECONDS_ENV,
+    Refused,
     RemoteLease,
-    _put_if,
-    _Refused,
     conditional_writes,
+    put_if,
 )
 from keras_ft.checkpoint.local import LocalStorage
 from keras_ft.errors import (
@@ -317,7 +317,7 @@ class ObjectStorage:
             staging.check_cancelled()
             numbered(committed)
             self._commit_manifest(local(MANIFEST_FILE), committed)
-        except _Refused:
+        except Refused:
             raise LeaseLapsedError(
                 errno.EBUSY,
                 f"{self._path(sequence)} was committed by another writer while "
@@ -333,7 +333,7 @@ class ObjectStorage:
     def next_sequence(self) -> int:
         """The number the next checkpoint takes: past every prefix there is,
         partial uploads included."""
-        listing = transfers._as_os_error(self._listing, f"listing {self.location}")
+        listing = transfers.as_os_error(self._listing, f"listing {self.location}")
         return max(listing, default=0) + 1
 
     def parts(self, tag: str, sequence: int) -> RemoteParts:
@@ -350,7 +350,7 @@ class ObjectStorage:
             return
         with open(path, "rb") as f:
             data = f.read()
-        transfers._as_os_error(lambda: _put_if(self.fs, key, data), f"upload of {key}")
+        transfers.as_os_error(lambda: put_if(self.fs, key, data), f"upload of {key}")
 
     def unstage(self, staging: Staging) -> None:
         scratch.remove(staging.path)
@@ -365,7 +365,7 @@ class ObjectStorage:
         if cancel is not None and cancel.is_set():
             raise SaveCancelled()
         callback = transfers.moves(shown)
-        transfers._as_os_error(
+        transfers.as_os_error(
             lambda: self.fs.put_file(path, key, callback=callback),
             f"upload of {key}",
         )
@@ -477,8 +477,8 @@ class ObjectStorage:
         `mode="create"` asks for); elsewhere fsspec checks, then writes, and
         two writers within one round trip may both write."""
         try:
-            transfers._retried(lambda: _put_if(self.fs, f"{self.root}/{name}", data))
-        except _Refused:
+            transfers.retried(lambda: put_if(self.fs, f"{self.root}/{name}", data))
+        except Refused:
             return False
         return True
 
@@ -496,7 +496,7 @@ class ObjectStorage:
             self.fs.rm_file(f"{self.root}/{name}")
 
     def replace(self, name: str, data: bytes) -> None:
-        transfers._as_os_error(
+        transfers.as_os_error(
             lambda: self.fs.pipe_file(f"{self.root}/{name}", data), f"writing {name}"
         )
 
@@ -589,7 +589,7 @@ class RemoteParts:
                 return f.read(limit + 1)
 
         try:
-            data = transfers._as_os_error(read, f"download of {key}")
+            data = transfers.as_os_error(read, f"download of {key}")
         except FileNotFoundError:
             return None
         if len(data) > limit:

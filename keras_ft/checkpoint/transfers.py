@@ -42,7 +42,7 @@ STREAM_CONNECTIONS = 4
 _STREAM_PARTS = 8
 
 
-class _RangedDownload:
+class RangedDownload:
     """One object downloaded in ranges on the transfer threads, written in
     place into a local file of its manifest size; `wait_for(n)` returns once
     its first n bytes are there.
@@ -90,7 +90,7 @@ class _RangedDownload:
         # The last range asks for one byte more: an object longer than its
         # manifest says returns it.
         asked = end + 1 if end == self.size else end
-        data = _retried(lambda: self._fs.cat_file(self._key, start=start, end=asked))
+        data = retried(lambda: self._fs.cat_file(self._key, start=start, end=asked))
         if len(data) != end - start:
             raise OSError(
                 errno.EIO,
@@ -142,15 +142,15 @@ class _RangedDownload:
             self._shown.close()  # Its line ends, whole or not.
 
 
-class _Refused(Exception):
+class Refused(Exception):
     """A conditional write found the object there, or changed since read."""
 
 
-def _as_os_error(action: Callable[[], _T], what: str) -> _T:
+def as_os_error(action: Callable[[], _T], what: str) -> _T:
     """`action()`, retried; a failure is an `OSError`, as a disk's would be."""
     try:
-        return _retried(action)
-    except (FileNotFoundError, _Refused):
+        return retried(action)
+    except (FileNotFoundError, Refused):
         raise
     except Exception as e:  # Any backend's error is a failed write.
         raise OSError(
@@ -159,12 +159,12 @@ def _as_os_error(action: Callable[[], _T], what: str) -> _T:
         ) from e
 
 
-def _retried(action: Callable[[], _T]) -> _T:
+def retried(action: Callable[[], _T]) -> _T:
     """`action()`, tried again with backoff on an error (not a missing file)."""
     for attempt in range(_RETRIES):
         try:
             return action()
-        except (FileNotFoundError, _Refused):
+        except (FileNotFoundError, Refused):
             raise
         except Exception:  # Network and service errors differ by backend.
             if attempt == _RETRIES - 1:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from keras_ft.compat.registry import available, fail, register, usable
-from keras_ft.compat.training import _code_names, local_up_the_stack
+from keras_ft.compat.training import code_names, local_up_the_stack
 
 
 def fit_epoch_iterator() -> Any:
@@ -41,7 +41,7 @@ def _adapter_counts_epochs() -> bool:
     from keras.src.trainers.data_adapters import array_data_adapter
 
     adapter = array_data_adapter.ArrayDataAdapter
-    return "_epoch" in _code_names(adapter.__init__)
+    return "_epoch" in code_names(adapter.__init__)
 
 
 def input_kind(epoch_iterator: Any) -> str | None:
@@ -118,9 +118,9 @@ def _check_input_skip() -> bool:
     adapter, enqueuer = _py_dataset_adapter_types()
     return (
         {"_finite_generator", "_finite_enqueuer_generator"}
-        <= _code_names(adapter._get_iterator)
-        and "py_dataset" in _code_names(adapter._finite_generator)
-        and "py_dataset" in _code_names(enqueuer._send_py_dataset)
+        <= code_names(adapter._get_iterator)
+        and "py_dataset" in code_names(adapter._finite_generator)
+        and "py_dataset" in code_names(enqueuer._send_py_dataset)
     )
 
 
@@ -333,8 +333,8 @@ def _check_array_skip() -> bool:
     adapter = _array_adapter_type()
     if keras.backend.backend() == "jax":
         # The slicing is the function it is handed, called with the indices.
-        return "_get_iterator" in _code_names(adapter.get_jax_iterator)
-    return "DataLoader" in _code_names(adapter.get_torch_dataloader)
+        return "_get_iterator" in code_names(adapter.get_jax_iterator)
+    return "DataLoader" in code_names(adapter.get_torch_dataloader)
 
 
 # What a skipped batch of arrays is: an empty tuple, a structure with no
@@ -470,7 +470,7 @@ def _check_tf_data_position() -> bool:
         and hasattr(tf.raw_ops, "DeserializeIterator")
         and getattr(getattr(iterator, "_dataset", None), "_variant_tensor", None)
         is not None
-        and "_current_iterator" in _code_names(EpochIterator._enumerate_iterator)
+        and "_current_iterator" in code_names(EpochIterator._enumerate_iterator)
     )
 
 
@@ -569,7 +569,7 @@ _STREAMS = ("GeneratorDataAdapter", "TFDatasetAdapter")
 def _check_stream_position() -> bool:
     from keras.src.trainers.epoch_iterator import EpochIterator
 
-    names = _code_names(EpochIterator._enumerate_iterator)
+    names = code_names(EpochIterator._enumerate_iterator)
     return {"_current_iterator", "_steps_seen"} <= names and callable(
         getattr(EpochIterator, "_get_iterator", None)
     )

@@ -17,7 +17,7 @@ from typing import Any
 
 from keras_ft import events
 from keras_ft.compat.registry import fail, register, usable
-from keras_ft.compat.training import _code_names
+from keras_ft.compat.training import code_names
 
 
 def _grain_in_use() -> bool:
@@ -45,9 +45,9 @@ def _check_grain_position() -> bool:
     adapter = _adapter_type()
     needed = {"_dataset"}
     if not (
-        needed <= _code_names(adapter.get_jax_iterator)
-        and needed <= _code_names(adapter.get_tf_dataset)
-        and needed <= _code_names(adapter.get_torch_dataloader)
+        needed <= code_names(adapter.get_jax_iterator)
+        and needed <= code_names(adapter.get_tf_dataset)
+        and needed <= code_names(adapter.get_torch_dataloader)
         and hasattr(grain, "IterDataset")
         and hasattr(grain, "DatasetIterator")
     ):
@@ -55,7 +55,7 @@ def _check_grain_position() -> bool:
     if keras.backend.backend() == "tensorflow":
         from keras.src.backend.tensorflow.trainer import TFEpochIterator
 
-        names = _code_names(TFEpochIterator.__init__)
+        names = code_names(TFEpochIterator.__init__)
         return {"_distributed_dataset", "_distribute_strategy"} <= names
     return True
 

@@ -19,7 +19,7 @@ import keras
 from keras_ft.compat.registry import available, fail, register, usable
 
 
-def _code_names(function: Any) -> set[str]:
+def code_names(function: Any) -> set[str]:
     """Names a function's code uses (attributes included), unwrapped."""
     code = getattr(inspect.unwrap(function), "__code__", None)
     return set(code.co_names) if code is not None else set()
@@ -33,7 +33,7 @@ def _code_names(function: Any) -> set[str]:
 def _check_initial_epoch() -> bool:
     # fit() reads `self._initial_epoch` after on_train_begin, as Keras' own
     # BackupAndRestore relies on.
-    return "_initial_epoch" in _code_names(keras.Model.fit)
+    return "_initial_epoch" in code_names(keras.Model.fit)
 
 
 def set_initial_epoch(model: keras.Model, epoch: int | None) -> bool:
@@ -127,7 +127,7 @@ _PRIVATE_COUNTERS: dict[str, tuple[str, ...]] = {
 
 
 def _uses(cls: type, names: tuple[str, ...]) -> bool:
-    used = set().union(*(_code_names(f) for f in vars(cls).values() if callable(f)))
+    used = set().union(*(code_names(f) for f in vars(cls).values() if callable(f)))
     return set(names) <= used
 
 
