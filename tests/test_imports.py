@@ -224,7 +224,6 @@ WITHOUT_A_TEST_FILE = frozenset(
         "checkpoint.downloads",
         "checkpoint.files",
         "checkpoint.local",
-        "checkpoint.transfers",
         "checkpoint.verify",
         "compat.data",
         "compat.grain_input",
