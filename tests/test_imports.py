@@ -223,7 +223,6 @@ WITHOUT_A_TEST_FILE = frozenset(
         "backend.device_memory",
         "checkpoint.downloads",
         "checkpoint.files",
-        "checkpoint.verify",
         "compat.data",
         "compat.grain_input",
         "compat.saving",
