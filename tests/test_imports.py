@@ -232,7 +232,6 @@ WITHOUT_A_TEST_FILE = frozenset(
         "saves.chief",
         "saves.parts",
         "saves.shards",
-        "saves.tiers",
         "state.weights_copy",
         "state.weights_layout",
         "state.weights_load",

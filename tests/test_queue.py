@@ -1,16 +1,19 @@
 """One training's saves in flight on its directory's writer thread
 (`keras_ft/saves/queue.py`): in order, a save that replaces the last calling
 it off, synchronous or not, and one holder per directory. Through whole
-trainings: `test_saves.py`, `test_callback.py`."""
+trainings: `test_tiers.py`, `test_callback.py`."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
 import pytest
-from conftest import run_once_on
+from conftest import make_model, run_once_on
 
+import keras_ft
+from keras_ft import threads
 from keras_ft.checkpoint.format import Checkpoint
 from keras_ft.errors import CheckpointWriteError
 from keras_ft.saves import queue as queue_module
@@ -115,3 +118,17 @@ def test_a_later_training_closes_the_earlier_one_on_its_directory():
     assert queue_module._holders[where]() is later
     second.release()
     assert where not in queue_module._holders
+
+
+def test_a_training_collected_unreleased_lets_go_of_the_pools(tmp_path):
+    """A training locked and never unlocked (its fit() raised and nothing
+    followed on its directory) gives back its hold on the thread pools when
+    it is garbage-collected: its finalizer only notes it (it may run in any
+    thread, at any allocation), and the count of holders leaves it out."""
+    holders = threads.holders()
+    state = keras_ft.WorkerTrainingState(make_model(), str(tmp_path))
+    state.lock()
+    assert threads.holders() == holders + 1
+    del state
+    gc.collect()
+    assert threads.holders() == holders
