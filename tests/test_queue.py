@@ -1,7 +1,7 @@
 """One training's saves in flight on its directory's writer thread
 (`keras_ft/saves/queue.py`): in order, a save that replaces the last calling
-it off, synchronous or not, and one holder per directory. Through whole
-trainings: `test_tiers.py`, `test_callback.py`."""
+it off, synchronous or not, and one holder per directory, that lets go of
+the thread pools. Through whole trainings: `test_callback.py`."""
 
 from __future__ import annotations
 
