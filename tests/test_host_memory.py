@@ -1,6 +1,6 @@
 """Host memory with as few copies as can be (`keras_ft/backend/host_memory.py`):
 a variable viewed in place, and an array handed to `assign()` in the form its
-backend copies least. Round trips through whole saves: `test_weights.py`."""
+backend copies least. Round trips through whole saves: `test_weights_layout.py`."""
 
 from __future__ import annotations
 

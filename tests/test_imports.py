@@ -232,9 +232,6 @@ WITHOUT_A_TEST_FILE = frozenset(
         "saves.chief",
         "saves.parts",
         "saves.shards",
-        "state.weights_copy",
-        "state.weights_layout",
-        "state.weights_load",
     ]
 )
 
