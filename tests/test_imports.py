@@ -221,7 +221,6 @@ WITHOUT_A_TEST_FILE = frozenset(
     [
         "backend.cross_process",
         "backend.device_memory",
-        "checkpoint.files",
         "compat.data",
         "compat.grain_input",
         "compat.saving",
