@@ -265,6 +265,11 @@ def tree_digest(path: str) -> dict[str, str]:
     return digests
 
 
+# Why a variant of a per-backend test runs on one backend only: the variants
+# differ in what does not depend on the backend, and each backend runs one.
+SPREAD = "a variant spread over the backends (each runs one)"
+
+
 def run_once_on(backend: str, why: str) -> pytest.MarkDecorator:
     """Runs a test in one backend's suite only: what it checks does not
     depend on the backend, and it is slow (processes, servers, kernels)."""
