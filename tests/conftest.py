@@ -278,6 +278,24 @@ def run_once_on(backend: str, why: str) -> pytest.MarkDecorator:
     )
 
 
+def run_two_processes(script: str, env: dict, timeout: float = 120) -> list[dict]:
+    """Runs `script` as processes 0 and 1 of a cluster (argv: index, a free
+    port on 127.0.0.1); the `RESULT` line each prints, as JSON."""
+    port = str(free_port())
+    processes = [
+        subprocess.Popen([sys.executable, "-c", script, str(i), port], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)
+    ]  # fmt: skip
+    results = []
+    for process in processes:
+        out, _ = process.communicate(timeout=timeout)
+        assert process.returncode == 0, out[-3000:]
+        line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+        results.append(json.loads(line[len("RESULT ") :]))
+    return results
+
+
 def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["KERAS_BACKEND"] = keras.backend.backend()

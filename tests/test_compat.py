@@ -8,7 +8,13 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from conftest import STEPS_PER_EPOCH, iterations, make_model, weights_of
+from conftest import (
+    STEPS_PER_EPOCH,
+    iterations,
+    make_model,
+    run_two_processes,
+    weights_of,
+)
 
 import keras_ft
 from keras_ft import compat
@@ -219,30 +225,6 @@ print("RESULT", json.dumps({"found": found, "took": took, "left": left,
 
 # What `_AGREE` finds in both processes, when they agree.
 _AGREED = [[10 * i, 100, i % 2 == 0, i % 3 != 0] for i in range(20)]
-
-
-def run_two_processes(script: str, env: dict) -> list[dict]:
-    """Runs `script` as processes 0 and 1 (argv: index, a free port on
-    127.0.0.1); the `RESULT` line each prints."""
-    import json
-    import subprocess
-    import sys
-
-    from conftest import free_port
-
-    port = str(free_port())
-    processes = [
-        subprocess.Popen([sys.executable, "-c", script, str(i), port], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)
-    ]  # fmt: skip
-    results = []
-    for process in processes:
-        out, _ = process.communicate(timeout=120)
-        assert process.returncode == 0, out[-3000:]
-        line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-        results.append(json.loads(line[len("RESULT ") :]))
-    return results
 
 
 @pytest.mark.skipif(

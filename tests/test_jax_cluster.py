@@ -4,13 +4,9 @@ The agreements of whole trainings: `test_sharded.py`, `test_cluster.py`."""
 
 from __future__ import annotations
 
-import json
-import socket
-import subprocess
-import sys
 import textwrap
 
-from conftest import run_once_on, subprocess_env
+from conftest import run_once_on, run_two_processes, subprocess_env
 
 ONCE = run_once_on("jax", "a JAX cluster")
 
@@ -32,29 +28,9 @@ PROCESS = textwrap.dedent(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @ONCE
 def test_each_call_gathers_every_process_value_in_process_order():
-    port = free_port()
-    env = subprocess_env()
-    processes = [
-        subprocess.Popen(
-            [sys.executable, "-c", PROCESS, str(i), str(port)], env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-        for i in range(2)
-    ]  # fmt: skip
-    results = []
-    for process in processes:
-        out, err = process.communicate(timeout=240)
-        assert process.returncode == 0, err[-3000:]
-        line = next(x for x in out.splitlines() if x.startswith("RESULT "))
-        results.append(json.loads(line[len("RESULT ") :]))
+    results = run_two_processes(PROCESS, subprocess_env(), timeout=240)
     expected = [[10 * call, 10 * call + 1] for call in range(5)]
     # The n-th call of each process met the n-th of the other (keys of
     # calls two back deleted on the way); without the service, the caller
