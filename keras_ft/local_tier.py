@@ -62,10 +62,6 @@ class LocalTier:
     ):
         self.store, self.bucket, self.task = store, bucket, task
         self._state = state
-        # The bucket checkpoint this machine last committed, as noted; read
-        # from the note (the last run's) when first needed.
-        self._committed: dict | None = None
-        self._committed_known = False
 
     def newest(
         self, read: Callable[[Checkpoint, ReadProgress], Any]
@@ -179,30 +175,25 @@ class LocalTier:
         `checkpoint` (saved at `metadata`'s point), that it may be the
         bucket's newest: a process killed before `uploaded()` (between the
         commit and its note) still finds it noted."""
-        self._note(committing=_noted(checkpoint, metadata))
+        self._note(self._read_note().get("committed"), _noted(checkpoint, metadata))
 
     def uploaded(self, checkpoint: Checkpoint, metadata: dict) -> None:
         """Notes in the local tier that `checkpoint` (saved at `metadata`'s
         point) is the bucket's newest, as far as this machine knows: a
         restore that finds it so reads nothing in the bucket but its
         listing."""
-        self._committed = _noted(checkpoint, metadata)
-        self._committed_known = True
-        self._note()
+        self._note(committed=_noted(checkpoint, metadata))
 
     def upload_failed(self) -> None:
         """Takes back `uploading()`'s note: that commit did not happen, and
         its number may go to another checkpoint."""
-        self._note()
+        self._note(self._read_note().get("committed"))
 
-    def _note(self, committing: dict | None = None) -> None:
+    def _note(self, committed: dict | None, committing: dict | None = None) -> None:
         """Writes the note: the bucket checkpoint this machine last
         committed, and the one it is committing (if any). Unwritten, the
         note is only out of date: a restore then reads the bucket's."""
-        if not self._committed_known:
-            self._committed = self._read_note().get("committed")
-            self._committed_known = True
-        note = {"committed": self._committed}
+        note = {"committed": committed}
         if committing is not None:
             note["committing"] = committing
         try:
