@@ -18,8 +18,7 @@ The threads are not daemons, so the interpreter waits for a pending commit
 before it exits.
 
 A `Watermark` tells one thread how much of a buffer another thread has made
-ready: the writer follows the copy into the snapshot buffer piece by piece,
-and the next copy follows the writer out of it.
+ready: the writer follows the copy into the snapshot buffer piece by piece.
 """
 
 from __future__ import annotations

@@ -115,14 +115,12 @@ def move_to_host(
     copies: list,
     destinations: list[np.ndarray],
     stopped: Callable[[], bool] = lambda: False,
-    before: Callable[[int], None] = lambda i: None,
     landed: Callable[[int], None] = lambda i: None,
 ) -> bool:
     """Moves each of `copies` (from `device_snapshot()`) into its place in
     host memory, `destinations` (arrays of the same shapes and dtypes), in
-    order: `before(i)` is called before anything lands in `destinations[i]`
-    (it may wait for that memory to be free), and `landed(i)` once all of
-    it has, in the order of `i`.
+    order: `landed(i)` is called once all of `destinations[i]` has landed,
+    in the order of `i`.
 
     PyTorch copies straight into the destinations (a DMA where they are
     page-locked, see `pin_host()`); JAX moves each array from a device in
@@ -137,13 +135,13 @@ def move_to_host(
     """
     backend = keras.backend.backend()
     if backend == "torch":
-        return _torch_move(copies, destinations, stopped, before, landed)
+        return _torch_move(copies, destinations, stopped, landed)
     if backend == "jax":
-        return _jax_move(copies, destinations, stopped, before, landed)
+        return _jax_move(copies, destinations, stopped, landed)
     for i in range(len(copies)):
         if stopped():
             return False
-        _read_whole(copies, destinations, i, before, landed)
+        _read_whole(copies, destinations, i, landed)
     return True
 
 
@@ -151,12 +149,10 @@ def _read_whole(
     copies: list,
     destinations: list[np.ndarray],
     i: int,
-    before: Callable[[int], None],
     landed: Callable[[int], None],
 ) -> None:
     """`move_to_host()` of the i-th copy at once, in this thread (a tensor
     in host memory already, or a backend without a transfer of its own)."""
-    before(i)
     target = _bytes_of(destinations[i])
     if target.nbytes:
         target[:] = _bytes_of(np.asarray(host_memory.view(copies[i])))
@@ -168,7 +164,6 @@ def _torch_move(
     copies: list,
     destinations: list[np.ndarray],
     stopped: Callable[[], bool],
-    before: Callable[[int], None],
     landed: Callable[[int], None],
 ) -> bool:
     """`move_to_host()` on PyTorch: each copy from a GPU is queued on a
@@ -197,9 +192,8 @@ def _torch_move(
             break
         if not isinstance(copy, torch.Tensor) or copy.device.type != "cuda":
             tell(wait=True)  # In order.
-            _read_whole(copies, destinations, i, before, landed)
+            _read_whole(copies, destinations, i, landed)
             continue
-        before(i)
         target = torch.from_numpy(_bytes_of(destination))
         if copy.device not in streams:
             streams[copy.device] = torch.cuda.Stream(device=copy.device)
@@ -230,7 +224,6 @@ def _jax_move(
     copies: list,
     destinations: list[np.ndarray],
     stopped: Callable[[], bool],
-    before: Callable[[int], None],
     landed: Callable[[int], None],
 ) -> bool:
     """`move_to_host()` on JAX. An array on one accelerator is moved in
@@ -245,14 +238,9 @@ def _jax_move(
     # Started, not yet in place: (piece, where it goes, the index of its
     # destination, whether it is the destination's last piece).
     pending: list[tuple[Any, np.ndarray, int, bool]] = []
-    waited = -1  # The last destination `before()` was called for.
 
     def land() -> None:
-        nonlocal waited
         piece, destination, index, last = pending.pop(0)
-        if waited < index:
-            before(index)
-            waited = index
         destination[:] = _bytes_of(np.asarray(host_memory.view(piece)))
         if last:
             landed(index)
@@ -268,8 +256,7 @@ def _jax_move(
             # Read at once, after the pieces before it have landed.
             while pending:
                 land()
-            _read_whole(copies, destinations, i, before, landed)
-            waited = i
+            _read_whole(copies, destinations, i, landed)
             continue
         copies[i] = None  # `copy` holds it until its last piece.
         step = max(1, _MOVE_PIECE // row_bytes)

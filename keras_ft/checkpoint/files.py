@@ -198,7 +198,7 @@ class Staging(os.PathLike):
         name: str,
         chunks: Sequence[Any],
         filled: Watermark | None = None,
-        written: Watermark | None = None,
+        written: threading.Event | None = None,
     ) -> None:
         """Writes the buffers `chunks`, one after another, as the file `name`.
 
@@ -285,7 +285,7 @@ def write_file(
     sync: bool = True,
     cancel: threading.Event | None = None,
     filled: Watermark | None = None,
-    written: Watermark | None = None,
+    written: threading.Event | None = None,
     fd: int | None = None,
 ) -> dict[str, Any]:
     """Writes buffers one after another into a new file at `path`.
@@ -307,9 +307,9 @@ def write_file(
         filled: With a single buffer that another thread is still filling,
             how far it is ready: each piece is written once it is. Defaults
             to `None` (all of it is ready).
-        written: Advanced as the bytes of a single buffer leave it (for the
-            thread that fills it next), and finished when this call returns
-            or raises. Defaults to `None`.
+        written: Set once the bytes have left the buffers (for the thread
+            that fills them next), before the fsync, and when this call
+            raises. Defaults to `None`.
         fd: An open descriptor of an existing file at `path` to overwrite in
             place (its blocks are reused; it is cut to the new size), which
             this call closes. Defaults to `None`: a new file.
@@ -320,8 +320,8 @@ def write_file(
     try:
         views = [memoryview(c).cast("B") for c in chunks]
         views = [v for v in views if v.nbytes]
-        if len(views) > 1 and (filled is not None or written is not None):
-            raise ValueError("`filled` and `written` apply to one buffer only.")
+        if len(views) > 1 and filled is not None:
+            raise ValueError("`filled` applies to one buffer only.")
         digest = DIGESTS[DIGEST]()
         size = sum(v.nbytes for v in views)
         overwrite = fd is not None
@@ -330,7 +330,7 @@ def write_file(
             fd = os.open(path, flags, 0o644)
         try:
             if len(views) == 1:
-                _write_buffer(path, fd, views[0], digest, cancel, filled, written)
+                _write_buffer(path, fd, views[0], digest, cancel, filled)
             else:
                 offset = 0
                 for start in range(0, len(views), _IOV_BATCH):
@@ -341,7 +341,7 @@ def write_file(
                     _pwritev_all(fd, batch, offset)
                     offset += sum(v.nbytes for v in batch)
             if written is not None:
-                written.finish()
+                written.set()
             if overwrite:
                 os.ftruncate(fd, size)
             if sync:
@@ -352,7 +352,7 @@ def write_file(
             os.close(fd)
     finally:
         if written is not None:
-            written.finish()
+            written.set()
     return {"size": size, DIGEST: digest.hexdigest()}
 
 
@@ -363,7 +363,6 @@ def _write_buffer(
     digest: Any,
     cancel: threading.Event | None,
     filled: Watermark | None,
-    written: Watermark | None,
 ) -> None:
     """Writes one buffer into the empty file `fd`, piece by piece as it fills.
 
@@ -402,8 +401,6 @@ def _write_buffer(
             finally:
                 hashing.result()  # Before the buffer is let go, on error too.
             offset = end
-            if written is not None:
-                written.advance(end)
     finally:
         if direct_fd is not None:
             os.close(direct_fd)

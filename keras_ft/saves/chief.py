@@ -74,13 +74,12 @@ class ChiefSaver:
         self.before_save(epochs_completed)
         # Another worker's local tier keeps its saves; only the chief uploads.
         to_bucket = to_bucket and self._task.is_chief
-        # The copy goes into the buffer the saves in flight share: each value
-        # waits until the save before has written it out, and this save's
-        # write follows the copy, so the disk never waits for all of it. In
-        # the background, once the last write is over, the NaN/infinity check
-        # follows the copy too (the write follows the check): training then
-        # waits for the copy alone, and the writer refuses a non-finite state
-        # before its commit.
+        # The copy goes into the one copy buffer once the save before has
+        # written it out, and this save's write follows the copy, so the disk
+        # never waits for all of it. In the background, the NaN/infinity
+        # check follows the copy too (the write follows the check): training
+        # then waits for the copy alone, and the writer refuses a non-finite
+        # state before its commit.
         # On an accelerator, the copy training waits for is one on the device;
         # its move to host memory (and the check) follow in the background.
         snapshot = self._snapshot_to_write(epochs_completed, batches_completed, extra)
@@ -212,14 +211,11 @@ def write_snapshot(snapshot: Snapshot, directory: str | Staging) -> None:
     staging = directory if isinstance(directory, Staging) else Staging(directory)
     captured = snapshot.weights
     try:
-        if captured.previous is not None:
-            # One file at a time keeps the disk writing sequentially.
-            captured.previous.wait_for(captured.previous.total)
         staging.write_file(
             WEIGHTS_FILE,
             captured.chunks,
             filled=captured.filled,
-            written=captured.written,
+            written=captured.free,
         )
     finally:
         snapshot.release()

@@ -1,17 +1,16 @@
 """The copy buffer: one host buffer laid out as the weights file, reused.
 
-A save copies each variable into its place in the file image, on two threads
-(the training thread waits for the copy anyway; two cores copy faster),
-batch by batch, so that a writer can follow the copy and write each batch
-as soon as it is ready, and the next save's copy of a batch waits until the
-previous save's write has passed it. Every value is checked for NaN and
-infinity before its bytes are written: a non-finite state is never backed
-up. The check is part of the copy, piece by piece while it is in the cache;
-or, for a save written in the background into a buffer whose last write is
-over, it runs after the copy in a thread of its own, which the writer
-follows, so that training waits for the copy alone. (When saves come faster
-than the disk takes them, the copy waits for the last write, and checks as
-it copies.)
+One snapshot is in flight at a time: a save's copy starts once the last
+write from the buffer is over (as Orbax's and DCP's asynchronous saves wait
+for the previous one; `benchmarks/overlap.py` measured a copy that followed
+the last write piece by piece, and it did not pay 10 %). The copy is made on
+two threads (the training thread waits for it anyway; two cores copy
+faster), batch by batch, so that the writer can follow it and write each
+batch as soon as it is ready. Every value is checked for NaN and infinity
+before its bytes are written: a non-finite state is never backed up. The
+check is part of the copy, piece by piece while it is in the cache; or, for
+a save written in the background, it runs after the copy in a thread of its
+own, which the writer follows, so that training waits for the copy alone.
 """
 
 from __future__ import annotations
@@ -57,17 +56,16 @@ class CapturedWeights:
     """A weights file in host memory: its bytes, as buffers in file order.
 
     A copy may still be being made: `filled` says how much of its single
-    buffer is ready, `fill()` makes the rest, and `written` is for the
-    writer to advance as the bytes leave the buffer, which the next copy
-    into it waits for. Views of the variables (no copy) have neither.
+    buffer is ready, and `fill()` makes the rest; `release()` once its write
+    is over lets the next copy into the buffer start. Views of the variables
+    (no copy) have neither.
     """
 
     chunks: list[Any]
     # How much of the buffer is ready to write: copied and checked.
     filled: Watermark | None = None
-    written: Watermark | None = None
-    # The previous capture's `written`: its write goes to disk first.
-    previous: Watermark | None = None
+    # Set by `release()`: the next copy into the buffer waits for it.
+    free: threading.Event | None = None
     _fill: Any = dataclasses.field(default=None, repr=False)
     # Filled in by the check, before `filled` finishes: the datasets holding
     # a NaN or an infinity.
@@ -90,12 +88,12 @@ class CapturedWeights:
 
     def release(self) -> None:
         """Marks the buffer free for the next copy (its write is over)."""
-        if self.written is not None:
-            self.written.finish()
+        if self.free is not None:
+            self.free.set()
 
 
 class CopyBuffer:
-    """The buffer copies go into, and how each copy follows the last write.
+    """The buffer copies go into, one at a time.
 
     Args:
         size: The weights file's size.
@@ -117,7 +115,8 @@ class CopyBuffer:
         self._image: mmap.mmap | None = None
         # How a capture copies the values into the image (`_copy_batches()`).
         self._copy_batches: list[tuple[int, list[_Piece], int]] = []
-        self._written: Watermark | None = None  # Of the last copy's write.
+        # Set once the last copy's write is over (`CapturedWeights.free`).
+        self._free: threading.Event | None = None
         self._allocating: threading.Thread | None = None
         self._views: list[np.ndarray] = []  # Each slot's place in the image.
         # A move's order (the slots, in file order), the views in it, and how
@@ -150,8 +149,8 @@ class CopyBuffer:
 
     def forget_writes(self) -> None:
         """For a buffer taken over by another training (a later fit()):
-        every write of the one before is over, and none is to be followed."""
-        self._written = None
+        every write of the one before is over, and none is to be waited for."""
+        self._free = None
 
     def prepare(self) -> None:
         """Starts allocating the buffer in the background, so that the
@@ -205,25 +204,21 @@ class CopyBuffer:
         """A copy of `values` in the buffer (see `WeightsLayout.capture()`);
         `values` may be a function that gives them, called by `fill()`.
         With `move`, `values` is ignored: `fill()` calls `move(views,
-        stopped, order, before, landed)` to put every value into its place
-        itself: `views` in file order (`order` gives each one's index in
-        `slots`), calling `before(k)` before the k-th lands (it waits for
-        the last write to pass its place) and `landed(k)` once it has; the
-        check and the writer follow it."""
+        stopped, order, landed)` to put every value into its place itself:
+        `views` in file order (`order` gives each one's index in `slots`),
+        calling `landed(k)` once the k-th has landed; the check and the
+        writer follow it. The copy (or move) starts once the last write
+        from the buffer is over: one snapshot in flight."""
         self._allocate()
-        previous, filled = self._written, Watermark(self.size)
-        if previous is not None and previous.level < previous.total:
-            # Saves come faster than the disk takes them: the copy waits for
-            # the last write anyway, and a check after it would only put
-            # off this write (and compete with training for the cores).
-            check_later = False
-        # Only a capture handed to a writer before it is filled is followed.
-        written = self._written = None if fill else Watermark(self.size)
+        filled = Watermark(self.size)
+        # Only a capture handed to a writer before it is filled is waited
+        # for: the others are written before the next capture.
+        previous, free = self._free, None if fill else threading.Event()
+        self._free = free
         captured = CapturedWeights(
             [memoryview(self._image)[: self.size]],
             filled,
-            written,
-            previous,
+            free,
             checked_later=check_later,
         )
         if move is not None:
@@ -249,15 +244,15 @@ class CopyBuffer:
         self,
         batches: list[tuple[int, list[_Piece], int]],
         values: list[np.ndarray] | Callable[[], list[np.ndarray]],
-        previous: Watermark | None,
+        previous: threading.Event | None,
         filled: Watermark,
         non_finite: list[str],
         check_later: bool,
     ) -> None:
-        """Copies `values` into the buffer in file order.
+        """Copies `values` into the buffer in file order, once the `previous`
+        capture's write is over.
 
-        Batch by batch: each waits until the previous capture's write has
-        passed it, and is copied by this thread and a helper together (the
+        Batch by batch, each copied by this thread and a helper together (the
         training thread waits for the copy anyway; two cores copy faster).
         Each piece is checked for NaN and infinity while it is in the cache,
         raising `filled` as batches are done; with `check_later`, the check
@@ -269,9 +264,9 @@ class CopyBuffer:
         try:
             if callable(values):
                 values = values()
+            if previous is not None:
+                previous.wait()
             for ready, pieces, split in batches:
-                if previous is not None:
-                    previous.wait_for(ready)
                 check = not check_later
                 helper = threads.copy_helper() if 0 < split < len(pieces) else None
                 if helper is not None:
@@ -298,8 +293,8 @@ class CopyBuffer:
         are the layout's own again on exit: the next save's copy only fills
         in the values."""
         self._allocate()
-        if self._written is not None:
-            self._written.wait_for(self._written.total)
+        if self._free is not None:
+            self._free.wait()
         image = memoryview(self._image)[: self.size]
         try:
             read(image)
@@ -311,35 +306,24 @@ class CopyBuffer:
     def _move(
         self,
         move: Callable[..., bool],
-        previous: Watermark | None,
+        previous: threading.Event | None,
         filled: Watermark,
         non_finite: list[str],
         stop: threading.Event,
     ) -> None:
-        """`move()` into the buffer in file order, with the check in a
-        thread of its own following it, and the writer following the check;
-        none once `stop` is set.
-
-        Each value lands once the last write from the buffer has passed its
-        place, and the next value's move goes on while this save's write
-        of the values before it does: a save every batch takes about the
-        longer of the move and the write, not both, in one buffer."""
+        """`move()` into the buffer in file order once the `previous`
+        capture's write is over, with the check in a thread of its own
+        following it, and the writer following the check; none once `stop`
+        is set."""
         order, views, ends = self._move_order
         moved = Watermark(self.size)
         batches = self._copy_batches
         threads.submit(threads.checker, self._check, batches, filled, non_finite, moved)
-
-        def before(k: int) -> None:  # The k-th value moved, in file order.
-            if previous is not None:
-                previous.wait_for(ends[k])
-
         try:
+            if previous is not None:
+                previous.wait()
             if stop.is_set() or not move(
-                views,
-                stop.is_set,
-                order,
-                before,
-                lambda k: moved.advance(ends[k]),
+                views, stop.is_set, order, lambda k: moved.advance(ends[k])
             ):
                 moved.abandon(threads.Cancelled("the save was called off"))
                 return
@@ -401,7 +385,7 @@ class CopyBuffer:
         self._move_order = (order, views, offsets[1:] + [self.size])
         if self._pin_for is not None:
             self._lock(buffer, self._pin_for)
-        self._image, self._written = image, None
+        self._image, self._free = image, None
 
     def release(self) -> None:
         """Frees the buffer; the next capture allocates a new one.
@@ -419,7 +403,7 @@ class CopyBuffer:
             # snapshot and at close): nothing is in flight into it.
             self._unpin()
             self._unpin = None
-        self._image, self._copy_batches, self._written = None, [], None
+        self._image, self._copy_batches, self._free = None, [], None
         self._views, self._move_order = [], ([], [], [])
 
 

@@ -118,9 +118,8 @@ class WeightsLayout:
             fill: With `copy`, whether to copy now. If `False`, the caller
                 calls `fill()` before the variables change, and may hand the
                 capture to a writer first, which then follows the copy; the
-                writer must advance (at the latest, finish) its `written`,
-                since the next capture's copy of each value waits for it.
-                Defaults to `True`.
+                writer must `release()` it once written, since the next
+                capture's copy waits for that. Defaults to `True`.
             check_later: With `copy`, whether the NaN/infinity check runs
                 after the copy, in the background, rather than during it:
                 `filled` then waits for the check, and `non_finite` is known
@@ -158,7 +157,6 @@ class WeightsLayout:
                 destinations: list[np.ndarray],
                 stopped: Callable[[], bool],
                 order: list[int],
-                before: Callable[[int], None],
                 landed: Callable[[int], None],
             ) -> bool:
                 made()
@@ -166,7 +164,7 @@ class WeightsLayout:
                 ordered = [copies[i] for i in order]
                 copies.clear()
                 return device_memory.move_to_host(
-                    ordered, destinations, stopped, before, landed
+                    ordered, destinations, stopped, landed
                 )
 
             buffer = self._copy_buffer()
