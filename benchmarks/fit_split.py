@@ -100,14 +100,14 @@ class Stages:
 
     def install(self) -> None:
         from keras_ft.checkpoint.local import LocalStorage
-        from keras_ft.saves import chief
+        from keras_ft.saves import save
         from keras_ft.state.training_state import TrainingState
         from keras_ft.state.weights_copy import CapturedWeights, CopyBuffer
 
         self.wrap(TrainingState, "snapshot", "snapshot")
         self.wrap(CapturedWeights, "fill", "move")
         self.wrap(CopyBuffer, "_check", "check")
-        self.wrap(chief, "write_snapshot", "write")
+        self.wrap(save, "write_snapshot", "write")
         self.wrap(LocalStorage, "commit", "commit")
         self.wrap(CopyBuffer, "_allocate", "allocate")
         self.wrap(CopyBuffer, "_lock", "page-lock")

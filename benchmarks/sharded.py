@@ -123,7 +123,7 @@ def worker(args: argparse.Namespace) -> None:
     elif args.callback == "keras-ft":
         # The chief's commit: from "every part is on disk" (one process: its
         # weights file written) to the rename.
-        from keras_ft.saves import chief as saves_chief
+        from keras_ft.saves import save as saves_save
 
         ready: list[float] = []
 
@@ -147,7 +147,7 @@ def worker(args: argparse.Namespace) -> None:
                 blocked.append(time.perf_counter() - started)
 
         keras_ft.WorkerTrainingState.back_up = blocking
-        saves_chief.write_snapshot = timed(saves_chief.write_snapshot)
+        saves_save.write_snapshot = timed(saves_save.write_snapshot)
 
         class Commits(keras_ft.CheckpointListener):
             def after_commit(self, path, epoch, step):

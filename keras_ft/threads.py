@@ -96,14 +96,20 @@ class Watermark:
 
 
 class PendingWrite:
-    """A write handed to a background thread.
+    """`write(*args, previous)` in a thread of its own, `previous` being the
+    write handed over before it (or `None`).
 
     A write that raises `Cancelled` was called off: it has no result
     and no error.
     """
 
-    def __init__(self, write: Callable[[], Any]):
-        self._write = write
+    def __init__(
+        self,
+        write: Callable[..., Any],
+        args: tuple = (),
+        previous: PendingWrite | None = None,
+    ):
+        self._write, self._args, self._previous = write, args, previous
         self._result: Any = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(
@@ -113,11 +119,15 @@ class PendingWrite:
 
     def _run(self) -> None:
         try:
-            self._result = self._write()
+            self._result = self._write(*self._args, self._previous)
         except Cancelled:
             pass
         except BaseException as e:  # Handed to the training thread.
             self._error = e
+        finally:
+            # Not kept past the write: a chain of writes, each holding the
+            # one before and its snapshot, would hold every save of a run.
+            self._write, self._args, self._previous = None, (), None
 
     @property
     def done(self) -> bool:
@@ -158,8 +168,9 @@ class BackgroundWriter:
         self.depth = depth
         self._pending: list[PendingWrite] = []
 
-    def submit(self, write: Callable[[PendingWrite | None], Any]) -> PendingWrite:
-        """Starts `write(previous)`, `previous` being the write before it.
+    def submit(self, write: Callable[..., Any], *args: Any) -> PendingWrite:
+        """Starts `write(*args, previous)`, `previous` being the write before
+        it (a `PendingWrite`, or `None`).
 
         `write` should wait for `previous.join()` before it commits, so that
         commits keep the order of the saves. If `depth` writes are in flight,
@@ -171,7 +182,7 @@ class BackgroundWriter:
         while len(self._pending) >= self.depth:
             self._pending.pop(0).result()
         previous = self._pending[-1] if self._pending else None
-        pending = PendingWrite(lambda: write(previous))
+        pending = PendingWrite(write, args, previous)
         self._pending.append(pending)
         return pending
 

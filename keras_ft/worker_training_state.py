@@ -15,9 +15,9 @@ from keras_ft.checkpoint.store import Checkpoint, CheckpointStore
 from keras_ft.distribute.cluster import TaskSpec, current_task
 from keras_ft.errors import NonFiniteStateError
 from keras_ft.options import BackupOptions
-from keras_ft.saves.chief import write_snapshot
 from keras_ft.saves.parts import assemble
 from keras_ft.saves.queue import wait_for_backups
+from keras_ft.saves.save import write_snapshot
 from keras_ft.saves.tiers import local_tier_dir
 from keras_ft.state import ResumePoint, TrainingState
 from keras_ft.state.weights_copy import CopyBuffer

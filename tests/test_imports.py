@@ -405,3 +405,76 @@ def test_no_module_uses_another_modules_private_names():
             ):
                 used.append(f"{module}: {node.value.id}.{node.attr}")
     assert used == []
+
+
+# Callables made on the spot (a lambda, a nested function, a `partial`) and
+# handed to a call, in the modules a save goes through after the training
+# thread lets go of it. Issue 55 asked for none passed down across modules
+# on a save's way: what is left there is a sharded save's two ways of writing
+# its files (the store's `write_files`, as Orbax's and DCP's writers take
+# one) and the bucket copy of a local tier's checkpoint; the rest are a
+# restore's readers (`store.py`'s three, `tiers.py`'s `read`). This only
+# goes down.
+SAVE_PATH = ("saves/", "threads.py", "checkpoint/store.py")
+CLOSURES_HANDED_ON = {
+    "checkpoint/store.py": [
+        "lambda in _inspected",
+        "lambda in latest_good",
+        "lambda in latest_good_read",
+    ],  # fmt: skip
+    "saves/shards.py": ["write", "write_own"],
+    "saves/tiers.py": ["partial(_copy_of)", "read", "read", "read"],
+}
+
+
+def closures_handed_on(path: str) -> list[str]:
+    """The lambdas, nested functions and `partial()`s passed as an argument
+    to a call in the module at `path`."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    nested = {
+        inner.name
+        for outer in ast.walk(tree)
+        if isinstance(outer, ast.FunctionDef)
+        for inner in ast.walk(outer)
+        if isinstance(inner, ast.FunctionDef) and inner is not outer
+    }
+    within = {  # The function each lambda is written in.
+        id(node): function.name
+        for function in ast.walk(tree)
+        if isinstance(function, ast.FunctionDef)
+        for node in ast.walk(function)
+        if isinstance(node, ast.Lambda)
+    }
+    found = []
+    for call in ast.walk(tree):
+        if not isinstance(call, ast.Call):
+            continue
+        for argument in [*call.args, *(k.value for k in call.keywords)]:
+            if isinstance(argument, ast.Lambda):
+                found.append(f"lambda in {within.get(id(argument))}")
+            elif isinstance(argument, ast.Name) and argument.id in nested:
+                found.append(argument.id)
+            elif (
+                isinstance(argument, ast.Call)
+                and ast.unparse(argument.func).endswith("partial")
+                and argument.args
+            ):
+                found.append(f"partial({ast.unparse(argument.args[0])})")
+    return sorted(found)
+
+
+@ONCE
+def test_a_save_hands_on_no_new_closures():
+    found = {}
+    for path in modules().values():
+        relative = os.path.relpath(path, PACKAGE)
+        if relative.startswith(SAVE_PATH):
+            closures = closures_handed_on(path)
+            if closures:
+                found[relative] = closures
+    assert found == CLOSURES_HANDED_ON, (
+        "a save's record (`saves/save.py`) and the commit's `CommitTurn` carry "
+        "what a stage needs as data; pass a bound method or the record, not a "
+        "closure made for the call"
+    )

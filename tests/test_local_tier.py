@@ -5,7 +5,6 @@ restore that finds the bucket's newest checkpoint noted reads nothing of it
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import time
@@ -51,8 +50,7 @@ def hide_metadata(bucket, checkpoint: Checkpoint) -> None:
 def commit(tier: LocalTier, bucket, step: int, noted: bool = True) -> Checkpoint:
     """A save committed to the bucket as `TieredStore` commits one; without
     `noted`, the process is killed between the commit and its note."""
-    committing = functools.partial(tier.uploading, metadata=at(step))
-    committed = bucket.save(write, at(step), committing=committing)
+    committed = bucket.save(write, at(step), committing=tier.uploading)
     if noted:
         tier.uploaded(committed, at(step))
     return committed

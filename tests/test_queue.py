@@ -18,6 +18,7 @@ from keras_ft.checkpoint.format import Checkpoint
 from keras_ft.errors import CheckpointWriteError
 from keras_ft.saves import queue as queue_module
 from keras_ft.saves.queue import SaveQueue
+from keras_ft.saves.save import Save
 
 ONCE = run_once_on("torch", "threads; the backend does not matter")
 
@@ -42,16 +43,21 @@ def directory() -> str:
     return f"/backups/{time.monotonic_ns()}"  # A writer of its own.
 
 
-def commit_as(sequence: int, seen: list, hold: threading.Event | None = None):
-    def commit(cancel, previous, replaced):
-        if hold is not None:
-            hold.wait(10)
-        if previous is not None:
-            previous.join()  # Commits keep the order of the saves.
-        seen.append((sequence, cancel.is_set(), replaced))
-        return Checkpoint(sequence, f"ckpt-{sequence}")
+def commit(save: Save, previous) -> Checkpoint:
+    """A saver's commit: the save's `snapshot` stands for its number here."""
+    sequence, seen, hold = save.snapshot
+    if hold is not None:
+        hold.wait(10)
+    if previous is not None:
+        previous.join()  # Commits keep the order of the saves.
+    seen.append((sequence, save.cancel.is_set(), save.replaced))
+    return Checkpoint(sequence, f"ckpt-{sequence}")
 
-    return commit
+
+def start(queue, sequence: int, seen: list, hold=None, replaces_last=False):
+    save = Save((sequence, seen, hold))
+    queue.start(commit, save, replaces_last)
+    return save.cancel
 
 
 @ONCE
@@ -61,7 +67,7 @@ def test_saves_commit_in_order_and_return_when_asked(async_save):
     queue = SaveQueue(directory(), async_save, training)
     seen: list = []
     for sequence in (1, 2, 3):
-        queue.start(commit_as(sequence, seen), replaces_last=False)
+        start(queue, sequence, seen)
         committed = queue.committed()
         if async_save:
             assert committed is None
@@ -77,8 +83,8 @@ def test_a_save_that_replaces_the_last_calls_it_off():
     queue = SaveQueue(directory(), True, Training())
     seen: list = []
     hold = threading.Event()
-    first_cancel = queue.start(commit_as(1, seen, hold), replaces_last=False)
-    second_cancel = queue.start(commit_as(2, seen), replaces_last=True)
+    first_cancel = start(queue, 1, seen, hold)
+    second_cancel = start(queue, 2, seen, replaces_last=True)
     assert first_cancel.is_set() and not second_cancel.is_set()
     hold.set()
     queue.wait()
@@ -92,8 +98,7 @@ def test_discarding_calls_off_every_save_in_flight():
     queue = SaveQueue(directory(), True, Training())
     seen: list = []
     hold = threading.Event()
-    cancels = [queue.start(commit_as(1, seen, hold), replaces_last=False),
-               queue.start(commit_as(2, seen), replaces_last=False)]  # fmt: skip
+    cancels = [start(queue, 1, seen, hold), start(queue, 2, seen)]
     threading.Timer(0.2, hold.set).start()
     queue.discard_pending()
     assert all(c.is_set() for c in cancels) and not queue.busy

@@ -186,12 +186,12 @@ def test_a_superseding_checkpoint_takes_no_older_ones_place(tmp_path):
     store = CheckpointStore(str(tmp_path), KeepLast(2))
     older = store.save(write_payload(b"older"), {"i": 0})
     first = store.save(write_payload(b"first"), {"i": 1})
-    replacing = store.save(write_payload(b"more"), {"i": 1}, supersedes=lambda: first)
+    replacing = store.save(write_payload(b"more"), {"i": 1}, supersedes=first)
     # Deleted before retention ran: the older one is still the fallback.
     assert store.checkpoints() == [older, replacing]
     assert store.latest_good() == (replacing, {"i": 1})
     # A superseded save that never committed: nothing more is deleted.
-    last = store.save(write_payload(b"last"), {"i": 2}, supersedes=lambda: None)
+    last = store.save(write_payload(b"last"), {"i": 2}, supersedes=None)
     assert store.checkpoints() == [replacing, last]
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
+import types
 
 import pytest
 from conftest import make_data, make_model
@@ -17,6 +17,7 @@ from conftest import make_data, make_model
 import keras_ft
 from keras_ft.checkpoint.store import open_store
 from keras_ft.errors import CheckpointWriteError, ProcessesDisagreeError
+from keras_ft.saves.save import Save
 from keras_ft.saves.tiers import TieredStore
 from keras_ft.training.policy import KeepLast
 
@@ -64,8 +65,10 @@ def note(tiers) -> dict:
 
 
 def commit(tiers, step: int):
-    return tiers.commit(write, at(step), threading.Event(), lambda: None,
-                        None, to_bucket=True, direct=False)  # fmt: skip
+    # What a save's record carries here: its metadata, and how its files are
+    # written.
+    save = Save(types.SimpleNamespace(metadata=at(step)), write, to_bucket=True)
+    return tiers.commit(save, previous=None, lock=None)
 
 
 def test_a_save_is_committed_to_the_tier_then_copied_to_the_bucket(tiered):

@@ -27,7 +27,7 @@ from conftest import (
 
 import keras_ft
 import keras_ft.checkpoint.store
-import keras_ft.saves.chief
+import keras_ft.saves.save
 from keras_ft import (
     BackupAndRestore,
     DirectoryInUseError,
@@ -130,13 +130,13 @@ def test_non_chief_writes_a_temporary_directory_and_removes_it(
         worker_model, backup_dir, task=TaskSpec("worker", 1, 2, False)
     )
     written = []
-    original_write = keras_ft.saves.chief.write_snapshot
+    original_write = keras_ft.saves.save.write_snapshot
 
     def spy(snapshot, directory):
         written.append(directory)
         original_write(snapshot, directory)
 
-    monkeypatch.setattr(keras_ft.saves.chief, "write_snapshot", spy)
+    monkeypatch.setattr(keras_ft.saves.save, "write_snapshot", spy)
     assert worker.back_up(0) is None
     assert written and os.path.join(backup_dir, "workertemp_1") in written[0].path
     assert not os.path.exists(os.path.join(backup_dir, "workertemp_1"))
@@ -159,7 +159,7 @@ def test_a_non_chief_save_is_written_in_the_background_from_a_copy(
         model, backup_dir, async_save=True, task=TaskSpec("worker", 1, 2, False)
     )
     gate = threading.Event()
-    original_write = keras_ft.saves.chief.write_snapshot
+    original_write = keras_ft.saves.save.write_snapshot
 
     def held_write(snapshot, directory):
         assert gate.wait(60)  # The write begins after the steps below.
@@ -167,7 +167,7 @@ def test_a_non_chief_save_is_written_in_the_background_from_a_copy(
         kept = str(tmp_path / "kept.weights.h5")
         shutil.copyfile(os.path.join(directory, "model.weights.h5"), kept)
 
-    monkeypatch.setattr(keras_ft.saves.chief, "write_snapshot", held_write)
+    monkeypatch.setattr(keras_ft.saves.save, "write_snapshot", held_write)
     model.train_on_batch(x[:16], y[:16])
     expected = [keras.ops.convert_to_numpy(w) for w in model.weights]
     assert worker.back_up(0) is None  # Without waiting for the write.
@@ -373,13 +373,13 @@ def test_fuzzed_newest_checkpoint_always_falls_back_to_the_previous(backup_dir, 
 def held_writes(monkeypatch):
     """Makes every snapshot write wait at a gate; returns the gate."""
     gate = threading.Event()
-    original = keras_ft.saves.chief.write_snapshot
+    original = keras_ft.saves.save.write_snapshot
 
     def write(snapshot, directory):
         assert gate.wait(timeout=60)
         original(snapshot, directory)
 
-    monkeypatch.setattr(keras_ft.saves.chief, "write_snapshot", write)
+    monkeypatch.setattr(keras_ft.saves.save, "write_snapshot", write)
     return gate
 
 
@@ -426,13 +426,13 @@ import sys, time
 sys.path.insert(0, sys.argv[2])
 from conftest import make_model, make_data
 from keras_ft import WorkerTrainingState
-from keras_ft.saves import chief
+from keras_ft.saves import save
 
-original = chief.write_snapshot
+original = save.write_snapshot
 def slow_write(snapshot, directory):
     time.sleep(1.0)
     original(snapshot, directory)
-chief.write_snapshot = slow_write
+save.write_snapshot = slow_write
 
 model = make_model()
 model.fit(*make_data(), epochs=1, verbose=0)

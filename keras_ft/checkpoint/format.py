@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from keras_ft.checkpoint import files as file_io
 from keras_ft.errors import CorruptCheckpointError
+from keras_ft.threads import PendingWrite
 
 MANIFEST_FILE = "manifest.json"
 METADATA_FILE = "metadata.json"
@@ -76,6 +77,36 @@ class Checkpoint:
     def file(self, name: str) -> str:
         """Returns the path of the file `name` inside this checkpoint."""
         return f"{self.path.rstrip('/')}/{name}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitTurn:
+    """What a commit does around taking its number.
+
+    A storage calls `take()` once a checkpoint's files are durable (or, in
+    a bucket, before they are uploaded), before it numbers the checkpoint:
+    it waits for the write that commits first (`after`: commits keep the
+    order of the saves), then checks the writer's `lock` (a lapsed lease:
+    another writer may commit). It calls `numbered(checkpoint)` right
+    before the commit point, which tells `committing(checkpoint,
+    metadata)`: a note of what is being committed, written there, is never
+    later than the commit.
+    """
+
+    after: PendingWrite | None = None
+    lock: Any = None  # A `DirectoryLock` or a lease: anything with `check()`.
+    committing: Callable[[Checkpoint, dict], None] | None = None
+    metadata: dict = dataclasses.field(default_factory=dict)
+
+    def take(self) -> None:
+        if self.after is not None:
+            self.after.join()
+        if self.lock is not None:
+            self.lock.check()
+
+    def numbered(self, checkpoint: Checkpoint) -> None:
+        if self.committing is not None:
+            self.committing(checkpoint, self.metadata)
 
 
 class RetentionPolicy(Protocol):

@@ -38,6 +38,7 @@ from keras_ft.checkpoint import files as file_io
 from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.format import (
     Checkpoint,
+    CommitTurn,
     checkpoint_name,
     checkpoint_sequence,
     is_url,
@@ -175,8 +176,7 @@ class LocalStorage:
         self,
         staging: Staging,
         names: list[str],
-        before_number: Callable[[], None],
-        numbered: Callable[[Checkpoint], None],
+        turn: CommitTurn,
     ) -> Checkpoint:
         """Syncs the staged files and renames the directory: the commit."""
         if staging.from_paths or staging.in_place:
@@ -186,12 +186,12 @@ class LocalStorage:
         unsynced = [n for n in names if n not in staging.synced]
         through = os.fspath(staging)  # The directory as opened, not its name.
         file_io.fsync_together([os.path.join(through, n) for n in unsynced] + [through])
-        before_number()
+        turn.take()
         staging.check_cancelled()
         committed = self.checkpoints()
         sequence = committed[-1].sequence + 1 if committed else 1
         final = os.path.join(self.directory, checkpoint_name(sequence))
-        numbered(Checkpoint(sequence, final))
+        turn.numbered(Checkpoint(sequence, final))
         # rename() of a directory is atomic, and refuses to replace a
         # non-empty directory, so no committed checkpoint is ever overwritten.
         self._rename(staging.path, final)

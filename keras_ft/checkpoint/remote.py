@@ -55,6 +55,7 @@ from keras_ft.checkpoint.format import (
     MANIFEST_FILE,
     PIECEWISE,
     Checkpoint,
+    CommitTurn,
     checkpoint_name,
     checkpoint_sequence,
     is_url,
@@ -280,13 +281,12 @@ class ObjectStorage:
         self,
         staging: Staging,
         names: list[str],
-        before_number: Callable[[], None],
-        numbered: Callable[[Checkpoint], None],
+        turn: CommitTurn,
     ) -> Checkpoint:
         """Uploads the staged files concurrently, then the manifest: the
         commit. What was uploaded of a failed or called-off commit is
         removed; an upload that fails after retries is an `OSError`."""
-        before_number()
+        turn.take()
         staging.check_cancelled()
         sequence = staging.sequence
         if sequence is None:
@@ -315,7 +315,7 @@ class ObjectStorage:
             if shown is not None:
                 shown.close()
             staging.check_cancelled()
-            numbered(committed)
+            turn.numbered(committed)
             self._commit_manifest(local(MANIFEST_FILE), committed)
         except Refused:
             raise LeaseLapsedError(

@@ -41,6 +41,7 @@ from keras_ft.checkpoint.format import (
     MAX_NOTICE_BYTES,
     METADATA_FILE,
     Checkpoint,
+    CommitTurn,
     RetentionPolicy,
     check_notice_name,
     checkpoint_name,
@@ -64,6 +65,7 @@ from keras_ft.errors import (
     NoGoodCheckpointError,
     SaveCancelled,
 )
+from keras_ft.threads import PendingWrite
 
 __all__ = [
     "MANIFEST_FILE",
@@ -145,12 +147,11 @@ class Storage(Protocol):
         self,
         staging: Staging,
         names: list[str],
-        before_number: Callable[[], None],
-        numbered: Callable[[Checkpoint], None],
+        turn: CommitTurn,
     ) -> Checkpoint:
         """Makes the staged files `names` (manifest included) durable, calls
-        `before_number()`, then commits them under the next number, calling
-        `numbered()` with the checkpoint they become right before."""
+        `turn.take()`, then commits them under the next number, calling
+        `turn.numbered()` with the checkpoint they become right before."""
         ...
 
     def unstage(self, staging: Staging) -> None:
@@ -556,9 +557,11 @@ class CheckpointStore:
         write_files: Callable[[Staging], None],
         metadata: dict[str, Any],
         cancel: threading.Event | None = None,
-        after: Callable[[], None] | None = None,
-        supersedes: Callable[[], Checkpoint | None] | None = None,
-        committing: Callable[[Checkpoint], None] | None = None,
+        *,
+        after: PendingWrite | None = None,
+        lock: Any = None,
+        supersedes: Checkpoint | None = None,
+        committing: Callable[[Checkpoint, dict], None] | None = None,
     ) -> Checkpoint:
         """Writes and atomically commits a new checkpoint.
 
@@ -570,16 +573,18 @@ class CheckpointStore:
             cancel: An event that, set before the commit, calls the save
                 off: the partial checkpoint is removed and `SaveCancelled`
                 raised. Defaults to `None`.
-            after: Called once the files are written and durable, before the
-                checkpoint gets its number and is committed; waits for a save
-                that must commit first. Defaults to `None`.
-            supersedes: Called once this checkpoint is committed; returns
-                the checkpoint it replaces (or `None`), which is deleted
-                before retention runs, so that it takes no older
-                checkpoint's place. Defaults to `None`.
-            committing: Called with the checkpoint (its number and path)
-                right before the commit makes it visible: a note of what is
-                being committed, written there, is never later than the
+            after: A write that commits first: waited for once the files
+                are written and durable, before the checkpoint gets its
+                number. Defaults to `None`.
+            lock: The writer's lock or lease, checked right after `after`
+                (a lapsed lease: another writer may commit). Defaults to
+                `None`.
+            supersedes: The checkpoint this one replaces, deleted once this
+                one is committed and before retention runs, so that it
+                takes no older checkpoint's place. Defaults to `None`.
+            committing: Called as `committing(checkpoint, metadata)` right
+                before the commit makes `checkpoint` visible: a note of what
+                is being committed, written there, is never later than the
                 commit. Defaults to `None`.
 
         Returns:
@@ -605,12 +610,8 @@ class CheckpointStore:
                 # Indented: people read manifests too.
                 body = manifest_body(files, time.time(), self._key)
                 f.write(json_bytes(body, indent=1))
-            committed = self.storage.commit(
-                staging,
-                [*files, MANIFEST_FILE],
-                after or (lambda: None),
-                committing or (lambda checkpoint: None),
-            )
+            turn = CommitTurn(after, lock, committing, metadata)
+            committed = self.storage.commit(staging, [*files, MANIFEST_FILE], turn)
         finally:
             self.storage.unstage(staging)
         events.log(
@@ -620,11 +621,10 @@ class CheckpointStore:
             f"step {metadata.get('step')})",
         )
         try:  # Committed: a failed clean-up is retried after the next commit.
-            replaced = supersedes() if supersedes is not None else None
-            if replaced is not None:
+            if supersedes is not None:
                 # Gone already if retention or another clean-up took it.
                 with contextlib.suppress(FileNotFoundError):
-                    self.storage.delete(replaced)
+                    self.storage.delete(supersedes)
             self.prune()
         except Exception as e:  # Any storage's error.
             events.warn(

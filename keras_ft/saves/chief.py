@@ -4,7 +4,6 @@ by the writer thread while training goes on."""
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Callable
 from concurrent import futures
@@ -17,13 +16,13 @@ from keras_ft.errors import (
     LeaseLapsedError,
     NonFiniteStateError,
     ProcessesDisagreeError,
-    SaveCancelled,
 )
 from keras_ft.saves.queue import SaveQueue
+from keras_ft.saves.save import Save
 from keras_ft.saves.tiers import TieredStore
-from keras_ft.state import WEIGHTS_FILE, Snapshot, arrays
+from keras_ft.state import Snapshot
 from keras_ft.state.snapshots import SnapshotPlace
-from keras_ft.state.training_state import TrainingState, optimizer_step, progress_text
+from keras_ft.state.training_state import TrainingState, optimizer_step
 from keras_ft.state.weights_copy import CapturedWeights
 from keras_ft.threads import PendingWrite
 from keras_ft.training.listeners import CheckpointListener, notify
@@ -139,40 +138,21 @@ class ChiefSaver:
         Returns:
             The event that calls this save off.
         """
-        write = write or functools.partial(_write_snapshot, snapshot)
-        return self._queue.start(
-            lambda cancel, previous, replaced: self._commit(
-                snapshot, write, cancel, previous, replaced, to_bucket, direct
-            ),
-            replaces_last,
-            # A move to host memory stops with the save.
-            snapshot.weights.stop if snapshot.weights is not None else None,
-        )
+        save = Save(snapshot, write, to_bucket, direct)
+        if snapshot.weights is not None:  # A move to host memory stops with it.
+            save.cancel = snapshot.weights.stop
+        self._queue.start(self._commit, save, replaces_last)
+        return save.cancel
 
-    def _commit(
-        self,
-        snapshot: Snapshot,
-        write: Callable[[Staging], None],
-        cancel: threading.Event,
-        previous: PendingWrite | None,
-        replaced: PendingWrite | None,
-        to_bucket: bool,
-        direct: bool,
-    ) -> Checkpoint:
-        """Runs in the writer thread: writes and commits one save."""
-
-        def after() -> None:
-            # Commits keep the order of the saves: the one before goes first.
-            if previous is not None:
-                previous.join()
-            if self._task.is_chief:
-                self._lock.check()  # A lapsed lease: another writer may commit.
-
+    def _commit(self, save: Save, previous: PendingWrite | None) -> Checkpoint:
+        """Runs in the writer thread: writes and commits one save, after
+        `previous` (commits keep the order of the saves)."""
+        snapshot = save.snapshot
         metadata = snapshot.metadata
+        # A lapsed lease: another writer may commit.
+        lock = self._lock if self._task.is_chief else None
         try:
-            committed = self._tiers.commit(
-                write, metadata, cancel, after, replaced, to_bucket, direct
-            )
+            committed = self._tiers.commit(save, previous, lock)
         except LeaseLapsedError:
             raise  # Says itself why nothing was committed.
         except (OSError, ProcessesDisagreeError) as e:
@@ -189,10 +169,6 @@ class ChiefSaver:
         return committed
 
 
-def _write_snapshot(snapshot: Snapshot, staging: Staging) -> None:
-    write_snapshot(snapshot, staging)  # Looked up when the write runs.
-
-
 def _move_to_host(captured: CapturedWeights) -> None:
     """`captured.fill()` in a background thread: what fails there fails the
     save's write (no caller is left to raise it)."""
@@ -200,33 +176,3 @@ def _move_to_host(captured: CapturedWeights) -> None:
         captured.fill()
     except BaseException as e:
         captured.filled.fail(e)
-
-
-def write_snapshot(snapshot: Snapshot, directory: str | Staging) -> None:
-    """Writes a snapshot's files into a checkpoint's staging `directory`.
-
-    A copy still being made (`snapshot(fill=False)`) is written as it
-    fills, and its buffer is released piece by piece as it is written.
-    """
-    staging = directory if isinstance(directory, Staging) else Staging(directory)
-    captured = snapshot.weights
-    try:
-        staging.write_file(
-            WEIGHTS_FILE,
-            captured.chunks,
-            filled=captured.filled,
-            written=captured.free,
-        )
-    finally:
-        snapshot.release()
-    if captured.non_finite:  # Known once the file is written: never committed.
-        if not captured.checked_later:
-            # Checked during the copy: `back_up()` raised it, and called the
-            # write off (it may not have seen that yet).
-            raise SaveCancelled(f"{staging} holds a state that is not finite.")
-        metadata = snapshot.metadata
-        raise NonFiniteStateError(
-            captured.non_finite,
-            progress_text(metadata["epochs_completed"], metadata["batches_completed"]),
-        )
-    staging.write_file(arrays.ARRAYS_FILE, [arrays.to_bytes(snapshot.arrays)])

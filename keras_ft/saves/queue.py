@@ -31,10 +31,10 @@ _writers: dict[str, BackgroundWriter] = {}
 # calls no `on_train_end` for a fit() that raised.
 _holders: dict[str, weakref.ref] = {}
 
-# A commit handed to the writer: `commit(cancel, previous, replaced)`, with
-# the event that calls it off, the write before it (to commit after) and the
-# write it supersedes (`replaces_last`), if any.
-Commit = Callable[[threading.Event, PendingWrite | None, PendingWrite | None], Any]
+# A commit handed to the writer: `commit(save, previous)`, with the save (a
+# `saves.chief.Save`: its `cancel` event calls it off, its `replaced` is the
+# write it supersedes) and the write before it (to commit after).
+Commit = Callable[[Any, PendingWrite | None], Any]
 
 
 def wait_for_backups() -> None:
@@ -81,40 +81,25 @@ class SaveQueue:
         # later training on its directory to close it).
         self._held: weakref.finalize | None = None
 
-    def start(
-        self,
-        commit: Commit,
-        replaces_last: bool,
-        cancel: threading.Event | None = None,
-    ) -> threading.Event:
-        """Hands `commit` to the writer thread.
-
-        Args:
-            cancel: The event that calls this save off, if the save has one
-                already (a snapshot's move stops on it too).
-
-        Returns:
-            The event that calls this save off.
-        """
-        cancel = cancel or threading.Event()
-        replaced = None
+    def start(self, commit: Commit, save: Any, replaces_last: bool) -> None:
+        """Hands `commit(save, previous)` to the writer thread; with
+        `replaces_last`, calls the last save off first and sets it as
+        `save.replaced`."""
+        cancel = save.cancel
         if replaces_last and self._last:
-            cancel_last, replaced = self._last
-            cancel_last.set()  # Before this copy waits for its write to pass.
-        pending = self._writer.submit(
-            lambda previous: commit(cancel, previous, replaced)
-        )
+            cancel_last, save.replaced = self._last
+            cancel_last.set()  # Before this copy waits for its write to end.
+        pending = self._writer.submit(commit, save)
         self._last = (cancel, pending)
         self._cancels.append(cancel)
         # Only the newest `depth` saves can still be in flight (`submit()`
         # waited for the others): a long run keeps no more events than that.
         del self._cancels[: -self._writer.depth]
-        return cancel
 
-    def run(self, write: Callable[[PendingWrite | None], Any]) -> None:
-        """Hands `write(previous)`, which commits nothing, to the writer
-        thread; waits for it unless saves are asynchronous."""
-        self._writer.submit(write)
+    def run(self, write: Callable[..., Any], *args: Any) -> None:
+        """Hands `write(*args, previous)`, which commits nothing, to the
+        writer thread; waits for it unless saves are asynchronous."""
+        self._writer.submit(write, *args)
         if not self.async_save:
             self._writer.wait()
 

@@ -17,6 +17,7 @@ from keras_ft import threads
 from keras_ft.backend import cross_process, device_memory, finiteness
 from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.format import Checkpoint
+from keras_ft.checkpoint.parts import Parts
 from keras_ft.distribute import sharded
 from keras_ft.distribute.cluster import TaskSpec
 from keras_ft.errors import NonFiniteStateError
@@ -166,15 +167,7 @@ class ShardedSaver:
         process = self._task.task_index
         if not chief:
             tiered = self._tiers.local is not None
-
-            def write_part(previous: PendingWrite | None) -> None:
-                if previous is not None and tiered:
-                    # The local tier's commit of this save first: the
-                    # bucket never holds a save some tier lacks.
-                    previous.join()
-                sharded.write_part(parts, process, tag, share.result())
-
-            self._queue.run(write_part)
+            self._queue.run(_write_part, parts, process, tag, share, tiered)
             return None
         specs, layouts = self._state.variable_specs(), self._state.layouts()
         processes = self._task.num_workers
@@ -187,3 +180,20 @@ class ShardedSaver:
 
         self._committer.start(snapshot, replaces_last, write, direct=True)
         return self._queue.committed()
+
+
+def _write_part(
+    parts: Parts,
+    process: int,
+    tag: str,
+    share: Future,
+    tiered: bool,
+    previous: PendingWrite | None,
+) -> None:
+    """A process's part of a sharded save, in the writer thread (a process
+    other than the chief: the chief's commit waits for every part)."""
+    if previous is not None and tiered:
+        # The local tier's commit of this save first: the bucket never
+        # holds a save some tier lacks.
+        previous.join()
+    sharded.write_part(parts, process, tag, share.result())

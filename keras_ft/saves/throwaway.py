@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
-from collections.abc import Callable
 
 from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.lock import DirectoryLock
@@ -17,8 +15,9 @@ from keras_ft.checkpoint.store import CheckpointStore
 from keras_ft.distribute.cluster import TaskSpec, worker_temp_name
 from keras_ft.saves.chief import ChiefSaver
 from keras_ft.saves.queue import SaveQueue
+from keras_ft.saves.save import Save
 from keras_ft.saves.tiers import TieredStore
-from keras_ft.state import Snapshot, TrainingState
+from keras_ft.state import TrainingState
 from keras_ft.state.snapshots import SnapshotPlace
 from keras_ft.threads import PendingWrite
 
@@ -93,16 +92,7 @@ class ThrowawaySaver(ChiefSaver):
         super().__init__(state, task, queue, tiers, None, [], snapshots)
         self._scratch = scratch
 
-    def _commit(
-        self,
-        snapshot: Snapshot,
-        write: Callable[[Staging], None],
-        cancel: threading.Event,
-        previous: PendingWrite | None,
-        replaced: PendingWrite | None,
-        to_bucket: bool,
-        direct: bool,
-    ) -> None:
+    def _commit(self, save: Save, previous: PendingWrite | None) -> None:
         """Runs in the writer thread: writes one save's files into the
         scratch directory and removes them. Nothing reads them, so nothing
         is made durable (no fsync) or committed."""
@@ -111,10 +101,10 @@ class ThrowawaySaver(ChiefSaver):
                 previous.join()  # The directory holds one save at a time.
             try:
                 os.makedirs(self._scratch.path, exist_ok=True)
-                write(Staging(self._scratch.path, cancel, sync=False))
+                save.write_files(Staging(self._scratch.path, save.cancel, sync=False))
             except OSError as e:
                 raise self._tiers.write_failed(e) from e
             finally:
                 shutil.rmtree(self._scratch.path, ignore_errors=True)
         finally:
-            snapshot.release()  # Also when it failed before writing anything.
+            save.snapshot.release()  # Also when it failed before writing anything.

@@ -22,6 +22,7 @@ from keras_ft.checkpoint.store import CheckpointStore, open_store
 from keras_ft.distribute.cluster import TaskSpec
 from keras_ft.errors import CheckpointWriteError, ProcessesDisagreeError
 from keras_ft.local_tier import LocalTier
+from keras_ft.saves.save import Save
 from keras_ft.state import ResumePoint, TrainingState
 from keras_ft.threads import PendingWrite
 from keras_ft.training.policy import KeepLast
@@ -121,36 +122,44 @@ class TieredStore:
             self.local.storage.remove_root()
 
     def commit(
-        self,
-        write: Callable[[Staging], None],
-        metadata: dict,
-        cancel: Any,
-        after: Callable[[], None],
-        replaced: PendingWrite | None,
-        to_bucket: bool,
-        direct: bool,
+        self, save: Save, previous: PendingWrite | None, lock: Any
     ) -> Checkpoint:
-        """Writes and commits one save: into the local tier first if there
-        is one (then, `to_bucket`, a copy into the bucket), else, or with
-        `direct` (a sharded save's own commit into the bucket), into the
-        backup's store. `after()` runs before each commit; a save that
-        `replaced` supersedes is deleted once it is committed."""
-        if self.local is None or direct:
+        """Writes and commits one save (in the writer thread): into the
+        local tier first if there is one (then, `save.to_bucket`, a copy
+        into the bucket), else, or with `save.direct` (a sharded save's own
+        commit into the bucket), into the backup's store. Each commit waits
+        for `previous` and checks `lock` (if any) before it takes a number;
+        the checkpoint of the save `save` supersedes is deleted once it is
+        committed."""
+        replaced = save.superseded()
+        metadata, cancel = save.snapshot.metadata, save.cancel
+        if self.local is None or save.direct:
             return self._to_bucket(
-                write, metadata, cancel, after, self._superseded(replaced, "bucket")
+                save.write_files,
+                metadata,
+                cancel,
+                previous,
+                lock,
+                self._committed_in(replaced, "bucket"),
             )
         committed = self.local.save(
-            write, metadata, cancel, after, self._superseded(replaced, "local")
+            save.write_files,
+            metadata,
+            cancel,
+            after=previous,
+            lock=lock,
+            supersedes=self._committed_in(replaced, "local"),
         )
-        if not to_bucket:
+        if not save.to_bucket:
             return committed
         local = committed
         committed = self._to_bucket(
             functools.partial(_copy_of, self.local, local),
             metadata,
             cancel,
-            self._lock.check,
-            self._superseded(replaced, "bucket"),
+            None,
+            self._lock,
+            self._committed_in(replaced, "bucket"),
         )
         self._copies[committed.path] = local
         while len(self._copies) > _REMEMBERED:
@@ -162,36 +171,32 @@ class TieredStore:
         write: Callable[[Staging], None],
         metadata: dict,
         cancel: Any,
-        after: Callable[[], None],
-        supersedes: Callable[[], Checkpoint | None] | None,
+        after: PendingWrite | None,
+        lock: Any,
+        supersedes: Checkpoint | None,
     ) -> Checkpoint:
         """Commits one save into the backup's store; with a local tier, the
         tier's note says which checkpoint that is from right before the
         commit (`LocalTier.uploading()`)."""
         if self.tier is None:
-            return self.backup.save(write, metadata, cancel, after, supersedes)
-        committing = functools.partial(self.tier.uploading, metadata=metadata)
+            return self.backup.save(
+                write, metadata, cancel, after=after, lock=lock, supersedes=supersedes
+            )
         try:
             committed = self.backup.save(
-                write, metadata, cancel, after, supersedes, committing
+                write,
+                metadata,
+                cancel,
+                after=after,
+                lock=lock,
+                supersedes=supersedes,
+                committing=self.tier.uploading,
             )
         except BaseException:
             self.tier.upload_failed()
             raise
         self.tier.uploaded(committed, metadata)
         return committed
-
-    def _superseded(
-        self, replaced: PendingWrite | None, tier: str
-    ) -> Callable[[], Checkpoint | None] | None:
-        if replaced is None:
-            return None
-
-        def superseded() -> Checkpoint | None:
-            replaced.join()
-            return self._committed_in(replaced.value, tier)
-
-        return superseded
 
     def _committed_in(
         self, checkpoint: Checkpoint | None, tier: str

@@ -104,7 +104,7 @@ class Snapshot:
     """One checkpoint's worth of state in host memory, ready to be written.
 
     Taking it is the only part of a save that must run in the training
-    thread; `keras_ft.saves.chief.write_snapshot()` writes it, in
+    thread; `keras_ft.saves.save.write_snapshot()` writes it, in
     another thread if the snapshot is a copy.
     """
 
