@@ -70,41 +70,77 @@ class SignalSentinel:
         """Starts reporting (main thread only); `False` where it cannot."""
         if threading.current_thread() is not threading.main_thread():
             return False
-        if not _wakeup_reader():
-            return False
-        with _sentinels_lock:
-            _sentinels.add(self)
-        return True
+        return _wakeups.add(self)
 
     def close(self) -> None:
         """Stops reporting."""
-        with _sentinels_lock:
-            _sentinels.discard(self)
+        _wakeups.discard(self)
 
 
-# The process's one reader of the wakeup descriptor, and the sentinels it
-# reports to (see `SignalSentinel`).
-_sentinels: set[SignalSentinel] = set()
-_sentinels_lock = threading.Lock()
-_wakeup_write: int | None = None
+class _WakeupReader:
+    """The process's one reader of the interpreter's wakeup descriptor (a
+    pipe and a daemon thread blocked reading it), and the sentinels it
+    reports each signal to (see `SignalSentinel`)."""
+
+    def __init__(self) -> None:
+        self.sentinels: set[SignalSentinel] = set()
+        self.lock = threading.Lock()
+        self.write_fd: int | None = None  # The pipe's end signals are written to.
+
+    def add(self, sentinel: SignalSentinel) -> bool:
+        """Reports to `sentinel` from now on, if the wakeup descriptor is (or
+        now becomes) the reader's pipe (main thread); else `False`."""
+        if self.write_fd is None:
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            threads.start_daemon(lambda: self._read(read), "keras-ft-signals")
+            self.write_fd = write
+        try:
+            current = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
+        except (ValueError, OSError):
+            return False
+        if current not in (-1, self.write_fd):
+            signal.set_wakeup_fd(current)  # Someone else's: theirs to keep.
+            return False
+        with self.lock:
+            self.sentinels.add(sentinel)
+        return True
+
+    def discard(self, sentinel: SignalSentinel) -> None:
+        with self.lock:
+            self.sentinels.discard(sentinel)
+
+    def forget_in_child(self) -> None:
+        """See `forget_in_child()`."""
+        write, self.write_fd = self.write_fd, None
+        self.sentinels = set()
+        self.lock = threading.Lock()
+        if write is None:
+            return
+        with contextlib.suppress(ValueError, OSError):
+            current = signal.set_wakeup_fd(-1)
+            if current != write:
+                signal.set_wakeup_fd(current)  # Someone else's: theirs to keep.
+        with contextlib.suppress(OSError):
+            os.close(write)
+
+    def _read(self, read: int) -> None:
+        while True:
+            data = os.read(read, 64)
+            with self.lock:
+                listening = list(self.sentinels)
+            for signum in data:
+                for sentinel in listening:
+                    if signum in sentinel.signals:
+                        try:
+                            sentinel.on_signal(signum)
+                        except Exception:  # A bug must not end the reading.
+                            traceback.print_exc()
 
 
-def _wakeup_reader() -> bool:
-    """Makes sure the wakeup descriptor is the reader's pipe (main thread)."""
-    global _wakeup_write
-    if _wakeup_write is None:
-        read, write = os.pipe()
-        os.set_blocking(write, False)
-        threads.start_daemon(lambda: _read_wakeups(read), "keras-ft-signals")
-        _wakeup_write = write
-    try:
-        current = signal.set_wakeup_fd(_wakeup_write, warn_on_full_buffer=False)
-    except (ValueError, OSError):
-        return False
-    if current not in (-1, _wakeup_write):
-        signal.set_wakeup_fd(current)  # Someone else's: theirs to keep.
-        return False
-    return True
+# Process-wide: the interpreter has one wakeup descriptor per process, so its
+# reader (a thread) outlives every fit(), reused on purpose by the next.
+_wakeups = _WakeupReader()
 
 
 def forget_in_child() -> None:
@@ -117,32 +153,7 @@ def forget_in_child() -> None:
     had been sent it, and start its grace period. The child gets a lock of
     its own too: its copy may have been held at the fork.
     """
-    global _wakeup_write, _sentinels_lock
-    write, _wakeup_write = _wakeup_write, None
-    _sentinels.clear()
-    _sentinels_lock = threading.Lock()
-    if write is None:
-        return
-    with contextlib.suppress(ValueError, OSError):
-        current = signal.set_wakeup_fd(-1)
-        if current != write:
-            signal.set_wakeup_fd(current)  # Someone else's: theirs to keep.
-    with contextlib.suppress(OSError):
-        os.close(write)
-
-
-def _read_wakeups(read: int) -> None:
-    while True:
-        data = os.read(read, 64)
-        with _sentinels_lock:
-            listening = list(_sentinels)
-        for signum in data:
-            for sentinel in listening:
-                if signum in sentinel.signals:
-                    try:
-                        sentinel.on_signal(signum)
-                    except Exception:  # A bug must not end the reading.
-                        traceback.print_exc()
+    _wakeups.forget_in_child()
 
 
 def check_stall_timeout(value: object, first_batch_timeout: object) -> None:
