@@ -62,11 +62,12 @@ class WorkerTrainingState:
         async_save: If `True`, `back_up()` returns once the state is copied
             to host memory, and a background thread writes and commits it;
             `wait()` waits for the commit. If `False`, `back_up()` returns
-            the committed checkpoint. Either way the copy and the write
-            overlap, piece by piece; in the background, once the last
-            save's write is over, the state's NaN/infinity check follows
-            the copy too, so that `back_up()` waits for the copy alone.
-            Defaults to `False`.
+            the committed checkpoint. Either way the write follows the
+            copy, piece by piece, and the copy starts once the last save's
+            weights are written out (one snapshot in flight); in the
+            background the state's NaN/infinity check follows the copy
+            too, so that `back_up()` waits for the copy alone. Defaults to
+            `False`.
         task: This process's role; detected from the framework if `None`.
             Defaults to `None`.
         listeners: `keras_ft.CheckpointListener`s told before each save,
