@@ -48,13 +48,14 @@ def main() -> None:
 
     overlapped = BackgroundWriter.submit
 
-    def one_in_flight(self, write):
-        def in_turn(previous):
+    def one_in_flight(self, write, *args):
+        def in_turn(*call):  # `(*args, previous)`, as the writer calls it.
+            previous = call[-1]
             if previous is not None:
                 previous.join()  # As one writer thread would run them.
-            return write(previous)
+            return write(*call)
 
-        return overlapped(self, in_turn)
+        return overlapped(self, in_turn, *args)
 
     model = build_model(args.width)
     x, y = data(args.saves)
