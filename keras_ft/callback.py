@@ -264,6 +264,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._state: WorkerTrainingState | None = None
         self._callbacks: callback_state.FitCallbacks | None = None
         self._resumption: resume.Resumption | None = None
+        self._set_up_at: float | None = None  # See `set_model()`.
         self._inputs = inputs.InputPosition(None)
         self._saves: FitSaves | None = None  # The last fit()'s.
         # The buffer the last fit()'s saves copied into: the next fit() of
@@ -285,6 +286,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         return None if self._batches is None else self._batches.preempted_by
 
     # Keras hooks.
+
+    def set_model(self, model: keras.Model) -> None:
+        # When fit() set its callbacks up: a `TensorBoard` beside this one
+        # may open its files from then on (its `set_model()` writes the
+        # model's summary), before this train begin's restore.
+        self._set_up_at = time.time()
+        super().set_model(model)
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         if self._resumption is not None:  # Left by a fit() that raised.
@@ -341,6 +349,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 self._nothing_to_train,
                 self.warm_start,
                 self.verbose,
+                began=self._set_up_at,
             )
             self._resumption.hide_skipped_batches(
                 callback_list, self.on_train_batch_begin, self._batches.train_batch_end

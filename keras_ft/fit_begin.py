@@ -135,6 +135,7 @@ def resume_fit(
     nothing_to_train: str | None,
     warm_start: Any,
     verbose: int,
+    began: float | None = None,
 ) -> resume.Resumption:
     """Sets fit() to go on from `point` (or to train nothing, where
     `nothing_to_train` says why), says so, and returns what carries the
@@ -160,7 +161,9 @@ def resume_fit(
         compat.start_data_at_epoch(position.epoch_iterator, point.epoch)
     if not jumped and start is not point:
         model.stop_training = True  # After the first batch, read through.
-    resumption = resume.Resumption(model, start, apply_metrics, jumped, position)
+    resumption = resume.Resumption(
+        model, start, apply_metrics, jumped, position, began=began
+    )
     saved = datetime.datetime.fromtimestamp(point.saved_at)
     where = f"resuming at {resume.position(point, params)}, optimizer step {point.step}"
     if nothing_to_train:

@@ -8,11 +8,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import keras
 import numpy as np
 import pytest
-from conftest import SPREAD, run_once_on, subprocess_env
+from conftest import SPREAD, make_model, run_once_on, subprocess_env
 
 import keras_ft
 from keras_ft.training import callback_state, neighbours
@@ -228,3 +229,56 @@ def test_every_keras_callback_is_accounted_for():
         if isinstance(getattr(keras.callbacks, name), type)
     }
     assert found <= set(STOCK), f"not looked at: {sorted(found - set(STOCK))}"
+
+
+class _RaiseAt(keras.callbacks.Callback):
+    """Raises at the end of batch `at` = (epoch, batches into it), once the
+    backups in flight are committed: a fit() that crashed there."""
+
+    def __init__(self, at: tuple[int, int]):
+        super().__init__()
+        self.at, self.epoch = at, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch + 1) == self.at:
+            keras_ft.wait_for_backups()
+            raise RuntimeError("crashed")
+
+
+class _SlowTrainBegin(keras.callbacks.Callback):
+    """A train begin that takes a while before the backup's (a slow
+    restore, a loaded machine): TensorBoard's file, opened when fit() set
+    its callbacks up, is then seconds older than the backup's train begin."""
+
+    def on_train_begin(self, logs=None):
+        time.sleep(2.5)
+
+
+@run_once_on("torch", "TensorBoard's files; the backend does not matter")
+def test_a_tensorboard_file_opened_before_a_slow_train_begin_is_this_fits(
+    tmp_path, data
+):
+    """The restart's START event sorts before the files this fit() opened,
+    however long before the backup's train begin TensorBoard opened them: a
+    second fit() in the same process, resumed after a crash, keeps every
+    step it trains, and TensorBoard shows each step once."""
+    backup, logs = str(tmp_path / "backup"), str(tmp_path / "tb")
+    x, y = data
+    model = make_model()
+
+    def fit(*callbacks: keras.callbacks.Callback) -> None:
+        board = keras.callbacks.TensorBoard(logs, update_freq="batch")
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[
+            *callbacks, board, keras_ft.BackupAndRestore(backup, save_freq=2),
+        ])  # fmt: skip
+
+    with pytest.raises(RuntimeError, match="crashed"):
+        fit(_RaiseAt((1, 3)))  # After the backup at batch 2 of epoch 2.
+    time.sleep(2)  # The crashed fit's file, a second or more before.
+    fit(_SlowTrainBegin())
+    steps = [step for step, _ in _board(os.path.join(logs, "train"))["batch_loss"]]
+    batches = 2 * int(np.ceil(len(x) / 16))
+    assert steps == list(range(1, batches + 1))

@@ -114,6 +114,8 @@ class Resumption:
         jumped: Whether `fit()` starts at `point.epoch`; if not, the
             completed epochs before it are read through without training.
         inputs: The input `fit()` reads, if it can skip trained items.
+        began: When the fit() began (`time.time()`): another callback's
+            TensorBoard files from then on are this fit's. Defaults to now.
     """
 
     def __init__(
@@ -123,6 +125,7 @@ class Resumption:
         apply_metrics: Callable[[list], bool],
         jumped: bool,
         inputs: InputPosition | None = None,
+        began: float | None = None,
     ):
         self.model = model
         self.inputs = inputs
@@ -131,7 +134,7 @@ class Resumption:
         self.skip_epochs_before = 0 if jumped else point.epoch
         self.started = False  # The resume epoch has begun.
         self._fast_forward: FastForward | None = None
-        self._began = time.time()  # TensorBoard's files from now are this fit's.
+        self._began = time.time() if began is None else began
         self._hidden: neighbours.HiddenBatches | None = None
         # An epoch resumed part-way trains at the backup's learning rate.
         self._rates = neighbours.RestoredRates(model) if point.batch else None
