@@ -1,6 +1,7 @@
 """Whether recycling retired checkpoints pays: saving every batch with a
 retired checkpoint's files written over in place (keras-ft's default) against
-deleting it and writing new files, in one process, rounds interleaved.
+deleting it and writing new files, in one process, rounds interleaved
+(`ab.py`).
 
 A retired checkpoint (past `keep`) is renamed to a spare, and the next save
 writes its big file over the spare's blocks (`checkpoint/local.py`), which
@@ -15,35 +16,11 @@ mechanism only where such a row shows it pays at least 10 % (docs/benchmarks.md)
 
 from __future__ import annotations
 
-import argparse
-import os
-import shutil
-import statistics
-import sys
-import tempfile
-import time
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from save_cost import build_model, data  # noqa: E402
+from ab import arguments, compare
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--backend", choices=("tensorflow", "jax", "torch"))
-    parser.add_argument("--width", type=int, default=2200)
-    parser.add_argument("--saves", type=int, default=100, help="batches a fit")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--dir", help="where checkpoints go (default: /tmp)")
-    args = parser.parse_args()
-    if args.backend:
-        os.environ["KERAS_BACKEND"] = args.backend
-
-    import keras
-
-    import keras_ft
-    from keras_ft import threads
+    args = arguments(__doc__.split("\n")[0])
     from keras_ft.checkpoint.local import LocalStorage
 
     recycled = LocalStorage.retire
@@ -51,49 +28,13 @@ def main() -> None:
     def deleted(self, checkpoint) -> None:
         self.delete(checkpoint)
 
-    model = build_model(args.width)
-    x, y = data(args.saves)
-    model.fit(x[:64], y[:64], batch_size=32, verbose=0)  # Compiled.
-    root = tempfile.mkdtemp(dir=args.dir)
+    def use(arm: str) -> None:
+        LocalStorage.retire = recycled if arm == "recycled" else deleted
 
-    def fit(arm: str) -> float:
-        callbacks = []
-        if arm != "none":
-            LocalStorage.retire = recycled if arm == "recycled" else deleted
-            directory = os.path.join(root, arm)
-            callbacks = [keras_ft.BackupAndRestore(directory, save_freq=1, verbose=0)]
-        start = time.perf_counter()
-        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
-                  callbacks=callbacks)  # fmt: skip
-        seconds = time.perf_counter() - start
-        threads.wait_for_discards()  # The finished backup's removal.
-        return seconds
-
-    arms = ("none", "recycled", "deleted")
     try:
-        fit("recycled"), fit("deleted")  # Each path's first use, untimed.
-        times: dict[str, list[float]] = {arm: [] for arm in arms}
-        for round_ in range(args.rounds):
-            for arm in arms if round_ % 2 == 0 else arms[::-1]:
-                times[arm].append(fit(arm))
+        compare(args, ("recycled", "deleted"), use)
     finally:
         LocalStorage.retire = recycled
-        shutil.rmtree(root, ignore_errors=True)
-    state = 3 * model.count_params() * 4
-    print(
-        f"{keras.backend.backend()}: {model.count_params():,} parameters "
-        f"({state / 1e6:.0f} MB of state), a save every batch, {args.saves} a "
-        f"fit, {args.rounds} rounds, medians"
-    )
-    base = statistics.median(times["none"])
-    for arm in arms:
-        median = statistics.median(times[arm])
-        added = (median - base) / args.saves * 1e3
-        spread = ", ".join(f"{t:.2f}" for t in times[arm])
-        print(f"  {arm:9s} fit {median:6.3f} s, added per save {added:5.1f} ms"
-              f"  ({spread})")  # fmt: skip
-    ratio = statistics.median(times["recycled"]) / statistics.median(times["deleted"])
-    print(f"  fit() recycled / deleted: {ratio:.3f}")
 
 
 if __name__ == "__main__":
