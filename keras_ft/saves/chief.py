@@ -138,9 +138,9 @@ class ChiefSaver:
         Returns:
             The event that calls this save off.
         """
-        save = Save(snapshot, write, to_bucket, direct)
-        if snapshot.weights is not None:  # A move to host memory stops with it.
-            save.cancel = snapshot.weights.stop
+        # A move to host memory stops with the save.
+        stop = snapshot.weights.stop if snapshot.weights is not None else None
+        save = Save(snapshot, write, to_bucket, direct, stop or threading.Event())
         self._queue.start(self._commit, save, replaces_last)
         return save.cancel
 

@@ -68,7 +68,7 @@ def write_snapshot(snapshot: Snapshot, directory: str | Staging) -> None:
     """Writes a snapshot's files into a checkpoint's staging `directory`.
 
     A copy still being made (`snapshot(fill=False)`) is written as it
-    fills, and its buffer is released piece by piece as it is written.
+    fills; its buffer is free for the next copy once the file is written.
     """
     staging = directory if isinstance(directory, Staging) else Staging(directory)
     captured = snapshot.weights
