@@ -92,6 +92,6 @@ def test_directories(tmp_path):
     assert chief_directory(f"file://{root}") == os.path.join(root, "chief")
     # A worker's throwaway saves: beside the chief's directory on a disk.
     storage = CheckpointStore(chief_directory(root)).storage
-    assert storage.scratch_dir(worker_temp_name(2)) == os.path.join(
+    assert storage.housekeeping.scratch_dir(worker_temp_name(2)) == os.path.join(
         root, "workertemp_2"
     )

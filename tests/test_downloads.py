@@ -40,13 +40,13 @@ def test_a_local_copy_holds_the_files_and_goes_when_released(bucket):
     store, checkpoint = bucket
     storage = store.storage
     sizes = {name: len(data) for name, data in FILES.items()}
-    copy = storage.local_copy(
+    copy = storage.reader.local_copy(
         checkpoint, sizes, stream=frozenset({"big.bin", "small.json"}),
         ranged=frozenset({"far.bin"}),
     )  # fmt: skip
     # The checksums follow the big file as it arrives; the small one is
     # whole already (too small to stream).
-    reader = storage.copy_reader(copy)
+    reader = storage.reader.copy_reader(copy)
     with open(copy.file("small.json"), "rb") as f:
         assert f.read() == FILES["small.json"]
     entry = store.manifest(checkpoint)["big.bin"]
@@ -58,7 +58,7 @@ def test_a_local_copy_holds_the_files_and_goes_when_released(bucket):
     assert copy.ranges("far.bin", 100, 10) == b"r" * 10
     with pytest.raises(FileNotFoundError, match="not read by ranges"):
         copy.ranges("big.bin", 0, 10)
-    storage.release(copy)
+    storage.reader.release(copy)
     assert not os.path.exists(os.path.dirname(copy.path))
 
 
@@ -69,7 +69,7 @@ def test_a_copy_of_a_file_the_bucket_lost_is_missing_for_verification(bucket):
     store, checkpoint = bucket
     storage = store.storage
     storage.fs.rm(storage._key(checkpoint, "small.json"))
-    copy = storage.local_copy(checkpoint, {name: len(d) for name, d in FILES.items()})
+    copy = storage.reader.local_copy(checkpoint, {name: len(d) for name, d in FILES.items()})
     assert not os.path.exists(copy.file("small.json"))
     assert os.path.getsize(copy.file("far.bin")) == 5000
-    storage.release(copy)
+    storage.reader.release(copy)

@@ -1,6 +1,7 @@
 """Where the processes' parts of one sharded save wait for the chief's
 commit (`keras_ft/checkpoint/parts.py`): one protocol, on a disk and in a
-bucket. Sharded saves of real clusters: `test_sharded.py`."""
+bucket. Sharded saves of real clusters: `test_sharded.py`. And the parts a
+`WorkerTrainingState` is made of (`keras_ft/saves/parts.py`), by task."""
 
 from __future__ import annotations
 
@@ -8,9 +9,15 @@ import os
 import time
 
 import pytest
-from conftest import run_once_on
+from conftest import make_model, run_once_on
 
 from keras_ft.checkpoint.store import open_store
+from keras_ft.distribute.cluster import TaskSpec, worker_temp_name
+from keras_ft.options import BackupOptions
+from keras_ft.saves.claims import ChiefClaim
+from keras_ft.saves.parts import assemble
+from keras_ft.saves.throwaway import WorkerScratch
+from keras_ft.state import TrainingState
 
 ONCE = run_once_on("torch", "the storage alone; the backend does not matter")
 
@@ -48,7 +55,9 @@ def test_the_parts_become_files_of_one_checkpoint(store):
     assert parts.read_index("shards-00000.json", 1024) is None  # Not yet.
     committed = commit_parts(store, parts, ["shards-00000", "shards-00001"])
     store.verify(committed)
-    assert {"shards-00000.bin", "shards-00001.bin"} <= store.storage.names(committed)
+    assert {"shards-00000.bin", "shards-00001.bin"} <= store.storage.reader.names(
+        committed
+    )
     assert store.leftovers() == []  # Nothing waits any more.
 
 
@@ -83,3 +92,43 @@ def test_the_parts_of_an_earlier_save_are_removed(tmp_path):
     later.remove_earlier()
     assert not os.path.exists(earlier.where) and os.path.exists(later.where)
     later.discard()
+
+
+class Training:
+    """Stands for the `WorkerTrainingState` whose lifetime the queue follows."""
+
+
+@ONCE
+def test_a_chief_and_a_worker_are_assembled_from_the_same_options(tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    options = BackupOptions(backup_dir)
+    state = TrainingState(make_model())
+    chief = assemble(Training(), state, TaskSpec(), options, [])
+    assert chief.store.directory == os.path.join(backup_dir, "chief")
+    assert chief.root.location == backup_dir
+    assert isinstance(chief.claim, ChiefClaim)
+    assert chief.throwaway is None and chief.tiers.local is None
+    worker_task = TaskSpec("worker", 1, num_workers=2, is_chief=False)
+    worker = assemble(Training(), state, worker_task, options, [])
+    # The worker reads the chief's checkpoints, and throws its own saves away
+    # in a scratch directory beside them.
+    assert worker.store.directory == chief.store.directory
+    assert isinstance(worker.claim, WorkerScratch)
+    assert worker.claim.path == os.path.join(backup_dir, worker_temp_name(1))
+    assert worker.throwaway is not None
+    assert not os.path.exists(backup_dir)  # Nothing is written until a save.
+
+
+@ONCE
+def test_a_bucket_with_a_local_dir_gets_a_tier_for_each_process(tmp_path):
+    bucket = f"memory://assembled-{os.getpid()}-{time.monotonic_ns()}"
+    options = BackupOptions(bucket, local_dir=str(tmp_path / "fast"))
+    state = TrainingState(make_model())
+    task = TaskSpec("worker", 1, num_workers=2, is_chief=False)
+    parts = assemble(Training(), state, task, options, [])
+    assert parts.store.directory == f"{bucket}/chief"
+    assert parts.tiers.local is not None
+    assert parts.tiers.local.directory.startswith(str(tmp_path / "fast"))
+    assert parts.tiers.local.directory.endswith("-process-1")
+    # With a tier, a worker keeps its saves there: none are thrown away.
+    assert parts.throwaway is None

@@ -320,7 +320,7 @@ def test_one_url_on_two_servers_is_two_backups(monkeypatch, tmp_path):
         storage = remote.ObjectStorage(backup, options or None)
         lease = remote.RemoteLease(storage)
         tier = local_tier_dir(str(tmp_path), storage, task)
-        return storage.scratch_dir("workertemp_1"), tier, lease._ident
+        return storage.housekeeping.scratch_dir("workertemp_1"), tier, lease._ident
 
     default = names()
     digest = hashlib.sha1(backup.encode()).hexdigest()[:12]
@@ -431,8 +431,8 @@ def test_long_transfers_draw_their_progress_on_a_terminal(s3_server):
     # Downloads too, and none of it where the output is not a terminal.
     terminal.truncate(0)
     terminal.seek(0)
-    local = storage.local_copy(committed, {"big.bin": len(big), "small.bin": 100})
-    storage.release(local)
+    local = storage.reader.local_copy(committed, {"big.bin": len(big), "small.bin": 100})
+    storage.reader.release(local)
     (line,) = [ln for ln in terminal.getvalue().split("\n") if ln]
     assert "downloading ckpt-00000001" in line and "3 MB/3 MB" in line
     log = io.StringIO()
@@ -487,7 +487,7 @@ def test_a_cluster_backs_up_to_a_bucket_and_resumes_from_it(s3_server, tmp_path)
     ), run["chief_entries"]
     # The other worker's saves went to a local directory, removed each time.
     # (Named as the workers named it: this process has the same endpoint.)
-    scratch_dirs = remote.ObjectStorage(backup).scratch_dir("*")
+    scratch_dirs = remote.ObjectStorage(backup).housekeeping.scratch_dir("*")
     assert os.path.basename(scratch_dirs).startswith("keras-ft-")
     assert not glob.glob(scratch_dirs + "*")
 

@@ -212,7 +212,7 @@ def test_pieces_uploaded_to_a_bucket_commit_and_a_restore_fetches_what_it_reads(
 ):
     store = open_store(f"memory://sharded-{os.getpid()}-{time.monotonic_ns()}/chief")
     checkpoint = upload(store, "00000001-000000000001")
-    assert store.storage.names(checkpoint) == {
+    assert store.storage.reader.names(checkpoint) == {
         "manifest.json", "metadata.json", "shards-00000.bin", "shards-00000.json",
         "shards-00001.bin", "shards-00001.json", "shards.json",
     }  # fmt: skip
@@ -667,7 +667,7 @@ def test_a_process_killed_while_uploading_resumes_from_the_bucket_exactly(s3_ser
     for checkpoint in store.checkpoints():
         store.verify(checkpoint)
         assert {"shards-00000.bin", "shards-00001.bin"} <= (
-            store.storage.names(checkpoint)
+            store.storage.reader.names(checkpoint)
         )
 
 

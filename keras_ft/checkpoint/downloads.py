@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from keras_ft import events, threads
 from keras_ft.checkpoint import scratch, transfers
 from keras_ft.checkpoint.format import Checkpoint, checkpoint_name
-from keras_ft.checkpoint.local import LocalStorage
+from keras_ft.checkpoint.local import LocalReader
 
 if TYPE_CHECKING:
     from keras_ft.checkpoint.remote import ObjectStorage
@@ -94,7 +94,7 @@ class LocalCopies:
             raise
         return local
 
-    def reader(self, local: Checkpoint) -> LocalStorage:
+    def reader(self, local: Checkpoint) -> LocalReader:
         """Reads `make()`'s files, each checksum following its file's
         download."""
         streams = self._arriving.get(local.path, {})
@@ -103,7 +103,7 @@ class LocalCopies:
             download = streams.get(name)
             return None if download is None else download.wait_for
 
-        return LocalStorage(os.path.dirname(local.path), arrived)
+        return LocalReader(os.path.dirname(local.path), arrived)
 
     def _read_range(
         self, checkpoint: Checkpoint, names: frozenset[str], name: str,

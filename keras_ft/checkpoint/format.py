@@ -51,7 +51,7 @@ class Checkpoint:
         sequence: The checkpoint's number; a newer checkpoint has a larger one.
         path: The checkpoint's directory (or prefix, in object storage).
         ranges: For a local copy of a bucket's checkpoint that left some
-            files in the bucket (`Storage.local_copy(ranged=...)`), how to
+            files in the bucket (`CheckpointReader.local_copy(ranged=...)`), how to
             read byte ranges of them: `ranges(name, offset, size) -> bytes`;
             else `None`.
         epoch: Epochs completed at the save (where a resume starts).

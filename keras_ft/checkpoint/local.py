@@ -53,7 +53,7 @@ _SPARE_PREFIX = ".spare-"
 # commit gathers them (`distribute/sharded.py`): what a killed save left.
 _LEFTOVERS = (_STAGING_PREFIX, _TRASH_PREFIX, _SPARE_PREFIX, PARTS_PREFIX)
 # A finished backup's checkpoints while they are removed in the background
-# (`LocalStorage.discard()`): `<_TRASH_ENTRY><token>` in this user's trash
+# (`LocalHousekeeping.discard()`): `<_TRASH_ENTRY><token>` in this user's trash
 # (`<tempdir>/keras-ft-trash-<uid>`), or where that is on another filesystem,
 # `.<name of backup_dir><_DISCARDED>-<token>` beside `backup_dir`.
 _DISCARDED = ".keras-ft-deleted"
@@ -63,33 +63,26 @@ _TRASH_ENTRY = "deleted-"
 class LocalStorage:
     """Checkpoints in one directory of a POSIX filesystem.
 
+    What a restore reads is `reader` (a `LocalReader`), the small files
+    beside the checkpoints are `notices` (`LocalNotices`), and what is
+    around them (leftovers, scratch, the directory itself) is
+    `housekeeping` (`LocalHousekeeping`).
+
     Args:
         directory: Where committed checkpoints live. Created on first save.
-        arrived: For a directory whose files are still being written (a
-            download of a bucket's checkpoint): `arrived(name)` is `None`
-            for a file that is whole, else a function that returns once the
-            file's first n bytes are there; checksums follow it. Defaults
-            to `None`: every file is whole.
     """
 
     write_error_fix = "Free some space or fix the directory's permissions"
     start_over_fix = "Move the directory away to start training from scratch."
-    ranged_reads = False  # A reader opens the files in place.
 
-    def __init__(
-        self,
-        directory: str,
-        arrived: Callable[[str], Callable[[int], None] | None] | None = None,
-    ):
-        self.directory = os.fspath(directory)
-        self._arrived = arrived
+    def __init__(self, directory: str):
+        self.directory = self.location = os.fspath(directory)
         # The files this process's saves into this directory wrote: only
         # those are recycled.
         self._written = _written_files(self.identity)
-
-    @property
-    def location(self) -> str:
-        return self.directory
+        self.reader = LocalReader(self.directory)
+        self.notices = LocalNotices(self.directory)
+        self.housekeeping = LocalHousekeeping(self)
 
     @property
     def identity(self) -> str:
@@ -99,16 +92,12 @@ class LocalStorage:
     def url(self, checkpoint: Checkpoint) -> str:
         return checkpoint.path
 
-    def scratch_dir(self, name: str) -> str:
-        """A local directory beside this one, for a process's throwaway saves."""
-        return os.path.join(os.path.dirname(self.directory), name)
-
     # Listing.
 
     def checkpoints(self) -> list[Checkpoint]:
         """Committed checkpoints, oldest first. Unverified."""
         found = []
-        for name in self._names():
+        for name in _names(self.directory):
             sequence = checkpoint_sequence(name)
             path = os.path.join(self.directory, name)
             # A real directory: a symlink named like one is not followed.
@@ -126,42 +115,13 @@ class LocalStorage:
         commit: a directory beside the checkpoints (`sequence` unused)."""
         return LocalParts(self.directory, tag)
 
-    def leftovers(self) -> list[str]:
-        """Staging, trash, spare and parts directories: partial or deleted saves."""
-        return [p for p in self._leftover_names() if _is_directory(p)]
-
-    def foreign(self) -> list[str]:
-        """Entries named like leftovers that are not directories (a symlink,
-        a file): nobody's save. Removed with the leftovers, never followed."""
-        return [p for p in self._leftover_names() if not _is_directory(p)]
-
-    def remove_leftovers(self) -> None:
-        for path in self._leftover_names():
-            _remove_tree(path)
-
-    def _leftover_names(self) -> list[str]:
-        return [
-            os.path.join(self.directory, n) for n in sorted(self._names(_LEFTOVERS))
-        ]
-
-    def _names(self, prefix: str | tuple[str, ...] = "") -> list[str]:
-        if os.path.islink(self.directory):
-            raise ValueError(
-                f"{self.directory!r} is a symlink; keras-ft follows no link in a "
-                "backup directory. Replace the link by the directory it points to."
-            )
-        try:
-            return [n for n in os.listdir(self.directory) if n.startswith(prefix)]
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-
     # Writing.
 
     def stage(self, cancel: threading.Event | None) -> Staging:
         """A new staging directory, with the spare to write over, if any."""
         name = f"{_STAGING_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         path = os.path.join(self.directory, name)
-        with self._opened(create=True) as directory:
+        with _opened(self.directory, create=True) as directory:
             os.mkdir(name, dir_fd=directory)
         return Staging(
             path,
@@ -194,7 +154,7 @@ class LocalStorage:
         turn.numbered(Checkpoint(sequence, final))
         # rename() of a directory is atomic, and refuses to replace a
         # non-empty directory, so no committed checkpoint is ever overwritten.
-        self._rename(staging.path, final)
+        _rename(self.directory, staging.path, final)
         file_io.fsync_path(self.directory)
         return Checkpoint(sequence, final)
 
@@ -210,7 +170,7 @@ class LocalStorage:
             taken = f"{staging}.recycle"
             try:
                 # Atomic: of two saves in flight, one gets it.
-                self._rename(os.path.join(self.directory, name), taken)
+                _rename(self.directory, os.path.join(self.directory, name), taken)
             except OSError:
                 continue
             return taken
@@ -220,7 +180,7 @@ class LocalStorage:
         """The spares' names: a link named like one is nobody's spare."""
         return [
             n
-            for n in self._names(_SPARE_PREFIX)
+            for n in _names(self.directory, _SPARE_PREFIX)
             if _is_directory(os.path.join(self.directory, n))
         ]
 
@@ -232,7 +192,7 @@ class LocalStorage:
         # Renamed away from its committed name, so that no reader can find
         # it any more, and kept for the next save to reuse.
         name = f"{_SPARE_PREFIX}{secrets.token_hex(6)}"
-        self._rename(checkpoint.path, os.path.join(self.directory, name))
+        _rename(self.directory, checkpoint.path, os.path.join(self.directory, name))
 
     def delete(self, checkpoint: Checkpoint) -> None:
         # Rename first, so a kill during the removal never leaves a
@@ -240,72 +200,55 @@ class LocalStorage:
         # takes a while (more with online discard): not on the saver's time.
         # A kill leaves `.trash-*`, removed as a leftover at the next start.
         trash = os.path.join(self.directory, f"{_TRASH_PREFIX}{secrets.token_hex(6)}")
-        self._rename(checkpoint.path, trash)
+        _rename(self.directory, checkpoint.path, trash)
         threads.remove_in_background(trash)
 
-    def discard(self, beside: str) -> bool:
-        """Moves every checkpoint and leftover out of this directory and
-        removes them in the background: this directory holds nothing of a
-        save's at once, whatever the checkpoints' size.
+    # One writer.
 
-        They go to this user's trash in the temporary directory where that
-        is on the same filesystem (`_trash()`): nothing appears beside
-        `backup_dir`, so removing the directory that holds it right after
-        `fit()` does not race the removal. Elsewhere they go beside
-        `beside` (`backup_dir`, which this directory is or is in). A kill
-        leaves them for the next start's `sweep_discarded()`.
+    def writer_lock(self) -> DirectoryLock:
+        """An exclusive `flock` on the directory's `.lock`."""
+        return DirectoryLock(self.directory)
 
-        Returns `False` where neither place can take them (no permission,
-        another filesystem); what was not moved is still here then."""
-        paths = [c.path for c in self.checkpoints()] + self._leftover_names()
-        entries = [os.path.basename(p) for p in paths]
-        parent, name = os.path.split(os.path.abspath(beside))
-        places = [(_trash(parent), _TRASH_ENTRY), (parent, f".{name}{_DISCARDED}-")]
-        for place, prefix in places:
-            if place is None or not entries:
-                continue
-            into = os.path.join(place, f"{prefix}{secrets.token_hex(6)}")
-            try:
-                os.mkdir(into, 0o700)
-            except OSError:
-                continue
-            with contextlib.suppress(OSError):
-                self._move_into(entries, into)
-            threads.remove_later(into)
-        return not entries
+    def check_writable(self) -> None:
+        """Creates the directory and a file in it, or raises naming it.
 
-    def _move_into(self, entries: list[str], into: str) -> None:
-        """Renames `entries` of this directory into the directory `into`,
-        dropping each from the list once moved; raises at the first that
-        cannot be (another filesystem: `EXDEV`)."""
-        with self._opened() as directory:
-            target = file_io.open_directory(into, depth=1)
-            try:
-                while entries:
-                    entry = entries[0]
-                    os.rename(entry, entry, src_dir_fd=directory, dst_dir_fd=target)
-                    entries.pop(0)
-            finally:
-                os.close(target)
+        The file is made through the directory as opened with no symlink
+        followed: a directory that is a link is refused before anything is
+        written where it points.
+        """
+        try:
+            with _opened(self.directory, create=True) as directory:
+                _probe_write(directory)
+        except OSError as e:
+            raise ValueError(
+                f"Invalid value for argument `backup_dir`: cannot write to "
+                f"{self.directory!r} ({e.strerror or e}). Choose a directory "
+                "this process can create and write."
+            ) from e
 
-    def _rename(self, old: str, new: str) -> None:
-        """Renames `old` to `new`, both entries of this directory, inside
-        the directory as opened now: if its name was swapped for a link,
-        nothing where the link points is renamed."""
-        with self._opened() as directory:
-            os.rename(
-                _entry_of(self.directory, old),
-                _entry_of(self.directory, new),
-                src_dir_fd=directory,
-                dst_dir_fd=directory,
-            )
 
-    def remove_root(self) -> None:
-        """Removes the directory if nothing else is left in it."""
-        with contextlib.suppress(OSError):
-            os.rmdir(self.directory)
+class LocalReader:
+    """Reads a disk's checkpoints: regular files only, no link followed,
+    sizes of the open file.
 
-    # Reading: regular files only, no link followed, sizes of the open file.
+    Args:
+        directory: The checkpoints' directory.
+        arrived: For a directory whose files are still being written (a
+            download of a bucket's checkpoint): `arrived(name)` is `None`
+            for a file that is whole, else a function that returns once the
+            file's first n bytes are there; checksums follow it. Defaults
+            to `None`: every file is whole.
+    """
+
+    ranged_reads = False  # A reader opens the files in place.
+
+    def __init__(
+        self,
+        directory: str,
+        arrived: Callable[[str], Callable[[int], None] | None] | None = None,
+    ):
+        self.directory = directory
+        self._arrived = arrived
 
     def names(self, checkpoint: Checkpoint) -> set[str]:
         return set(os.listdir(checkpoint.path))
@@ -355,12 +298,77 @@ class LocalStorage:
         """The checkpoint to load from: on disk, itself."""
         return checkpoint
 
-    def copy_reader(self, local: Checkpoint) -> LocalStorage:
-        """The storage that reads `local_copy()`'s files: this directory."""
-        return LocalStorage(os.path.dirname(local.path))
+    def copy_reader(self, local: Checkpoint) -> LocalReader:
+        """The reader of `local_copy()`'s files: this one."""
+        return self
 
     def release(self, local: Checkpoint) -> None:
         """Nothing to free: `local_copy()` made no copy."""
+
+
+class LocalNotices:
+    """Small files beside a disk's checkpoints that every process of a
+    training reads; written whole through the directory as opened."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def create(self, name: str, data: bytes) -> bool:
+        """Writes `name` unless it exists (a hard link: the first wins)."""
+        with _opened(self.directory, create=True) as directory:
+            temporary = _write_temporary(directory, name, data)
+            try:
+                # Atomic, and fails if one exists.
+                os.link(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
+            except FileExistsError:
+                return False
+            finally:
+                os.remove(temporary, dir_fd=directory)
+        return True
+
+    def read(self, name: str, limit: int) -> bytes | None:
+        try:
+            return file_io.read_regular(
+                os.path.join(self.directory, name), limit, file_io.CHIEF_FILE
+            )
+        except FileNotFoundError:
+            return None
+
+    def remove(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError), _opened(self.directory) as fd:
+            os.remove(name, dir_fd=fd)
+
+    def replace(self, name: str, data: bytes) -> None:
+        with _opened(self.directory, create=True) as directory:
+            temporary = _write_temporary(directory, name, data)
+            try:
+                # A symlink there is replaced, not followed.
+                os.replace(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.remove(temporary, dir_fd=directory)
+                raise
+
+    def names(self) -> list[str]:
+        """The regular files beside the checkpoints."""
+        return [
+            n
+            for n in _names(self.directory)
+            if stat.S_ISREG(os.lstat(os.path.join(self.directory, n)).st_mode)
+        ]
+
+
+class LocalHousekeeping:
+    """What is around a disk's checkpoints: what partial or deleted saves
+    left, a process's scratch directory, the directory itself."""
+
+    def __init__(self, storage: LocalStorage):
+        self._storage = storage
+        self.directory = storage.directory
+
+    def scratch_dir(self, name: str) -> str:
+        """A local directory beside this one, for a process's throwaway saves."""
+        return os.path.join(os.path.dirname(self.directory), name)
 
     def usage(self, path: str) -> int:
         """Bytes in the files below `path`; no link is followed."""
@@ -372,86 +380,111 @@ class LocalStorage:
             for name in names
         )
 
-    # Notices: small files every process of a training reads.
+    def leftovers(self) -> list[str]:
+        """Staging, trash, spare and parts directories: partial or deleted saves."""
+        return [p for p in self._leftover_paths() if _is_directory(p)]
 
-    def create_exclusive(self, name: str, data: bytes) -> bool:
-        """Writes `name` unless it exists (a hard link: the first wins)."""
-        with self._opened(create=True) as directory:
-            temporary = _write_temporary(directory, name, data)
+    def foreign(self) -> list[str]:
+        """Entries named like leftovers that are not directories (a symlink,
+        a file): nobody's save. Removed with the leftovers, never followed."""
+        return [p for p in self._leftover_paths() if not _is_directory(p)]
+
+    def remove_leftovers(self) -> None:
+        for path in self._leftover_paths():
+            _remove_tree(path)
+
+    def _leftover_paths(self) -> list[str]:
+        names = sorted(_names(self.directory, _LEFTOVERS))
+        return [os.path.join(self.directory, n) for n in names]
+
+    def discard(self, beside: str) -> bool:
+        """Moves every checkpoint and leftover out of this directory and
+        removes them in the background: this directory holds nothing of a
+        save's at once, whatever the checkpoints' size.
+
+        They go to this user's trash in the temporary directory where that
+        is on the same filesystem (`_trash()`): nothing appears beside
+        `backup_dir`, so removing the directory that holds it right after
+        `fit()` does not race the removal. Elsewhere they go beside
+        `beside` (`backup_dir`, which this directory is or is in). A kill
+        leaves them for the next start's `sweep_discarded()`.
+
+        Returns `False` where neither place can take them (no permission,
+        another filesystem); what was not moved is still here then."""
+        paths = [c.path for c in self._storage.checkpoints()]
+        entries = [os.path.basename(p) for p in paths + self._leftover_paths()]
+        parent, name = os.path.split(os.path.abspath(beside))
+        places = [(_trash(parent), _TRASH_ENTRY), (parent, f".{name}{_DISCARDED}-")]
+        for place, prefix in places:
+            if place is None or not entries:
+                continue
+            into = os.path.join(place, f"{prefix}{secrets.token_hex(6)}")
             try:
-                # Atomic, and fails if one exists.
-                os.link(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
-            except FileExistsError:
-                return False
+                os.mkdir(into, 0o700)
+            except OSError:
+                continue
+            with contextlib.suppress(OSError):
+                self._move_into(entries, into)
+            threads.remove_later(into)
+        return not entries
+
+    def _move_into(self, entries: list[str], into: str) -> None:
+        """Renames `entries` of this directory into the directory `into`,
+        dropping each from the list once moved; raises at the first that
+        cannot be (another filesystem: `EXDEV`)."""
+        with _opened(self.directory) as directory:
+            target = file_io.open_directory(into, depth=1)
+            try:
+                while entries:
+                    entry = entries[0]
+                    os.rename(entry, entry, src_dir_fd=directory, dst_dir_fd=target)
+                    entries.pop(0)
             finally:
-                os.remove(temporary, dir_fd=directory)
-        return True
+                os.close(target)
 
-    def read_small(self, name: str, limit: int) -> bytes | None:
-        try:
-            return file_io.read_regular(
-                os.path.join(self.directory, name), limit, file_io.CHIEF_FILE
-            )
-        except FileNotFoundError:
-            return None
+    def remove_root(self) -> None:
+        """Removes the directory if nothing else is left in it."""
+        with contextlib.suppress(OSError):
+            os.rmdir(self.directory)
 
-    def remove(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError), self._opened() as directory:
-            os.remove(name, dir_fd=directory)
 
-    def replace(self, name: str, data: bytes) -> None:
-        with self._opened(create=True) as directory:
-            temporary = _write_temporary(directory, name, data)
-            try:
-                # A symlink there is replaced, not followed.
-                os.replace(temporary, name, src_dir_fd=directory, dst_dir_fd=directory)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.remove(temporary, dir_fd=directory)
-                raise
+def _names(directory: str, prefix: str | tuple[str, ...] = "") -> list[str]:
+    if os.path.islink(directory):
+        raise ValueError(
+            f"{directory!r} is a symlink; keras-ft follows no link in a "
+            "backup directory. Replace the link by the directory it points to."
+        )
+    try:
+        return [n for n in os.listdir(directory) if n.startswith(prefix)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
-    @contextlib.contextmanager
-    def _opened(self, create: bool = False) -> Iterator[int]:
-        """The directory as opened now, not through a symlink: what is
-        created in it relative to this descriptor lands in it, even if its
-        name is swapped for a link meanwhile."""
-        if create:
-            os.makedirs(self.directory, exist_ok=True)
-        fd = file_io.open_directory(self.directory, depth=1)
-        try:
-            yield fd
-        finally:
-            os.close(fd)
 
-    def notice_names(self) -> list[str]:
-        return [
-            n
-            for n in self._names()
-            if stat.S_ISREG(os.lstat(os.path.join(self.directory, n)).st_mode)
-        ]
+@contextlib.contextmanager
+def _opened(path: str, create: bool = False) -> Iterator[int]:
+    """The directory `path` as opened now, not through a symlink: what is
+    created in it relative to this descriptor lands in it, even if its
+    name is swapped for a link meanwhile."""
+    if create:
+        os.makedirs(path, exist_ok=True)
+    fd = file_io.open_directory(path, depth=1)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
-    # One writer.
 
-    def writer_lock(self) -> DirectoryLock:
-        """An exclusive `flock` on the directory's `.lock`."""
-        return DirectoryLock(self.directory)
-
-    def check_writable(self) -> None:
-        """Creates the directory and a file in it, or raises naming it.
-
-        The file is made through the directory as opened with no symlink
-        followed: a directory that is a link is refused before anything is
-        written where it points.
-        """
-        try:
-            with self._opened(create=True) as directory:
-                _probe_write(directory)
-        except OSError as e:
-            raise ValueError(
-                f"Invalid value for argument `backup_dir`: cannot write to "
-                f"{self.directory!r} ({e.strerror or e}). Choose a directory "
-                "this process can create and write."
-            ) from e
+def _rename(directory: str, old: str, new: str) -> None:
+    """Renames `old` to `new`, both entries of `directory`, inside the
+    directory as opened now: if its name was swapped for a link, nothing
+    where the link points is renamed."""
+    with _opened(directory) as fd:
+        os.rename(
+            _entry_of(directory, old),
+            _entry_of(directory, new),
+            src_dir_fd=fd,
+            dst_dir_fd=fd,
+        )
 
 
 # The big files this process wrote, per directory (its real path). Shared on
@@ -505,7 +538,7 @@ def _probe_write(directory: int) -> None:
 
 
 def sweep_discarded(backup_dir: str) -> None:
-    """Removes, in the background, what `LocalStorage.discard()` moved out
+    """Removes, in the background, what `LocalHousekeeping.discard()` moved out
     of `backup_dir` (and of this user's other backups, into the trash) and a
     killed process did not finish removing. Only directories: an entry of
     that name that is a link is left alone. One still being removed by a

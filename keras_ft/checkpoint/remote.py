@@ -68,7 +68,7 @@ from keras_ft.checkpoint.lease import (  # noqa: F401  (also named here, as befo
     conditional_writes,
     put_if,
 )
-from keras_ft.checkpoint.local import LocalStorage
+from keras_ft.checkpoint.local import LocalReader
 from keras_ft.errors import (
     LeaseLapsedError,
     SaveCancelled,
@@ -162,6 +162,10 @@ class ObjectStorage:
     """Checkpoints under one prefix of an fsspec filesystem; the manifest,
     uploaded last, is the commit.
 
+    What a restore reads is `reader` (an `ObjectReader`), the objects
+    beside the checkpoints are `notices` (`ObjectNotices`), and what is
+    around them is `housekeeping` (`ObjectHousekeeping`).
+
     Args:
         url: Where committed checkpoints live (`s3://bucket/run/chief`).
         storage_options: Passed to fsspec. Defaults to `None`.
@@ -174,7 +178,6 @@ class ObjectStorage:
     """
 
     write_error_fix = "Check that the bucket is reachable and the credentials valid"
-    ranged_reads = True
     start_over_fix = "Remove the prefix to start training from scratch."
 
     def __init__(
@@ -189,10 +192,16 @@ class ObjectStorage:
         # The same URL on two servers is two backups.
         self.server = server_of(self.location, storage_options)
         self.root = root.rstrip("/")
+        # 12 hex digits for local names made for this backup (a scratch
+        # directory, a local tier): one backup, one name.
+        self.digest_name = hashlib.sha1(self.identity.encode()).hexdigest()[:12]
         self.progress = progress
         self.progress_after = progress_after
         # Downloads still arriving, by local copy.
         self._copies = LocalCopies(self)  # A restore's downloads.
+        self.reader = ObjectReader(self)
+        self.notices = ObjectNotices(self)
+        self.housekeeping = ObjectHousekeeping(self)
 
     def __repr__(self) -> str:
         return f"ObjectStorage({self.location!r})"
@@ -205,20 +214,6 @@ class ObjectStorage:
     def url(self, checkpoint: Checkpoint) -> str:
         """Where `checkpoint` is in the bucket (its downloaded copy's too)."""
         return self._path(checkpoint.sequence)
-
-    def scratch_dir(self, name: str) -> str:
-        """A local directory for a process's throwaway saves: a bucket is
-        no place for them. One level deep, so that removing it leaves
-        nothing behind; the same path each time, so that a killed worker's
-        is written over by its restart."""
-        digest = self.digest_name
-        return os.path.join(tempfile.gettempdir(), f"keras-ft-{digest}-{name}")
-
-    @property
-    def digest_name(self) -> str:
-        """12 hex digits for local names made for this backup (a scratch
-        directory, a local tier): one backup, one name."""
-        return hashlib.sha1(self.identity.encode()).hexdigest()[:12]
 
     def _path(self, sequence: int) -> str:
         return f"{self.location}/{checkpoint_name(sequence)}"
@@ -253,23 +248,6 @@ class ObjectStorage:
             for sequence, names in sorted(self._listing().items())
             if MANIFEST_FILE in names
         ]
-
-    def leftovers(self) -> list[str]:
-        """Checkpoint prefixes without a manifest: partial uploads."""
-        return [
-            self._path(sequence)
-            for sequence, names in sorted(self._listing().items())
-            if MANIFEST_FILE not in names
-        ]
-
-    def foreign(self) -> list[str]:
-        """Nothing: an object store has no links."""
-        return []
-
-    def remove_leftovers(self) -> None:
-        for sequence, names in self._listing().items():
-            if MANIFEST_FILE not in names:
-                self._remove(Checkpoint(sequence, self._path(sequence)), True)
 
     # Writing: files staged locally, uploaded, the manifest last.
 
@@ -396,123 +374,6 @@ class ObjectStorage:
             if not ignore_errors:
                 raise
 
-    def remove_root(self) -> None:
-        """Nothing to do: a prefix is gone with its last object."""
-
-    def discard(self, beside: str) -> bool:
-        """A bucket's objects are deleted where they are (`delete()`)."""
-        return False
-
-    # Reading.
-
-    def names(self, checkpoint: Checkpoint) -> set[str]:
-        prefix = self._key(checkpoint)
-        with contextlib.suppress(AttributeError):
-            self.fs.invalidate_cache(prefix)
-        return {
-            path[len(prefix) :].strip("/")
-            for path in self.fs.find(prefix)
-            if path.startswith(prefix + "/")
-        }
-
-    def size(self, checkpoint: Checkpoint, name: str) -> int:
-        return int(self.fs.size(self._key(checkpoint, name)))
-
-    def digest(
-        self,
-        checkpoint: Checkpoint,
-        name: str,
-        algorithm: str,
-        read: Callable[[int], None] | None = None,
-    ) -> str:
-        """The object's checksum, streamed: nothing is stored locally."""
-        digest = file_io.DIGESTS[algorithm]()
-        done = 0
-        with self.fs.open(self._key(checkpoint, name), "rb", block_size=8 << 20) as f:
-            while chunk := f.read(8 << 20):
-                digest.update(chunk)
-                done += len(chunk)
-                if read is not None:
-                    read(done)
-        return digest.hexdigest()
-
-    def open_file(self, checkpoint: Checkpoint, name: str) -> IO[bytes]:
-        return self.fs.open(self._key(checkpoint, name), "rb", block_size=1 << 20)
-
-    def read_bytes(self, checkpoint: Checkpoint, name: str, limit: int) -> bytes:
-        # A listing of this prefix cached while it was being uploaded
-        # would hide the files uploaded since (fsspec keeps one per prefix).
-        with contextlib.suppress(AttributeError):
-            self.fs.invalidate_cache(self._key(checkpoint))
-        with self.fs.open(self._key(checkpoint, name), "rb") as f:
-            data = f.read(limit + 1)
-        if len(data) > limit:
-            raise ValueError(f"{name} is too large (at most {limit} bytes are read)")
-        return data
-
-    def local_copy(
-        self,
-        checkpoint: Checkpoint,
-        sizes: dict[str, int],
-        stream: frozenset[str] = frozenset(),
-        ranged: frozenset[str] = frozenset(),
-    ) -> Checkpoint:
-        """A local copy of `checkpoint` for a restore (`LocalCopies.make()`)."""
-        return self._copies.make(checkpoint, sizes, stream, ranged)
-
-    def copy_reader(self, local: Checkpoint) -> LocalStorage:
-        return self._copies.reader(local)
-
-    def release(self, local: Checkpoint) -> None:
-        self._copies.release(local)
-
-    def usage(self, path: str) -> int:
-        return int(self.fs.du(path.split("://", 1)[-1]))
-
-    # Notices: objects beside the checkpoints.
-
-    def create_exclusive(self, name: str, data: bytes) -> bool:
-        """Writes `name` unless it exists: the first writer wins where the
-        store has a conditional create (S3's `If-None-Match`, what fsspec's
-        `mode="create"` asks for); elsewhere fsspec checks, then writes, and
-        two writers within one round trip may both write."""
-        try:
-            transfers.retried(lambda: put_if(self.fs, f"{self.root}/{name}", data))
-        except Refused:
-            return False
-        return True
-
-    def read_small(self, name: str, limit: int) -> bytes | None:
-        with contextlib.suppress(AttributeError):
-            self.fs.invalidate_cache(self.root)
-        try:
-            with self.fs.open(f"{self.root}/{name}", "rb") as f:
-                return f.read(limit)
-        except FileNotFoundError:
-            return None
-
-    def remove(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(f"{self.root}/{name}")
-
-    def replace(self, name: str, data: bytes) -> None:
-        transfers.as_os_error(
-            lambda: self.fs.pipe_file(f"{self.root}/{name}", data), f"writing {name}"
-        )
-
-    def notice_names(self) -> list[str]:
-        with contextlib.suppress(AttributeError):
-            self.fs.invalidate_cache(self.root)
-        try:
-            found = self.fs.ls(self.root, detail=True)
-        except FileNotFoundError:
-            return []
-        return [
-            entry["name"].rstrip("/").rsplit("/", 1)[-1]
-            for entry in found
-            if entry.get("type") == "file"
-        ]
-
     # One writer.
 
     def writer_lock(self) -> RemoteLease:
@@ -534,6 +395,174 @@ class ObjectStorage:
                 "exists and the credentials (fsspec's configuration, or "
                 "`storage_options=`)."
             ) from e
+
+
+class ObjectReader:
+    """Reads a bucket's checkpoints: checksums streamed, a restore's files
+    downloaded into a local copy (`LocalCopies`)."""
+
+    ranged_reads = True
+
+    def __init__(self, storage: ObjectStorage):
+        self._storage = storage
+        self._fs, self._root, self._key = storage.fs, storage.root, storage._key
+
+    def names(self, checkpoint: Checkpoint) -> set[str]:
+        prefix = self._key(checkpoint)
+        with contextlib.suppress(AttributeError):
+            self._fs.invalidate_cache(prefix)
+        return {
+            path[len(prefix) :].strip("/")
+            for path in self._fs.find(prefix)
+            if path.startswith(prefix + "/")
+        }
+
+    def size(self, checkpoint: Checkpoint, name: str) -> int:
+        return int(self._fs.size(self._key(checkpoint, name)))
+
+    def digest(
+        self,
+        checkpoint: Checkpoint,
+        name: str,
+        algorithm: str,
+        read: Callable[[int], None] | None = None,
+    ) -> str:
+        """The object's checksum, streamed: nothing is stored locally."""
+        digest = file_io.DIGESTS[algorithm]()
+        done = 0
+        with self._fs.open(self._key(checkpoint, name), "rb", block_size=8 << 20) as f:
+            while chunk := f.read(8 << 20):
+                digest.update(chunk)
+                done += len(chunk)
+                if read is not None:
+                    read(done)
+        return digest.hexdigest()
+
+    def open_file(self, checkpoint: Checkpoint, name: str) -> IO[bytes]:
+        return self._fs.open(self._key(checkpoint, name), "rb", block_size=1 << 20)
+
+    def read_bytes(self, checkpoint: Checkpoint, name: str, limit: int) -> bytes:
+        # A listing of this prefix cached while it was being uploaded
+        # would hide the files uploaded since (fsspec keeps one per prefix).
+        with contextlib.suppress(AttributeError):
+            self._fs.invalidate_cache(self._key(checkpoint))
+        with self._fs.open(self._key(checkpoint, name), "rb") as f:
+            data = f.read(limit + 1)
+        if len(data) > limit:
+            raise ValueError(f"{name} is too large (at most {limit} bytes are read)")
+        return data
+
+    def local_copy(
+        self,
+        checkpoint: Checkpoint,
+        sizes: dict[str, int],
+        stream: frozenset[str] = frozenset(),
+        ranged: frozenset[str] = frozenset(),
+    ) -> Checkpoint:
+        """A local copy of `checkpoint` for a restore (`LocalCopies.make()`)."""
+        return self._storage._copies.make(checkpoint, sizes, stream, ranged)
+
+    def copy_reader(self, local: Checkpoint) -> LocalReader:
+        return self._storage._copies.reader(local)
+
+    def release(self, local: Checkpoint) -> None:
+        self._storage._copies.release(local)
+
+
+class ObjectNotices:
+    """Small objects beside a bucket's checkpoints that every process of a
+    training reads."""
+
+    def __init__(self, storage: ObjectStorage):
+        self._storage = storage
+        self._fs, self._root, self._key = storage.fs, storage.root, storage._key
+
+    def create(self, name: str, data: bytes) -> bool:
+        """Writes `name` unless it exists: the first writer wins where the
+        store has a conditional create (S3's `If-None-Match`, what fsspec's
+        `mode="create"` asks for); elsewhere fsspec checks, then writes, and
+        two writers within one round trip may both write."""
+        try:
+            transfers.retried(lambda: put_if(self._fs, f"{self._root}/{name}", data))
+        except Refused:
+            return False
+        return True
+
+    def read(self, name: str, limit: int) -> bytes | None:
+        with contextlib.suppress(AttributeError):
+            self._fs.invalidate_cache(self._root)
+        try:
+            with self._fs.open(f"{self._root}/{name}", "rb") as f:
+                return f.read(limit)
+        except FileNotFoundError:
+            return None
+
+    def remove(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._fs.rm_file(f"{self._root}/{name}")
+
+    def replace(self, name: str, data: bytes) -> None:
+        transfers.as_os_error(
+            lambda: self._fs.pipe_file(f"{self._root}/{name}", data), f"writing {name}"
+        )
+
+    def names(self) -> list[str]:
+        with contextlib.suppress(AttributeError):
+            self._fs.invalidate_cache(self._root)
+        try:
+            found = self._fs.ls(self._root, detail=True)
+        except FileNotFoundError:
+            return []
+        return [
+            entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            for entry in found
+            if entry.get("type") == "file"
+        ]
+
+
+class ObjectHousekeeping:
+    """What is around a bucket's checkpoints: partial uploads, a process's
+    local scratch directory."""
+
+    def __init__(self, storage: ObjectStorage):
+        self._storage = storage
+
+    def scratch_dir(self, name: str) -> str:
+        """A local directory for a process's throwaway saves: a bucket is
+        no place for them. One level deep, so that removing it leaves
+        nothing behind; the same path each time, so that a killed worker's
+        is written over by its restart."""
+        digest = self._storage.digest_name
+        return os.path.join(tempfile.gettempdir(), f"keras-ft-{digest}-{name}")
+
+    def usage(self, path: str) -> int:
+        return int(self._storage.fs.du(path.split("://", 1)[-1]))
+
+    def leftovers(self) -> list[str]:
+        """Checkpoint prefixes without a manifest: partial uploads."""
+        return [
+            self._storage._path(sequence)
+            for sequence, names in sorted(self._storage._listing().items())
+            if MANIFEST_FILE not in names
+        ]
+
+    def foreign(self) -> list[str]:
+        """Nothing: an object store has no links."""
+        return []
+
+    def remove_leftovers(self) -> None:
+        for sequence, names in self._storage._listing().items():
+            if MANIFEST_FILE not in names:
+                self._storage._remove(
+                    Checkpoint(sequence, self._storage._path(sequence)), True
+                )
+
+    def remove_root(self) -> None:
+        """Nothing to do: a prefix is gone with its last object."""
+
+    def discard(self, beside: str) -> bool:
+        """A bucket's objects are deleted where they are (`delete()`)."""
+        return False
 
 
 class RemoteParts:

@@ -81,6 +81,9 @@ __all__ = [
     "SaveCancelled",
     "Staging",
     "Storage",
+    "CheckpointReader",
+    "Notices",
+    "Housekeeping",
     "checkpoint_name",
     "checkpoint_sequence",
     "checkpoints_dir",
@@ -94,15 +97,19 @@ class Storage(Protocol):
     """Where checkpoints' bytes live: the small interface a storage implements.
 
     Two do: `LocalStorage` (a POSIX directory) and `ObjectStorage` (an fsspec
-    bucket). A new one implements these and nothing of the protocol.
+    bucket). A new one implements these and nothing of the protocol. Besides
+    the commit's side below, a storage has three parts: `reader` (a
+    `CheckpointReader`: what a restore reads), `notices` (`Notices`: small
+    files beside the checkpoints) and `housekeeping` (`Housekeeping`: what
+    is around them).
     """
 
     location: str  # The directory or URL, as users name it.
     write_error_fix: str  # What to do when a write fails.
     start_over_fix: str  # What to do when no checkpoint can be restored.
-    # Whether a piecewise file is left in place on a restore, its reader
-    # fetching the byte ranges it needs (`local_copy(ranged=...)`).
-    ranged_reads: bool
+    reader: CheckpointReader
+    notices: Notices
+    housekeeping: Housekeeping
 
     @property
     def identity(self) -> str:
@@ -111,23 +118,9 @@ class Storage(Protocol):
 
     def url(self, checkpoint: Checkpoint) -> str: ...
 
-    def scratch_dir(self, name: str) -> str:
-        """A local directory for this process's throwaway files."""
-        ...
-
     def checkpoints(self) -> list[Checkpoint]:
         """Committed checkpoints, oldest first."""
         ...
-
-    def leftovers(self) -> list[str]:
-        """What partial or deleted saves left."""
-        ...
-
-    def foreign(self) -> list[str]:
-        """Entries named like leftovers that no save made (a symlink)."""
-        ...
-
-    def remove_leftovers(self) -> None: ...
 
     def next_sequence(self) -> int:
         """The number the next checkpoint takes."""
@@ -164,14 +157,20 @@ class Storage(Protocol):
 
     def delete(self, checkpoint: Checkpoint) -> None: ...
 
-    def remove_root(self) -> None:
-        """Removes the (emptied) directory itself, where there is one."""
+    def writer_lock(self) -> Any:
+        """The lock one writer holds: `acquire()`, `check()` (raises if it
+        may have been lost), `release(remove=False)`."""
         ...
 
-    def discard(self, beside: str) -> bool:
-        """Moves every checkpoint and leftover out, to be removed in the
-        background; returns whether it did (else nothing, or part, moved)."""
-        ...
+    def check_writable(self) -> None: ...
+
+
+class CheckpointReader(Protocol):
+    """How a storage's checkpoints are read: regular files only."""
+
+    # Whether a piecewise file is left in place on a restore, its reader
+    # fetching the byte ranges it needs (`local_copy(ranged=...)`).
+    ranged_reads: bool
 
     def names(self, checkpoint: Checkpoint) -> set[str]:
         """The names of the files stored in `checkpoint`."""
@@ -211,37 +210,68 @@ class Storage(Protocol):
         they are, read by ranges (with `ranged_reads`)."""
         ...
 
-    def copy_reader(self, local: Checkpoint) -> Storage:
-        """The storage that reads `local`'s files (waiting for the bytes of
-        files still arriving)."""
+    def copy_reader(self, local: Checkpoint) -> CheckpointReader:
+        """The reader of `local`'s files (waiting for the bytes of files
+        still arriving)."""
         ...
 
     def release(self, local: Checkpoint) -> None:
         """Frees a `local_copy()` once it is loaded."""
         ...
 
-    def usage(self, path: str) -> int: ...
 
-    def create_exclusive(self, name: str, data: bytes) -> bool: ...
+class Notices(Protocol):
+    """Small files beside the checkpoints that every process of a training
+    reads (plain names: `format.is_notice_name()`)."""
 
-    def read_small(self, name: str, limit: int) -> bytes | None: ...
+    def create(self, name: str, data: bytes) -> bool:
+        """Writes `name` unless it exists; whether this call wrote it."""
+        ...
 
-    def remove(self, name: str) -> None: ...
+    def read(self, name: str, limit: int) -> bytes | None:
+        """At most `limit` bytes of `name`; `None` if there is none."""
+        ...
 
     def replace(self, name: str, data: bytes) -> None:
         """Writes `name` whole, replacing it (readers see old or new)."""
         ...
 
-    def notice_names(self) -> list[str]:
+    def remove(self, name: str) -> None: ...
+
+    def names(self) -> list[str]:
         """The names of the regular files (objects) beside the checkpoints."""
         ...
 
-    def writer_lock(self) -> Any:
-        """The lock one writer holds: `acquire()`, `check()` (raises if it
-        may have been lost), `release(remove=False)`."""
+
+class Housekeeping(Protocol):
+    """What is around a storage's checkpoints."""
+
+    def scratch_dir(self, name: str) -> str:
+        """A local directory for this process's throwaway files."""
         ...
 
-    def check_writable(self) -> None: ...
+    def usage(self, path: str) -> int:
+        """Bytes stored below `path`."""
+        ...
+
+    def leftovers(self) -> list[str]:
+        """What partial or deleted saves left."""
+        ...
+
+    def foreign(self) -> list[str]:
+        """Entries named like leftovers that no save made (a symlink)."""
+        ...
+
+    def remove_leftovers(self) -> None: ...
+
+    def discard(self, beside: str) -> bool:
+        """Moves every checkpoint and leftover out, to be removed in the
+        background; returns whether it did (else nothing, or part, moved)."""
+        ...
+
+    def remove_root(self) -> None:
+        """Removes the (emptied) directory itself, where there is one."""
+        ...
 
 
 def open_storage(
@@ -340,12 +370,12 @@ class CheckpointStore:
 
     def leftovers(self) -> list[str]:
         """What partial or deleted saves left (never a checkpoint)."""
-        return self.storage.leftovers()
+        return self.storage.housekeeping.leftovers()
 
     def foreign(self) -> list[str]:
         """Entries named like leftovers that no save made (a symlink): never
         followed, removed with the leftovers."""
-        return self.storage.foreign()
+        return self.storage.housekeeping.foreign()
 
     def verify(
         self,
@@ -370,13 +400,19 @@ class CheckpointStore:
             CorruptCheckpointError: naming what is wrong.
         """
         files = self._manifest(checkpoint)
-        verify.check_names(self.storage, checkpoint, files)
-        metadata = verify.check_files(self.storage, checkpoint, files, progress, whole)
-        self._inspected(self.storage, checkpoint, metadata, checkpoint.path)
+        verify.check_names(self.storage.reader, checkpoint, files)
+        metadata = verify.check_files(
+            self.storage.reader, checkpoint, files, progress, whole
+        )
+        self._inspected(self.storage.reader, checkpoint, metadata, checkpoint.path)
         return metadata
 
     def _inspected(
-        self, storage: Storage, checkpoint: Checkpoint, metadata: dict, where: str
+        self,
+        reader: CheckpointReader,
+        checkpoint: Checkpoint,
+        metadata: dict,
+        where: str,
     ) -> None:
         """Runs `inspect` (see the class), if there is one, on a verified
         checkpoint."""
@@ -384,7 +420,7 @@ class CheckpointStore:
             return
         try:
             self._inspect(
-                metadata, lambda name: storage.open_file(checkpoint, name), where
+                metadata, lambda name: reader.open_file(checkpoint, name), where
             )
         except (OSError, ValueError) as e:
             raise CorruptCheckpointError(
@@ -401,7 +437,7 @@ class CheckpointStore:
         return self._manifest(checkpoint)
 
     def _manifest(self, checkpoint: Checkpoint) -> dict[str, dict[str, Any]]:
-        data = verify.read_small(self.storage, checkpoint, MANIFEST_FILE)
+        data = verify.read_small(self.storage.reader, checkpoint, MANIFEST_FILE)
         return manifest_files(
             parse_json(data, checkpoint.path, MANIFEST_FILE), checkpoint.path, self._key
         )
@@ -484,18 +520,18 @@ class CheckpointStore:
         """
         files = self._manifest(checkpoint)
         return verify.fetch(
-            self.storage, checkpoint, files, read, self.progress, self._inspected
+            self.storage.reader, checkpoint, files, read, self.progress, self._inspected
         )
 
     def release(self, checkpoint: Checkpoint) -> None:
         """Done loading a checkpoint `fetch()` returned: a bucket's download
         is removed (arrays mapped from it stay valid)."""
-        self.storage.release(checkpoint)
+        self.storage.reader.release(checkpoint)
 
     def usage(self, path: str) -> int:
         """Bytes stored below `path` (a checkpoint or a leftover)."""
         try:
-            return self.storage.usage(path)
+            return self.storage.housekeeping.usage(path)
         except OSError:
             return 0
 
@@ -503,7 +539,9 @@ class CheckpointStore:
         """A checkpoint's metadata, read without verifying anything (what a
         damaged checkpoint says of itself, for people); `{}` if unreadable."""
         try:
-            data = self.storage.read_bytes(checkpoint, METADATA_FILE, MAX_JSON_BYTES)
+            data = self.storage.reader.read_bytes(
+                checkpoint, METADATA_FILE, MAX_JSON_BYTES
+            )
             value = parse_json(data, checkpoint.path, METADATA_FILE)
         except (OSError, ValueError, CorruptCheckpointError):
             return {}
@@ -521,32 +559,32 @@ class CheckpointStore:
             Whether this call wrote it.
         """
         check_notice_name(name)
-        return self.storage.create_exclusive(name, data)
+        return self.storage.notices.create(name, data)
 
     def read_notice(self, name: str) -> bytes | None:
         """The notice `name`, or `None` if there is none (or it is not a
         regular file)."""
         check_notice_name(name)
         try:
-            return self.storage.read_small(name, MAX_NOTICE_BYTES)
+            return self.storage.notices.read(name, MAX_NOTICE_BYTES)
         except ValueError:
             return None
 
     def remove_notice(self, name: str) -> None:
         check_notice_name(name)
-        self.storage.remove(name)
+        self.storage.notices.remove(name)
 
     def replace_notice(self, name: str, data: bytes) -> None:
         """Writes the notice `name`, replacing it: a reader sees the old one
         or the new one, whole (a rename on disk, one PUT in a bucket)."""
         check_notice_name(name)
-        self.storage.replace(name, data)
+        self.storage.notices.replace(name, data)
 
     def notices(self, prefix: str = "") -> list[str]:
         """The names of the notices starting with `prefix`, sorted."""
         return sorted(
             n
-            for n in self.storage.notice_names()
+            for n in self.storage.notices.names()
             if n.startswith(prefix) and is_notice_name(n)
         )
 
@@ -653,7 +691,7 @@ class CheckpointStore:
         """Removes what partial or deleted saves left. Only for the holder
         of the writer lock: another writer's save in flight is a leftover
         too."""
-        self.storage.remove_leftovers()
+        self.storage.housekeeping.remove_leftovers()
 
     def clear(self, beside: str | None = None) -> None:
         """Deletes every checkpoint and leftover this store made.
@@ -666,14 +704,14 @@ class CheckpointStore:
                 beside it and removed in the background, not waited for.
                 Defaults to `None`: deleted here, waited for.
         """
-        if beside is None or not self.storage.discard(beside):
+        if beside is None or not self.storage.housekeeping.discard(beside):
             for checkpoint in self.checkpoints():
                 self.storage.delete(checkpoint)
             threads.wait_for_removals()
-            self.storage.remove_leftovers()
+            self.storage.housekeeping.remove_leftovers()
         for name in self.notices():
-            self.storage.remove(name)
-        self.storage.remove_root()
+            self.storage.notices.remove(name)
+        self.storage.housekeeping.remove_root()
 
 
 def open_store(

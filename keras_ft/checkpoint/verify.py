@@ -23,27 +23,27 @@ from keras_ft.checkpoint.format import (
 from keras_ft.errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
-    from keras_ft.checkpoint.store import Storage
+    from keras_ft.checkpoint.store import CheckpointReader
 
 _T = TypeVar("_T")
 
 
 def fetch(
-    storage: Storage,
+    reader: CheckpointReader,
     checkpoint: Checkpoint,
     files: dict[str, dict[str, Any]],
     read: Callable[[Checkpoint, ReadProgress], _T],
     progress_stream: Any,
-    inspected: Callable[[Storage, Checkpoint, dict, str], None],
+    inspected: Callable[[CheckpointReader, Checkpoint, dict, str], None],
 ) -> tuple[Checkpoint, dict[str, Any], _T]:
     """`CheckpointStore.fetch()` of `checkpoint`, whose manifest lists
     `files`: a local copy verified while `read` reads it. `inspected` checks
     what a verified checkpoint holds."""
-    local, on_disk, downloaded = _local_copy(storage, checkpoint, files)
+    local, on_disk, downloaded = _local_copy(reader, checkpoint, files)
     # On a disk, the checksums' pass is the restore's read; a bucket's
     # download shows its own progress.
     shown = None
-    if progress_stream is not None and not storage.ranged_reads:
+    if progress_stream is not None and not reader.ranged_reads:
         shown = events.Progress(
             "restore", f"keras-ft: reading {checkpoint.name}",
             sum(entry_size(entry) for entry in downloaded.values()),
@@ -72,33 +72,33 @@ def fetch(
             raise error
     except BaseException:
         verifying.exception()  # Not left reading a file being removed.
-        storage.release(local)
+        reader.release(local)
         raise
     return local, metadata, result
 
 
 def _local_copy(
-    storage: Storage, checkpoint: Checkpoint, files: dict[str, dict[str, Any]]
-) -> tuple[Checkpoint, Storage, dict[str, dict[str, Any]]]:
+    reader: CheckpointReader, checkpoint: Checkpoint, files: dict[str, dict[str, Any]]
+) -> tuple[Checkpoint, CheckpointReader, dict[str, dict[str, Any]]]:
     """The local copy of `checkpoint` to read and verify (in a bucket, its
-    download under way; on a disk, the checkpoint itself), the storage that
-    reads it, and the files to verify in it (those not left in a bucket)."""
+    download under way; on a disk, the checkpoint itself), the reader of
+    it, and the files to verify in it (those not left in a bucket)."""
     # In a bucket, the checkpoint's objects are listed while its manifest
     # is read: two round trips at once.
     listing = (
-        threads.submit(threads.transfer, storage.names, checkpoint)
-        if storage.ranged_reads
+        threads.submit(threads.transfer, reader.names, checkpoint)
+        if reader.ranged_reads
         else None
     )
-    check_names(storage, checkpoint, files, listing)
+    check_names(reader, checkpoint, files, listing)
     piecewise = frozenset(n for n, e in files.items() if e.get(PIECEWISE))
     # A piecewise file's reader checks each piece it reads: in a bucket,
     # it fetches only the pieces it needs.
-    ranged = piecewise if storage.ranged_reads else frozenset()
+    ranged = piecewise if reader.ranged_reads else frozenset()
     try:
         if ranged:
-            check_sizes(storage, checkpoint, {n: files[n] for n in ranged})
-        local = storage.local_copy(
+            check_sizes(reader, checkpoint, {n: files[n] for n in ranged})
+        local = reader.local_copy(
             checkpoint,
             {name: entry_size(entry) for name, entry in files.items()},
             # A piecewise file downloaded has no checksum pass to
@@ -112,19 +112,19 @@ def _local_copy(
         ) from None
     # What is loaded is the local copy: it is what gets verified, as its
     # bytes arrive (a bucket's download streams into the checksums).
-    on_disk = storage.copy_reader(local)
+    on_disk = reader.copy_reader(local)
     try:
         downloaded = {n: e for n, e in files.items() if n not in ranged}
         check_sizes(on_disk, local, downloaded)
     except BaseException:
-        storage.release(local)
+        reader.release(local)
         raise
     return local, on_disk, downloaded
 
 
-def read_small(storage: Storage, checkpoint: Checkpoint, name: str) -> bytes:
+def read_small(reader: CheckpointReader, checkpoint: Checkpoint, name: str) -> bytes:
     try:
-        return storage.read_bytes(checkpoint, name, MAX_JSON_BYTES)
+        return reader.read_bytes(checkpoint, name, MAX_JSON_BYTES)
     except FileNotFoundError:
         raise CorruptCheckpointError(checkpoint.path, f"{name} is missing") from None
     except ValueError as e:  # Too large, or not a regular file.
@@ -136,17 +136,17 @@ def read_small(storage: Storage, checkpoint: Checkpoint, name: str) -> bytes:
 
 
 def check_names(
-    storage: Storage,
+    reader: CheckpointReader,
     checkpoint: Checkpoint,
     files: dict[str, dict[str, Any]],
     listing: futures.Future | None = None,
 ) -> None:
     """A checkpoint holds the files its manifest lists and nothing else: a
     loader looks for some files by name, and an unlisted one must never be
-    taken for part of the checkpoint. `listing`: of `storage.names()`, if
+    taken for part of the checkpoint. `listing`: of `reader.names()`, if
     already under way."""
     try:
-        present = storage.names(checkpoint) if listing is None else listing.result()
+        present = reader.names(checkpoint) if listing is None else listing.result()
     except OSError as e:
         raise CorruptCheckpointError(
             checkpoint.path, f"cannot be listed ({e})"
@@ -160,13 +160,13 @@ def check_names(
 
 
 def check_sizes(
-    storage: Storage, checkpoint: Checkpoint, files: dict[str, dict[str, Any]]
+    reader: CheckpointReader, checkpoint: Checkpoint, files: dict[str, dict[str, Any]]
 ) -> None:
     """Before a loader opens anything: each listed file is a regular file
     (no link to follow, no FIFO to block on) of the size listed."""
     for name, expected in files.items():
         try:
-            size = storage.size(checkpoint, name)
+            size = reader.size(checkpoint, name)
         except (FileNotFoundError, NotADirectoryError):
             raise CorruptCheckpointError(
                 checkpoint.path, f"{name} is missing or not a regular file"
@@ -180,19 +180,19 @@ def check_sizes(
 
 
 def check_files(
-    storage: Storage,
+    reader: CheckpointReader,
     checkpoint: Checkpoint,
     files: dict[str, dict[str, Any]],
     progress: ReadProgress | None,
     whole: bool,
 ) -> dict[str, Any]:
-    """Checks each of `files` in `storage`; returns the metadata."""
-    check_sizes(storage, checkpoint, files)
-    return check_digests(storage, checkpoint, files, progress, whole)
+    """Checks each of `files` with `reader`; returns the metadata."""
+    check_sizes(reader, checkpoint, files)
+    return check_digests(reader, checkpoint, files, progress, whole)
 
 
 def check_digests(
-    storage: Storage,
+    reader: CheckpointReader,
     checkpoint: Checkpoint,
     files: dict[str, dict[str, Any]],
     progress: ReadProgress | None,
@@ -208,7 +208,7 @@ def check_digests(
         algorithm = digest_algorithm(expected)
         read = None if progress is None else _telling(progress, name)
         try:
-            digest = storage.digest(checkpoint, name, algorithm, read)
+            digest = reader.digest(checkpoint, name, algorithm, read)
         except (OSError, ValueError) as e:
             raise CorruptCheckpointError(
                 checkpoint.path, f"{name} could not be read ({e})"
@@ -219,7 +219,7 @@ def check_digests(
                 f"{name} does not match its {file_io.DIGEST_NAMES[algorithm]} checksum",
             )
     metadata = parse_json(
-        read_small(storage, checkpoint, METADATA_FILE), checkpoint.path, METADATA_FILE
+        read_small(reader, checkpoint, METADATA_FILE), checkpoint.path, METADATA_FILE
     )
     if not isinstance(metadata, dict):
         raise CorruptCheckpointError(checkpoint.path, "metadata is not an object")

@@ -51,4 +51,4 @@ class ChiefClaim:
                 stacklevel=4,
             )
         self._lock.release(remove=True)
-        self._store.storage.remove_root()  # Emptied of its lock file.
+        self._store.storage.housekeeping.remove_root()  # Emptied of its lock file.

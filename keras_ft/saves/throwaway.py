@@ -37,7 +37,8 @@ class WorkerScratch:
     """
 
     def __init__(self, backup: CheckpointStore, task: TaskSpec, backup_dir: str):
-        self.path = backup.storage.scratch_dir(worker_temp_name(task.task_index))
+        scratch = backup.storage.housekeeping.scratch_dir
+        self.path = scratch(worker_temp_name(task.task_index))
         self._lock = DirectoryLock(
             # `backup_dir` may be a link the user made; the lock file not.
             os.path.realpath(os.path.dirname(self.path)),

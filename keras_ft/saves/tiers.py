@@ -119,7 +119,7 @@ class TieredStore:
         if self.local is not None:
             self.local.clear()
             self._local_lock.release(remove=True)
-            self.local.storage.remove_root()
+            self.local.storage.housekeeping.remove_root()
 
     def commit(
         self, save: Save, previous: PendingWrite | None, lock: Any

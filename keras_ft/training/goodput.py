@@ -128,7 +128,7 @@ def kept(root: Any) -> list:
     """The attempts an older keras-ft kept in `root` (a `backup_dir`'s
     storage), unchecked (`[]` if none)."""
     try:
-        data = root.read_small(KEPT, MAX_KEPT_BYTES)
+        data = root.notices.read(KEPT, MAX_KEPT_BYTES)
         value = json.loads(data or b"null")
     except (OSError, ValueError, RecursionError):
         return []
