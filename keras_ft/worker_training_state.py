@@ -462,5 +462,6 @@ class WorkerTrainingState:
         self._parts.queue.wait()
         self._parts.claim.delete()
         self._parts.tiers.clear_local()  # Every process's own.
-        self._parts.root.housekeeping.remove_root()  # `backup_dir` itself, if nothing else is in it.
+        # `backup_dir` itself, if nothing else is in it.
+        self._parts.root.housekeeping.remove_root()
         self._parts.queue.release()

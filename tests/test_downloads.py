@@ -69,7 +69,9 @@ def test_a_copy_of_a_file_the_bucket_lost_is_missing_for_verification(bucket):
     store, checkpoint = bucket
     storage = store.storage
     storage.fs.rm(storage._key(checkpoint, "small.json"))
-    copy = storage.reader.local_copy(checkpoint, {name: len(d) for name, d in FILES.items()})
+    copy = storage.reader.local_copy(
+        checkpoint, {name: len(d) for name, d in FILES.items()}
+    )
     assert not os.path.exists(copy.file("small.json"))
     assert os.path.getsize(copy.file("far.bin")) == 5000
     storage.reader.release(copy)

@@ -394,7 +394,7 @@ def test_the_storage_seam_is_narrow():
         )
     # Each storage has the protocol's parts, each part its interface's methods.
     for storage in storages:
-        for part, interface in zip(parts, interfaces[1:]):
+        for part, interface in zip(parts, interfaces[1:], strict=True):
             wanted = {n for n in vars(interface) if not n.startswith("_")}
             assert wanted <= set(dir(getattr(storage, part))), (type(storage), part)
         wanted = {n for n in vars(store.Storage) if not n.startswith("_")}

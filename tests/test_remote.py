@@ -431,7 +431,9 @@ def test_long_transfers_draw_their_progress_on_a_terminal(s3_server):
     # Downloads too, and none of it where the output is not a terminal.
     terminal.truncate(0)
     terminal.seek(0)
-    local = storage.reader.local_copy(committed, {"big.bin": len(big), "small.bin": 100})
+    local = storage.reader.local_copy(
+        committed, {"big.bin": len(big), "small.bin": 100}
+    )
     storage.reader.release(local)
     (line,) = [ln for ln in terminal.getvalue().split("\n") if ln]
     assert "downloading ckpt-00000001" in line and "3 MB/3 MB" in line
