@@ -219,8 +219,6 @@ def test_backend_branches_live_in_the_backend_package():
 # `tests/test_<name>.py`; a test file written for one of these takes it off).
 WITHOUT_A_TEST_FILE = frozenset(
     [
-        "compat.data",
-        "compat.grain_input",
         "fit_batches",
         "fit_saves",
         "saves.chief",
