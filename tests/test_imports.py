@@ -221,8 +221,6 @@ WITHOUT_A_TEST_FILE = frozenset(
     [
         "fit_batches",
         "fit_saves",
-        "saves.chief",
-        "saves.shards",
     ]
 )
 
