@@ -215,11 +215,10 @@ class WorkerTrainingState:
         Raises:
             keras_ft.DirectoryInUseError: if another live process holds it.
         """
+        # A write still in flight from an earlier fit() in this process owns
+        # its staging directory: it finishes before anything is cleaned up.
         self._parts.queue.hold()
         try:
-            # A write still in flight from an earlier fit() in this process
-            # owns its staging directory: let it finish before cleaning up.
-            self._parts.queue.finish_earlier()
             self._parts.tiers.lock(self.task, self.model, self.local_dir)
             self._parts.claim.acquire()
         except BaseException:
@@ -243,7 +242,10 @@ class WorkerTrainingState:
             raise
 
     def unlock(self) -> None:
-        """Releases the lock (see `lock()`); the backup stays as it is."""
+        """Releases the lock (see `lock()`) once the writes in flight are
+        over (a failed one is a warning); the backup stays as it is."""
+        # Nothing of this training commits once another may hold the lock.
+        self._parts.queue.finish()
         self._parts.claim.release()
         self._parts.tiers.unlock()
         self._parts.queue.release()
@@ -394,7 +396,7 @@ class WorkerTrainingState:
             keras_ft.NoGoodCheckpointError: if every checkpoint is damaged.
             ValueError: if the backup does not match the model.
         """
-        self._parts.queue.finish_earlier()
+        self._parts.queue.finish()
         self._state.configuration()  # As set up, before anything is loaded.
         point = self._load_newest(variables_only=False)
         if point is not None and point.later_fit is None and point.config_changes:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import TESTS_DIR, free_ports, subprocess_env
 
+from keras_ft import events
 from keras_ft.checkpoint.store import CheckpointStore
 from keras_ft.distribute import launch
 from keras_ft.distribute.launch import (
@@ -68,7 +69,7 @@ def test_a_partly_given_jax_cluster_is_named():
 def test_a_jax_cluster_started_elsewhere_is_warned_of_once(monkeypatch):
     """JAX does not say which timeouts it was started with: a cluster that
     `initialize_cluster()` did not start may have the 100 s heartbeat."""
-    monkeypatch.setattr(launch, "_jax_warned", False)
+    monkeypatch.setattr(events, "_said", set())
     monkeypatch.setattr(launch, "_jax_started_here", False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -78,7 +79,7 @@ def test_a_jax_cluster_started_elsewhere_is_warned_of_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         launch.warn_of_jax_default_timeouts(2)  # Once per process.
-        monkeypatch.setattr(launch, "_jax_warned", False)
+        monkeypatch.setattr(events, "_said", set())
         monkeypatch.setattr(launch, "_jax_started_here", True)
         launch.warn_of_jax_default_timeouts(2)
 

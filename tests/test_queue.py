@@ -1,7 +1,8 @@
-"""One training's saves in flight on its directory's writer thread
+"""One training's saves in flight on its own writer
 (`keras_ft/saves/queue.py`): in order, a save that replaces the last calling
-it off, synchronous or not, and one holder per directory, that lets go of
-the thread pools. Through whole trainings: `test_callback.py`."""
+it off, synchronous or not, and one holder per directory, whose writes a
+later training waits for, that lets go of the thread pools. Through whole
+trainings: `test_callback.py`."""
 
 from __future__ import annotations
 
@@ -118,11 +119,31 @@ def test_a_later_training_closes_the_earlier_one_on_its_directory():
     with pytest.warns(UserWarning, match="earlier fit\\(\\) failed.*No space left"):
         second.hold()
     assert earlier.calls == ["wait", "unlock"] and later.calls == []
-    assert queue_module._holders[where]() is later
+    assert queue_module._holders[where] is second
     first.release()  # No longer the holder: changes nothing.
-    assert queue_module._holders[where]() is later
+    assert queue_module._holders[where] is second
     second.release()
     assert where not in queue_module._holders
+
+
+@ONCE
+def test_a_later_training_waits_for_the_writes_of_one_that_is_gone():
+    """The training of a fit() that raised may be collected before the next
+    one starts; its queue, still the directory's holder, is waited for."""
+    where = directory()
+    first = SaveQueue(where, True, Training())
+    first._training = lambda: None  # The training object is gone.
+    queue_module._holders[where] = first
+    seen: list = []
+    hold = threading.Event()
+    start(first, 1, seen, hold)
+    threading.Timer(0.3, hold.set).start()
+    later = Training()
+    second = SaveQueue(where, True, later)
+    second.hold()
+    assert [s for s, _, _ in seen] == [1]  # Committed before the hold.
+    assert queue_module._holders[where] is second
+    second.release()
 
 
 def test_a_training_collected_unreleased_lets_go_of_the_pools(tmp_path):

@@ -40,9 +40,13 @@ def test_a_save_the_processes_disagree_on_fails_as_a_write_naming_the_fix(tmp_pa
     assert "Relaunch every process of the training together" in text
 
 
-def write(staging) -> None:
-    with open(os.path.join(staging, "weights.bin"), "wb") as f:
-        f.write(b"w" * 1000)
+class Weights:
+    """A save's files, laid out as a record of its own (`SaveFiles`)."""
+
+    @staticmethod
+    def write(staging) -> None:
+        with open(os.path.join(staging, "weights.bin"), "wb") as f:
+            f.write(b"w" * 1000)
 
 
 def at(step: int) -> dict:
@@ -67,7 +71,7 @@ def note(tiers) -> dict:
 def commit(tiers, step: int):
     # What a save's record carries here: its metadata, and how its files are
     # written.
-    save = Save(types.SimpleNamespace(metadata=at(step)), write, to_bucket=True)
+    save = Save(types.SimpleNamespace(metadata=at(step)), Weights(), to_bucket=True)
     return tiers.commit(save, previous=None, lock=None)
 
 

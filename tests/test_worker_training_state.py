@@ -735,3 +735,24 @@ def test_check_extra_makes_a_checkpoint_whose_extra_it_refuses_damaged(
     assert point.epoch == 1 and point.extra["schedule"] == "cosine"
     with pytest.raises(ValueError, match="`check_extra`.*Received: check_extra='x'"):
         WorkerTrainingState(make_model(), backup_dir, check_extra="x")
+
+
+def test_unlock_returns_once_the_writes_in_flight_have_committed(
+    backup_dir, monkeypatch
+):
+    """Nothing of a training commits once it let go of the directory, when
+    another training may hold it."""
+    write = keras_ft.saves.save.write_snapshot
+
+    def slow_write(snapshot, directory):
+        time.sleep(0.5)
+        write(snapshot, directory)
+
+    monkeypatch.setattr(keras_ft.saves.save, "write_snapshot", slow_write)
+    state = WorkerTrainingState(make_model(), backup_dir, async_save=True)
+    state.lock()
+    assert state.back_up(1) is None  # Asynchronous: still being written.
+    state.unlock()
+    store = keras_ft.checkpoint.store.CheckpointStore(os.path.join(backup_dir, "chief"))
+    assert [c.name for c in store.checkpoints()] == ["ckpt-00000001"]
+    assert not state.writing

@@ -453,7 +453,7 @@ class CheckpointStore:
         Raises:
             NoGoodCheckpointError: if checkpoints exist but none verifies.
         """
-        return self._newest_good(lambda c: (c, self.verify(c)))
+        return self._newest_good(None)
 
     def latest_good_read(
         self, read: Callable[[Checkpoint, ReadProgress], _T]
@@ -476,14 +476,20 @@ class CheckpointStore:
         Raises:
             NoGoodCheckpointError: if checkpoints exist but none verifies.
         """
-        return self._newest_good(lambda c: self.fetch(c, read))
+        return self._newest_good(read)
 
-    def _newest_good(self, attempt: Callable[[Checkpoint], _T]) -> _T | None:
+    def _newest_good(
+        self, read: Callable[[Checkpoint, ReadProgress], _T] | None
+    ) -> tuple | None:
+        """The newest checkpoint that verifies (`fetch()`ed with `read`, if
+        given), falling back past damaged ones."""
         candidates = self.checkpoints()
         problems = []
         for checkpoint in reversed(candidates):
             try:
-                return attempt(checkpoint)
+                if read is None:
+                    return checkpoint, self.verify(checkpoint)
+                return self.fetch(checkpoint, read)
             except CorruptCheckpointError as e:
                 problems.append(str(e))
                 events.warn(

@@ -60,7 +60,7 @@ def record_saveables(model: Any) -> list[Group]:
     """
     from keras.src.saving import saving_lib
 
-    recorder = _recorder_class()()
+    recorder = _Recorder()
     with _skipsets_cached():
         saving_lib._save_state(
             model,
@@ -86,7 +86,7 @@ def load_with_keras_walk(
     with _skipsets_cached():
         saving_lib._load_state(
             model,
-            weights_store=_views_class()(groups, convert),
+            weights_store=_Views(groups, convert),
             assets_store=None,
             inner_path="",
             visited_saveables=set(),
@@ -130,93 +130,82 @@ def _cached_skipset(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return functools.cache(original)
 
 
-# Made once per process, when first needed: the class derives from a private
-# Keras class that may be gone (then only this use falls back).
-@functools.cache
-def _recorder_class() -> type:
-    from keras.src.saving import saving_lib
-
-    class Recorder(saving_lib.H5IOStore):
-        """Stands where `save_weights()` puts its HDF5 store, and takes notes.
-
-        `_save_state` accepts only Keras' own store classes, hence the
-        subclass; none of its file handling is used.
-        """
-
-        def __init__(self) -> None:  # No HDF5 file behind it.
-            self.groups: list[Group] = []
-
-        def __bool__(self) -> bool:
-            return True
-
-        def make(self, path: str, metadata: dict | None = None) -> Recorder:
-            # The object about to save into this group is `_save_state`'s
-            # argument; its `save_own_variables()` is what a capture calls.
-            saveable = sys._getframe(1).f_locals.get("saveable")
-            if saveable is None:
-                raise RuntimeError("_save_state has no local `saveable`")
-            self.groups.append(
-                (path, dict(metadata) if metadata else None, saveable, [])
-            )
-            return self
-
-        def __setitem__(self, key: str, value: Any) -> None:
-            self.groups[-1][3].append((key, value))
-
-        def close(self) -> None:
-            pass
-
-    return Recorder
+try:  # The store class `_save_state` and `_load_state` accept.
+    from keras.src.saving.saving_lib import H5IOStore as _KerasStore
+except ImportError:  # Moved: the "fast_weights" check fails; these go unused.
+    _KerasStore = object
 
 
-# Made once per process, when first needed (as `_recorder_class`).
-@functools.cache
-def _views_class() -> type:
-    from keras.src.saving import saving_lib
+class _Recorder(_KerasStore):
+    """Stands where `save_weights()` puts its HDF5 store, and takes notes.
 
-    class Views(saving_lib.H5IOStore):
-        """Serves `load_own_variables()` values from a dictionary."""
+    `_save_state` accepts only Keras' own store classes, hence the
+    subclass; none of its file handling is used.
+    """
 
-        def __init__(  # No HDF5 file behind it.
-            self,
-            groups: dict[str, dict[str, Any]],
-            convert: Callable[[Any], Any],
-        ):
-            self._groups = groups
-            self._convert = convert
-            self._paths = {
-                "/".join(parts[:i])
-                for parts in (g.split("/") for g in groups if g)
-                for i in range(1, len(parts) + 1)
-            }
-            self._current: dict[str, Any] = {}
+    def __init__(self) -> None:  # No HDF5 file behind it.
+        self.groups: list[Group] = []
 
-        def __bool__(self) -> bool:
-            return True
+    def __bool__(self) -> bool:
+        return True
 
-        def get(self, path: str) -> Views:
-            self._current = self._groups.get(path, {})
-            return self
+    def make(self, path: str, metadata: dict | None = None) -> _Recorder:
+        # The object about to save into this group is `_save_state`'s
+        # argument; its `save_own_variables()` is what a capture calls.
+        saveable = sys._getframe(1).f_locals.get("saveable")
+        if saveable is None:
+            raise RuntimeError("_save_state has no local `saveable`")
+        self.groups.append((path, dict(metadata) if metadata else None, saveable, []))
+        return self
 
-        def has_path(self, path: str) -> bool:
-            return path in self._paths
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.groups[-1][3].append((key, value))
 
-        def close(self) -> None:
-            pass
+    def close(self) -> None:
+        pass
 
-        def __len__(self) -> int:
-            return len(self._current)
 
-        def keys(self):
-            return self._current.keys()
+class _Views(_KerasStore):
+    """Serves `load_own_variables()` values from a dictionary."""
 
-        def __getitem__(self, key: str) -> Any:
-            return self._convert(self._current[key])
+    def __init__(  # No HDF5 file behind it.
+        self,
+        groups: dict[str, dict[str, Any]],
+        convert: Callable[[Any], Any],
+    ):
+        self._groups = groups
+        self._convert = convert
+        self._paths = {
+            "/".join(parts[:i])
+            for parts in (g.split("/") for g in groups if g)
+            for i in range(1, len(parts) + 1)
+        }
+        self._current: dict[str, Any] = {}
 
-        def __contains__(self, key: object) -> bool:
-            return key in self._current
+    def __bool__(self) -> bool:
+        return True
 
-    return Views
+    def get(self, path: str) -> _Views:
+        self._current = self._groups.get(path, {})
+        return self
+
+    def has_path(self, path: str) -> bool:
+        return path in self._paths
+
+    def close(self) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return len(self._current)
+
+    def keys(self):
+        return self._current.keys()
+
+    def __getitem__(self, key: str) -> Any:
+        return self._convert(self._current[key])
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._current
 
 
 def _not_tensorflow_backend() -> bool:

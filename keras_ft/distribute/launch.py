@@ -23,9 +23,8 @@ from keras_ft import events
 from keras_ft.distribute.cluster import TaskSpec, current_task
 
 # The process's one JAX cluster: started by initialize_cluster() (with short
-# timeouts) or elsewhere, which is said once.
+# timeouts) or elsewhere, which is said once (`events.first_time()`).
 _jax_started_here = False
-_jax_warned = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,14 +289,14 @@ def warn_of_jax_default_timeouts(num_workers: int) -> None:
     """Warns once in a multi-process JAX run that `initialize_cluster()` did
     not start: JAX does not say which timeouts it was given, and its
     defaults keep the survivors of a dead peer waiting for minutes."""
-    global _jax_warned
-    if _jax_warned or _jax_started_here or num_workers <= 1:
+    if _jax_started_here or num_workers <= 1:
         return
     import keras
 
     if keras.backend.backend() != "jax":
         return
-    _jax_warned = True
+    if not events.first_time("cluster", "jax default timeouts"):
+        return
     events.warn(
         "cluster",
         "keras-ft: jax.distributed was not started by "

@@ -5,11 +5,9 @@ by the writer thread while training goes on."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from concurrent import futures
 
 from keras_ft import threads
-from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.format import Checkpoint
 from keras_ft.distribute.cluster import TaskSpec
 from keras_ft.errors import (
@@ -18,7 +16,7 @@ from keras_ft.errors import (
     ProcessesDisagreeError,
 )
 from keras_ft.saves.queue import SaveQueue
-from keras_ft.saves.save import Save
+from keras_ft.saves.save import Save, SaveFiles
 from keras_ft.saves.tiers import TieredStore
 from keras_ft.state import Snapshot
 from keras_ft.state.snapshots import SnapshotPlace
@@ -127,12 +125,12 @@ class ChiefSaver:
         self,
         snapshot: Snapshot,
         replaces_last: bool,
-        write: Callable[[Staging], None] | None = None,
+        files: SaveFiles | None = None,
         to_bucket: bool = True,
         direct: bool = False,
     ) -> threading.Event:
-        """Hands `snapshot`'s write (`write`, else its files) and commit to
-        the writer thread (`TieredStore.commit()` says what `to_bucket` and
+        """Hands `snapshot`'s write (`files`, else its own files) and commit
+        to the writer thread (`TieredStore.commit()` says what `to_bucket` and
         `direct` do).
 
         Returns:
@@ -140,7 +138,7 @@ class ChiefSaver:
         """
         # A move to host memory stops with the save.
         stop = snapshot.weights.stop if snapshot.weights is not None else None
-        save = Save(snapshot, write, to_bucket, direct, stop or threading.Event())
+        save = Save(snapshot, files, to_bucket, direct, stop or threading.Event())
         self._queue.start(self._commit, save, replaces_last)
         return save.cancel
 

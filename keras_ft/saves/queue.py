@@ -1,9 +1,11 @@
-"""One training's saves in flight, on its backup directory's writer thread.
+"""One training's saves in flight, on the training's own writer.
 
-The writer threads are the process's, one per chief directory, on purpose:
-a `fit()` that raised may leave a write in flight, and the next training on
-the same directory must wait for it. What a training owns (its saves' cancel
-events, its hold on the thread pools) it gives back with `release()`.
+Each training has its writer; a training lets go of its directory
+(`release()`) only once its writes are over, so that nothing of it commits
+after another training took the directory. A `fit()` that raised is never
+released by Keras (no `on_train_end`): the next training of the process on
+the same directory finds it as the directory's holder, waits for its writes
+and releases it (`hold()`).
 """
 
 from __future__ import annotations
@@ -23,13 +25,12 @@ from keras_ft.threads import (
     wait_for_removals,
 )
 
-# One writer per chief directory in this process, shared by every training
-# on it (see above). Never emptied: an idle writer holds no thread.
-_writers: dict[str, BackgroundWriter] = {}
-# The training of this process that holds each chief directory's lock (and
-# the thread pools): a later one on the same directory closes it, since Keras
-# calls no `on_train_end` for a fit() that raised.
-_holders: dict[str, weakref.ref] = {}
+# The queue of the training of this process that holds each chief
+# directory's lock (and the thread pools). It outlives a fit() on purpose:
+# Keras calls no `on_train_end` for a fit() that raised, and the next
+# training on the same directory must first wait for that fit's writes
+# (held here even if the training object is gone), then release it.
+_holders: dict[str, SaveQueue] = {}
 
 # A commit handed to the writer: `commit(save, previous)`, with the save (a
 # `saves.chief.Save`: its `cancel` event calls it off, its `replaced` is the
@@ -52,14 +53,14 @@ def wait_for_backups() -> None:
     Raises:
         keras_ft.CheckpointWriteError: if one of those writes failed.
     """
-    for writer in list(_writers.values()):
-        writer.wait()
+    for queue in list(_holders.values()):
+        queue.wait()
     wait_for_removals()
     wait_for_discards()
 
 
 class SaveQueue:
-    """A training's saves on the writer of the directory named `identity`.
+    """A training's saves in flight, on a writer of its own.
 
     Args:
         identity: The chief store's identity (its directory or URL).
@@ -72,7 +73,7 @@ class SaveQueue:
     def __init__(self, identity: str, async_save: bool, training: Any):
         self.identity, self.async_save = identity, async_save
         self._training = weakref.ref(training)
-        self._writer = _writers.setdefault(identity, BackgroundWriter())
+        self._writer = BackgroundWriter()
         self._cancels: list[threading.Event] = []  # Of the saves in flight.
         # The newest save, for a save that replaces it.
         self._last: tuple[threading.Event, PendingWrite] | None = None
@@ -115,14 +116,14 @@ class SaveQueue:
         self._cancels = []
         return self._writer.wait()
 
-    def finish_earlier(self) -> None:
-        """Waits for a write an earlier `fit()` left; its error is a warning."""
+    def finish(self) -> None:
+        """Waits for the writes in flight, where their error is no longer
+        the caller's to raise (a restore about to read the newest commit, a
+        training letting go of its directory): a failed one is a warning."""
         try:
             self._writer.wait()
-        except CheckpointWriteError as e:
-            events.warn(
-                "save", f"A backup from an earlier fit() failed: {e}", stacklevel=3
-            )
+        except (CheckpointWriteError, NonFiniteStateError) as e:
+            events.warn("save", f"A backup being written failed: {e}", stacklevel=3)
 
     def discard_pending(self) -> None:
         """Calls off the saves that have not committed yet (see
@@ -143,28 +144,31 @@ class SaveQueue:
         """Makes this training the directory's holder, closing an earlier
         one that was not closed (its writes commit, then its lock and its
         hold on the pools go), and holds the thread pools."""
-        training = self._training()
         earlier = _holders.get(self.identity)
-        earlier = earlier() if earlier is not None else None
-        if earlier is not None and earlier is not training:
+        if earlier is not None and earlier is not self:
+            # A fit() that raised (its training may be gone): its writes
+            # commit first, and it lets go.
+            training = earlier._training()
             try:
-                earlier.wait()
+                (training or earlier).wait()
             except (CheckpointWriteError, NonFiniteStateError) as e:
                 events.warn(
                     "save", f"A backup from an earlier fit() failed: {e}", stacklevel=4
                 )
             finally:
-                earlier.unlock()
-        _holders[self.identity] = self._training
+                if training is not None:
+                    training.unlock()
+                earlier.release()
+        _holders[self.identity] = self
         if self._held is None or not self._held.alive:
             threads.hold()
-            self._held = weakref.finalize(training, threads.collected)
+            self._held = weakref.finalize(self._training(), threads.collected)
 
     def release(self) -> None:
         """Gives up the holder's place and the hold on the thread pools (the
-        last training to let go of them closes them)."""
-        held = _holders.get(self.identity)
-        if held is not None and held() is self._training():
+        last training to let go of them closes them). Call once its writes
+        are over (`finish()`)."""
+        if _holders.get(self.identity) is self:
             del _holders[self.identity]
         if self._held is not None and self._held.detach() is not None:
             threads.let_go()  # Held until now (not collected meanwhile).

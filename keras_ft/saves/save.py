@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable
+from typing import Protocol
 
 from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.format import Checkpoint
@@ -23,6 +23,16 @@ from keras_ft.state.training_state import progress_text
 from keras_ft.threads import PendingWrite
 
 
+class SaveFiles(Protocol):
+    """How a save's files are laid out, where they are not the snapshot's
+    own (a sharded save's parts: `saves/shards.py`): a record of what to
+    write, written in the writer thread."""
+
+    def write(self, staging: Staging) -> None:
+        """Writes the files into the staging directory `staging`."""
+        ...
+
+
 @dataclasses.dataclass
 class Save:
     """One save on its way through the writer thread: what it writes, where
@@ -30,8 +40,8 @@ class Save:
 
     Args:
         snapshot: The state it writes.
-        write: Writes its files into a staging directory; `None`: the
-            snapshot's own files (`write_snapshot()`).
+        files: Its files, where they are laid out otherwise (`SaveFiles`);
+            `None`: the snapshot's own files (`write_snapshot()`).
         to_bucket: With a local tier, whether a copy also goes to the
             bucket (`TieredStore.commit()`).
         direct: A sharded save's own commit, straight into the backup.
@@ -42,7 +52,7 @@ class Save:
     """
 
     snapshot: Snapshot
-    write: Callable[[Staging], None] | None = None
+    files: SaveFiles | None = None
     to_bucket: bool = True
     direct: bool = False
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -50,8 +60,8 @@ class Save:
 
     def write_files(self, staging: Staging) -> None:
         """Writes the save's files into `staging` (in the writer thread)."""
-        if self.write is not None:
-            self.write(staging)
+        if self.files is not None:
+            self.files.write(staging)
         else:
             write_snapshot(self.snapshot, staging)
 

@@ -10,6 +10,7 @@ write."""
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent import futures
 from concurrent.futures import Future
 
@@ -134,16 +135,11 @@ class ShardedSaver:
         self, snapshot: Snapshot, share: Future, tag: str, replaces_last: bool
     ) -> None:
         """Commits every piece this process holds in its local tier."""
-        process = self._task.task_index
-        specs, layouts = self._state.variable_specs(), self._state.layouts()
-        arrays_bytes = arrays.to_bytes(snapshot.arrays)
-
-        def write_own(staging: Staging) -> None:
-            taken = share.result()
-            sharded.write_own_part(staging, process, tag, taken, specs, layouts)
-            staging.write_file(arrays.ARRAYS_FILE, [arrays_bytes])
-
-        self._committer.start(snapshot, replaces_last, write_own, to_bucket=False)
+        own = OwnPart(
+            self._task.task_index, tag, share, self._state.variable_specs(),
+            self._state.layouts(), arrays.to_bytes(snapshot.arrays),
+        )  # fmt: skip
+        self._committer.start(snapshot, replaces_last, own, to_bucket=False)
 
     def _write_parts(
         self,
@@ -169,17 +165,57 @@ class ShardedSaver:
             tiered = self._tiers.local is not None
             self._queue.run(_write_part, parts, process, tag, share, tiered)
             return None
-        specs, layouts = self._state.variable_specs(), self._state.layouts()
-        processes = self._task.num_workers
-
-        def write(staging: Staging) -> None:
-            sharded.write_part(parts, process, tag, share.result(), staging.cancel)
-            parts.remove_earlier()  # Of saves called off (or killed) before.
-            sharded.commit_parts(staging, parts, processes, tag, specs, layouts)
-            staging.write_file(arrays.ARRAYS_FILE, [arrays.to_bytes(snapshot.arrays)])
-
-        self._committer.start(snapshot, replaces_last, write, direct=True)
+        gathered = GatheredParts(
+            OwnPart(
+                process, tag, share, self._state.variable_specs(),
+                self._state.layouts(), arrays.to_bytes(snapshot.arrays),
+            ),
+            parts, self._task.num_workers,
+        )  # fmt: skip
+        self._committer.start(snapshot, replaces_last, gathered, direct=True)
         return self._queue.committed()
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnPart:
+    """A process's share as its own checkpoint's files (in its local tier):
+    every piece it holds, and the training's arrays."""
+
+    process: int
+    tag: str  # The save's name, the same in every process.
+    share: Future  # The process's pieces in host memory (`sharded.Share`).
+    specs: list  # Every variable's path, shape and dtype.
+    layouts: list  # How each variable is split across processes.
+    arrays: bytes  # The snapshot's other arrays (`state.arrays`).
+
+    def write(self, staging: Staging) -> None:
+        sharded.write_own_part(
+            staging, self.process, self.tag, self.share.result(), self.specs,
+            self.layouts,
+        )  # fmt: skip
+        staging.write_file(arrays.ARRAYS_FILE, [self.arrays])
+
+
+@dataclasses.dataclass(frozen=True)
+class GatheredParts:
+    """The chief's commit of a sharded save: its own part written where
+    the parts wait, then every process's part gathered into the checkpoint
+    (the chief's write waits for them), and the training's arrays."""
+
+    own: OwnPart  # The chief's share, and what every part shares.
+    parts: Parts  # Where the processes' parts wait for the commit.
+    processes: int
+
+    def write(self, staging: Staging) -> None:
+        own = self.own
+        sharded.write_part(
+            self.parts, own.process, own.tag, own.share.result(), staging.cancel
+        )
+        self.parts.remove_earlier()  # Of saves called off (or killed) before.
+        sharded.commit_parts(
+            staging, self.parts, self.processes, own.tag, own.specs, own.layouts
+        )
+        staging.write_file(arrays.ARRAYS_FILE, [own.arrays])
 
 
 def _write_part(

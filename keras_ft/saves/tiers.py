@@ -9,7 +9,6 @@ its commits, locks and clean-up are here, so that a saver commits into
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -154,7 +153,7 @@ class TieredStore:
             return committed
         local = committed
         committed = self._to_bucket(
-            functools.partial(_copy_of, self.local, local),
+            TierCopy(self.local, local).write,
             metadata,
             cancel,
             None,
@@ -247,10 +246,7 @@ class TieredStore:
         there is none."""
 
         # The weights are read while the checkpoint is checksummed.
-        def read(checkpoint: Checkpoint, progress: ReadProgress) -> Any:
-            return state.read_ahead(checkpoint.path, progress, checkpoint.ranges)
-
-        store, found = self.newest_good(read)
+        store, found = self.newest_good(state.read_checkpoint)
         if found is None:
             return None
         checkpoint, metadata, values = found
@@ -287,13 +283,21 @@ class TieredStore:
         return self.backup, self.backup.latest_good_read(read)
 
 
-def _copy_of(store: CheckpointStore, checkpoint: Checkpoint, staging: Staging) -> None:
-    """Writes nothing: names `checkpoint`'s files (on this machine's disk)
-    as the files of the checkpoint `staging` becomes, entries included."""
-    for name, entry in store.manifest(checkpoint).items():
-        if name != METADATA_FILE:  # Written by the save itself.
-            staging.from_paths[name] = checkpoint.file(name)
-            staging.digests[name] = entry
+@dataclasses.dataclass(frozen=True)
+class TierCopy:
+    """The bucket's copy of a checkpoint the local tier committed: its files
+    uploaded from the tier's disk, not written again."""
+
+    store: CheckpointStore  # The local tier.
+    checkpoint: Checkpoint  # Its commit of the save.
+
+    def write(self, staging: Staging) -> None:
+        """Writes nothing: names the checkpoint's files as the files of the
+        checkpoint `staging` becomes, entries included."""
+        for name, entry in self.store.manifest(self.checkpoint).items():
+            if name != METADATA_FILE:  # Written by the save itself.
+                staging.from_paths[name] = self.checkpoint.file(name)
+                staging.digests[name] = entry
 
 
 def local_tier_dir(local_dir: str, bucket: ObjectStorage, task: TaskSpec) -> str:

@@ -280,6 +280,11 @@ class TrainingState:
             self._configuration = configuration.describe(self.model)
         return self._configuration
 
+    def read_checkpoint(self, checkpoint: Any, progress: ReadProgress) -> ReadAhead:
+        """`read_ahead()` of a `Checkpoint` being verified: what a restore
+        hands `CheckpointStore.latest_good_read()`."""
+        return self.read_ahead(checkpoint.path, progress, checkpoint.ranges)
+
     def read_ahead(
         self,
         directory: str,
