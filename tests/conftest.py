@@ -239,6 +239,18 @@ def make_data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
+def locked_training(backup_dir: str, **kwargs):
+    """A `WorkerTrainingState` of a model trained one epoch, holding the
+    backup's lock (`close()` it); `kwargs` go to it."""
+    import keras_ft
+
+    model = make_model()
+    model.fit(*make_data(), epochs=1, batch_size=BATCH_SIZE, verbose=0)
+    state = keras_ft.WorkerTrainingState(model, backup_dir, **kwargs)
+    state.lock()
+    return state
+
+
 def iterations(model: keras.Model) -> int:
     return int(keras.ops.convert_to_numpy(model.optimizer.iterations))
 

@@ -8,7 +8,7 @@ import os
 import keras
 import numpy as np
 import pytest
-from conftest import BATCH_SIZE, iterations, make_data, make_model, weights_of
+from conftest import iterations, locked_training, make_model, weights_of
 
 import keras_ft
 from keras_ft.checkpoint.store import CheckpointStore
@@ -26,19 +26,11 @@ class Told(keras_ft.CheckpointListener):
         self.calls.append(("after_commit", os.path.basename(path), epoch, step))
 
 
-def locked_state(backup_dir: str, **kwargs) -> keras_ft.WorkerTrainingState:
-    model = make_model()
-    model.fit(*make_data(), epochs=1, batch_size=BATCH_SIZE, verbose=0)
-    state = keras_ft.WorkerTrainingState(model, backup_dir, **kwargs)
-    state.lock()
-    return state
-
-
 @pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
 def test_a_save_is_committed_in_order_and_the_listeners_told(tmp_path, async_save):
     backup_dir = str(tmp_path / "backup")
     told = Told()
-    state = locked_state(backup_dir, listeners=[told], async_save=async_save)
+    state = locked_training(backup_dir, listeners=[told], async_save=async_save)
     chief, step = state._parts.chief, iterations(state.model)
     try:
         chief.back_up(1, 0, None, replaces_last=False, to_bucket=True)
@@ -70,7 +62,7 @@ def test_a_save_is_committed_in_order_and_the_listeners_told(tmp_path, async_sav
 
 def test_a_save_that_replaces_the_last_leaves_only_itself(tmp_path):
     backup_dir = str(tmp_path / "backup")
-    state = locked_state(backup_dir, keep=5)
+    state = locked_training(backup_dir, keep=5)
     try:
         state._parts.chief.back_up(1, 0, None, replaces_last=False, to_bucket=True)
         state._parts.chief.back_up(1, 3, None, replaces_last=True, to_bucket=True)
@@ -86,7 +78,7 @@ def test_a_save_that_replaces_the_last_leaves_only_itself(tmp_path):
 @pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
 def test_a_state_not_finite_commits_nothing(tmp_path, async_save):
     backup_dir = str(tmp_path / "backup")
-    state = locked_state(backup_dir, async_save=async_save)
+    state = locked_training(backup_dir, async_save=async_save)
     kernel = state.model.layers[0].kernel
     kernel.assign(keras.ops.full(kernel.shape, float("inf")))
     try:

@@ -9,24 +9,16 @@ import os
 import keras
 import numpy as np
 import pytest
-from conftest import BATCH_SIZE, iterations, make_data, make_model, weights_of
+from conftest import iterations, locked_training, make_model, weights_of
 
 import keras_ft
 from keras_ft.checkpoint.store import CheckpointStore
 from keras_ft.errors import NonFiniteStateError
 
 
-def trained_state(backup_dir: str) -> keras_ft.WorkerTrainingState:
-    model = make_model()
-    model.fit(*make_data(), epochs=1, batch_size=BATCH_SIZE, verbose=0)
-    state = keras_ft.WorkerTrainingState(model, backup_dir)
-    state.lock()
-    return state
-
-
 def test_a_process_share_is_committed_as_its_part_and_restores(tmp_path):
     backup_dir = str(tmp_path / "backup")
-    state = trained_state(backup_dir)
+    state = locked_training(backup_dir)
     try:
         state._parts.sharded.back_up(1, 0, None, replaces_last=False, to_bucket=False)
         state._parts.queue.wait()
@@ -47,7 +39,7 @@ def test_a_process_share_is_committed_as_its_part_and_restores(tmp_path):
 
 def test_a_share_not_finite_is_refused_and_nothing_is_committed(tmp_path):
     backup_dir = str(tmp_path / "backup")
-    state = trained_state(backup_dir)
+    state = locked_training(backup_dir)
     try:
         kernel = state.model.layers[0].kernel
         kernel.assign(keras.ops.full(kernel.shape, float("nan")))

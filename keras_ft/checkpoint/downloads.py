@@ -103,7 +103,7 @@ class LocalCopies:
             download = streams.get(name)
             return None if download is None else download.wait_for
 
-        return LocalReader(os.path.dirname(local.path), arrived)
+        return LocalReader(arrived)
 
     def _read_range(
         self, checkpoint: Checkpoint, names: frozenset[str], name: str,

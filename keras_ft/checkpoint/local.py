@@ -80,7 +80,7 @@ class LocalStorage:
         # The files this process's saves into this directory wrote: only
         # those are recycled.
         self._written = _written_files(self.identity)
-        self.reader = LocalReader(self.directory)
+        self.reader = LocalReader()
         self.notices = LocalNotices(self.directory)
         self.housekeeping = LocalHousekeeping(self)
 
@@ -232,7 +232,6 @@ class LocalReader:
     sizes of the open file.
 
     Args:
-        directory: The checkpoints' directory.
         arrived: For a directory whose files are still being written (a
             download of a bucket's checkpoint): `arrived(name)` is `None`
             for a file that is whole, else a function that returns once the
@@ -243,11 +242,8 @@ class LocalReader:
     ranged_reads = False  # A reader opens the files in place.
 
     def __init__(
-        self,
-        directory: str,
-        arrived: Callable[[str], Callable[[int], None] | None] | None = None,
+        self, arrived: Callable[[str], Callable[[int], None] | None] | None = None
     ):
-        self.directory = directory
         self._arrived = arrived
 
     def names(self, checkpoint: Checkpoint) -> set[str]:

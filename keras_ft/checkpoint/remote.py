@@ -404,8 +404,7 @@ class ObjectReader:
     ranged_reads = True
 
     def __init__(self, storage: ObjectStorage):
-        self._storage = storage
-        self._fs, self._root, self._key = storage.fs, storage.root, storage._key
+        self._fs, self._key, self._copies = storage.fs, storage._key, storage._copies
 
     def names(self, checkpoint: Checkpoint) -> set[str]:
         prefix = self._key(checkpoint)
@@ -460,13 +459,13 @@ class ObjectReader:
         ranged: frozenset[str] = frozenset(),
     ) -> Checkpoint:
         """A local copy of `checkpoint` for a restore (`LocalCopies.make()`)."""
-        return self._storage._copies.make(checkpoint, sizes, stream, ranged)
+        return self._copies.make(checkpoint, sizes, stream, ranged)
 
     def copy_reader(self, local: Checkpoint) -> LocalReader:
-        return self._storage._copies.reader(local)
+        return self._copies.reader(local)
 
     def release(self, local: Checkpoint) -> None:
-        self._storage._copies.release(local)
+        self._copies.release(local)
 
 
 class ObjectNotices:
@@ -474,8 +473,7 @@ class ObjectNotices:
     training reads."""
 
     def __init__(self, storage: ObjectStorage):
-        self._storage = storage
-        self._fs, self._root, self._key = storage.fs, storage.root, storage._key
+        self._fs, self._root = storage.fs, storage.root
 
     def create(self, name: str, data: bytes) -> bool:
         """Writes `name` unless it exists: the first writer wins where the
