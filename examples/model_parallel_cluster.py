@@ -136,14 +136,16 @@ def run_worker(args: argparse.Namespace) -> None:
 
     class HoldMoves(keras.callbacks.Callback):
         """Holds each save's move to host memory back for a while (the
-        move waits its turn in keras-ft's one mover thread), so that the
-        steps after a save run before it: what a slow device-to-host
+        move waits its turn in the training's one mover thread), so that
+        the steps after a save run before it: what a slow device-to-host
         link does. Goes before the backup callback."""
 
         def on_train_batch_end(self, batch, logs=None):
             from keras_ft import threads
 
-            threads.submit(threads.mover, time.sleep, args.hold_moves)
+            # The training's own pools (internal: this only slows it down).
+            mover = backup._state._state.pools.mover
+            threads.submit(mover, time.sleep, args.hold_moves)
 
     class Poison(keras.callbacks.Callback):
         """At step `--poison-at-step`, writes NaN into the piece of the first

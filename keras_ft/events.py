@@ -85,14 +85,16 @@ def say(
         (write or _write_line)(message)
 
 
-# What was said once per process (`first_time()`): a notice that does not
-# change between trainings would only repeat itself at every fit().
+# What was said or done once per process (`first_time()`): a notice that
+# does not change between trainings would only repeat itself at every fit(),
+# and a process's clean-up of dead processes' leftovers is done once.
 _said: set[tuple[str, str]] = set()
 
 
 def first_time(kind: str, key: str) -> bool:
-    """Whether the once-per-process notice `key` of `kind` is said now (it
-    is `True` once; `False` after)."""
+    """Whether the once-per-process notice (or deed) `key` of `kind` is
+    said now: `True` once, `False` after. A caller that makes a notice moot
+    calls it without saying anything."""
     if (kind, key) in _said:
         return False
     _said.add((kind, key))

@@ -73,7 +73,7 @@ class LocalTier:
         # restore from the tier nothing.
         bucket = None
         if self.task.is_chief:
-            bucket = threads.submit(threads.transfer, self._bucket_newest)
+            bucket = threads.in_thread(self._bucket_newest, name="keras-ft-transfer")
         try:
             with cross_process.collectives_scope(self._state.model):
                 return self._tier_or_none(read, bucket)

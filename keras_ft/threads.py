@@ -1,12 +1,11 @@
 """Every background thread of keras-ft, and how far a buffer is ready.
 
-Writers: one thread per save in flight (`BackgroundWriter`). Helpers, each a
-small pool made on first use: checksums of pieces being written (2), fsyncs
-of a checkpoint's files (4), verification of a checkpoint being read (1),
-removal of deleted checkpoints (1), the second half of a snapshot's copy (1,
-on a machine with more than one core). They are separate so that no kind of
-work queues behind another: a write's checksum never waits for the previous
-save's fsyncs.
+Writers: one thread per save in flight (`BackgroundWriter`). Helpers: a
+training's `Pools` (checksums, fsyncs, the copy's second half, the check, the
+move from the device), made on first use and closed by the training's writer
+once its writes are over; a thread per verification and per transfer batch
+of a restore or an upload (`in_thread()`, a `Pool` of the call's own); a
+thread per directory removed (`remove_in_background()`).
 
 The training thread hands over a write and goes on training. Writes overlap
 by at most one stage: the next save's data may go to disk while the previous
@@ -214,28 +213,41 @@ class BackgroundWriter:
             self._pending.pop(0).result()
 
 
-def submit(
-    executor: Callable[[], ThreadPoolExecutor], fn: Callable, *args, **kwargs
-) -> Future:
-    """`executor().submit(fn, ...)`, or `fn` run here once the interpreter exits.
+def submit(pool: Pool | None, fn: Callable, *args, **kwargs) -> Future:
+    """`fn(...)` in one of `pool`'s threads, or here: without a pool, or once
+    the interpreter exits.
 
     At exit, executors take no new work; a write still committing (which the
     interpreter waits for) then does the rest of it in its own thread.
     """
     try:
-        return executor().submit(fn, *args, **kwargs)
+        if pool is not None:
+            executor = pool()
+            if executor is not None:
+                return executor.submit(fn, *args, **kwargs)
     except RuntimeError:
-        done: Future = Future()
-        try:
-            done.set_result(fn(*args, **kwargs))
-        except BaseException as e:
-            done.set_exception(e)
-        return done
+        pass
+    done: Future = Future()
+    _settle(done, fn, args, kwargs)
+    return done
 
 
-class _Pool:
-    """A thread pool started on first use, closed by `close_pools()` once no
-    training of the process needs it, and started again by the next one."""
+# Threads of one batch of uploads or downloads: the network, not the cores,
+# is what they wait on.
+TRANSFERS = 8
+
+
+class Pool:
+    """A thread pool started on first use, closed by `close()` (its owner's),
+    and started again if used after that.
+
+    Args:
+        workers: How many threads it has at most.
+        prefix: Their names' start.
+        needs_two_cores: Whether it is worth a thread only on a machine with
+            more than one core (else it gives no executor: the work is done
+            by the caller).
+    """
 
     def __init__(self, workers: int, prefix: str, needs_two_cores: bool = False):
         self.workers, self.prefix = workers, prefix
@@ -243,7 +255,9 @@ class _Pool:
         # the VMs measured), and a copy asks at each of its batches.
         self._unwanted = needs_two_cores and (os.cpu_count() or 1) < 2
         self._executor: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
+        # Reentrant: `close(wait=False)` may run in a finalizer, in any
+        # thread, at any allocation, this pool's own start included.
+        self._lock = threading.RLock()
 
     def __call__(self) -> ThreadPoolExecutor | None:
         if self._unwanted:
@@ -255,86 +269,42 @@ class _Pool:
                 )
             return self._executor
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Ends the threads once their work is done. With `wait`, calls off
+        the work not begun and waits for the rest; without, returns at once
+        and lets the work handed over run (a finalizer's call)."""
         with self._lock:
             executor, self._executor = self._executor, None
         if executor is not None:
-            executor.shutdown(wait=True)
+            executor.shutdown(wait=wait, cancel_futures=wait)
 
 
-# The process's pools: shared by the saves of every training in it (a save
-# reuses the threads of the one before), closed when the last training using
-# them closes (`hold()` / `let_go()`; `saves/queue.py` holds them for a
-# training, until it is released or collected); these and the writers of
-# `saves/queue.py` are the only background work that outlives a save.
-hasher = _Pool(2, "keras-ft-checksum")
-syncer = _Pool(4, "keras-ft-fsync")
-verifier = _Pool(1, "keras-ft-verify")
-remover = _Pool(1, "keras-ft-remover")
-# Uploads and downloads to object storage: the network, not the cores, is
-# what they wait on.
-transfer = _Pool(8, "keras-ft-transfer")
-# A second thread for copies, on a machine with more than one core.
-copy_helper = _Pool(1, "keras-ft-copy", needs_two_cores=True)
-# The NaN/infinity check of a copy written in the background: off the
-# training thread's time, ahead of the writer.
-checker = _Pool(1, "keras-ft-finite-check")
-# The move of a snapshot made on the device into host memory, beside the
-# next training steps (the writer follows it).
-mover = _Pool(1, "keras-ft-device-to-host")
-_POOLS = (hasher, syncer, verifier, remover, transfer, copy_helper, checker, mover)
-# How many trainings hold the pools: they outlive any one fit() (a save in
-# flight), and the last training to let go shuts them down.
-_holders = 0
-_holders_lock = threading.Lock()
-# Trainings garbage-collected while holding the pools, one entry each, added
-# by their finalizers (`collected()`): a GC callback may run in any thread at
-# any allocation, even one holding `_holders_lock` or an executor's lock, so
-# it only appends; the next `hold()` or `let_go()` counts them.
-_collected: list[None] = []
+class Pools:
+    """The helper threads of one training's saves, each pool started on
+    first use; `close()` ends them (its writer's, once its writes are over).
 
+    They are separate so that no kind of work queues behind another: a
+    write's checksum never waits for the previous save's fsyncs.
+    """
 
-def _count_collected() -> None:
-    """Takes the collected trainings off the count (`_holders_lock` held)."""
-    global _holders
-    while _collected:
-        _collected.pop()
-        _holders = max(0, _holders - 1)
+    def __init__(self) -> None:
+        # Checksums of the pieces being written.
+        self.hasher = Pool(2, "keras-ft-checksum")
+        # fsyncs of a checkpoint's files, together.
+        self.syncer = Pool(4, "keras-ft-fsync")
+        # The second half of a snapshot's copy, on more than one core.
+        self.copy_helper = Pool(1, "keras-ft-copy", needs_two_cores=True)
+        # The NaN/infinity check of a copy, ahead of the writer.
+        self.checker = Pool(1, "keras-ft-finite-check")
+        # The move of a snapshot made on the device into host memory,
+        # beside the next training steps (the writer follows it).
+        self.mover = Pool(1, "keras-ft-device-to-host")
 
-
-def hold() -> None:
-    """A training starts using the pools."""
-    global _holders
-    with _holders_lock:
-        _count_collected()
-        _holders += 1
-
-
-def collected() -> None:
-    """A training that held the pools was garbage-collected without letting
-    go (a finalizer's call: never blocks, never takes a lock)."""
-    _collected.append(None)
-
-
-def holders() -> int:
-    """How many trainings hold the pools now."""
-    with _holders_lock:
-        _count_collected()
-        return _holders
-
-
-def let_go() -> None:
-    """A training is done with the pools; the last one closes them, once the
-    directories it deleted are gone."""
-    global _holders
-    with _holders_lock:
-        _count_collected()
-        _holders = max(0, _holders - 1)
-        last = _holders == 0
-    if last:
-        wait_for_removals()
-        for pool in _POOLS:
-            pool.close()
+    def close(self, wait: bool = True) -> None:
+        """Ends the threads (see `Pool.close()`)."""
+        for pool in (self.hasher, self.syncer, self.copy_helper, self.checker,
+                     self.mover):  # fmt: skip
+            pool.close(wait)
 
 
 def start_daemon(target: Callable[[], Any], name: str) -> threading.Thread:
@@ -352,66 +322,81 @@ def call_later(seconds: float, function: Callable[[], Any]) -> threading.Timer:
     return timer
 
 
-# Deleted checkpoints are removed by one thread; a kill leaves them as
-# `.trash-*` directories, which the store clears at the next start.
-_removals: set[Future] = set()
+def in_thread(fn: Callable, *args: Any, name: str) -> Future:
+    """`fn(*args)` in a thread of its own (not a daemon), or here once the
+    interpreter exits; its result or error in the future returned."""
+    done: Future = Future()
+    try:
+        threading.Thread(
+            target=_settle, args=(done, fn, args), name=name, daemon=False
+        ).start()
+    except RuntimeError:  # At exit: no new thread.
+        _settle(done, fn, args)
+    return done
+
+
+def _settle(
+    done: Future, fn: Callable, args: tuple, kwargs: dict | None = None
+) -> None:
+    try:
+        done.set_result(fn(*args, **(kwargs or {})))
+    except BaseException as e:
+        done.set_exception(e)
+
+
+# Directories being removed in the background, each in a thread of its own,
+# with whether it is a whole finished backup (a discard): fit() and a save
+# never wait for the disk; the interpreter does, at exit (the threads are not
+# daemons). Process-wide because a removal outlives the fit() that began it;
+# a kill leaves `.trash-*` entries that the store clears at the next start.
+_removals: dict[threading.Thread, tuple[str, bool]] = {}
 _removals_lock = threading.Lock()
 
 
-def remove_in_background(path: str) -> None:
-    """Removes the directory `path` in the remover's thread."""
-    with _removals_lock:
-        future = submit(remover, shutil.rmtree, path, ignore_errors=True)
-        _removals.add(future)
-    future.add_done_callback(_forget_removal)
-
-
-def _forget_removal(future: Future) -> None:
-    with _removals_lock:
-        _removals.discard(future)
-
-
-# A finished backup's checkpoints, moved out of `backup_dir` in one rename
-# each and removed in a thread of their own: fit()'s end does not wait for
-# the disk; the interpreter does, at exit (the threads are not daemons).
-_discards: dict[threading.Thread, str] = {}
-
-
-def remove_later(path: str) -> None:
-    """Removes the directory `path` in a thread nobody in `fit()` waits for."""
+def remove_in_background(path: str, discard: bool = False) -> None:
+    """Removes the directory `path` in a thread nobody in `fit()` waits for:
+    a deleted checkpoint, or with `discard` a finished backup's checkpoints
+    (`wait_for_discards()`)."""
     thread = threading.Thread(
-        target=_discard, args=(path,), name="keras-ft-discard", daemon=False
+        target=_remove, args=(path,), name="keras-ft-remover", daemon=False
     )
-    with _removals_lock:
-        _discards[thread] = path
-    thread.start()
+    with _removals_lock:  # Started and listed at once (`_wait()` joins it).
+        try:
+            thread.start()
+        except RuntimeError:  # At exit: no new thread; removed below.
+            thread = None
+        else:
+            _removals[thread] = (path, discard)
+    if thread is None:
+        shutil.rmtree(path, ignore_errors=True)
 
 
-def _discard(path: str) -> None:
+def _remove(path: str) -> None:
     try:
         shutil.rmtree(path, ignore_errors=True)
     finally:
         with _removals_lock:
-            _discards.pop(threading.current_thread(), None)
+            _removals.pop(threading.current_thread(), None)
 
 
 def pending_removals() -> set[str]:
-    """The directories `remove_later()` is removing now, in this process."""
+    """The finished backups' directories being removed now, in this process."""
     with _removals_lock:
-        return set(_discards.values())
+        return {path for path, discard in _removals.values() if discard}
 
 
-def wait_for_discards() -> None:
-    """Waits until the directories `remove_later()` was given are gone."""
+def _wait(discards: bool) -> None:
     with _removals_lock:
-        pending = list(_discards)
+        pending = [t for t, (_, d) in _removals.items() if d == discards]
     for thread in pending:
         thread.join()
 
 
+def wait_for_discards() -> None:
+    """Waits until the finished backups' directories are gone."""
+    _wait(discards=True)
+
+
 def wait_for_removals() -> None:
-    """Waits until the directories removed so far are gone from disk."""
-    with _removals_lock:
-        pending = list(_removals)
-    for future in pending:
-        future.result()
+    """Waits until the checkpoints deleted so far are gone from disk."""
+    _wait(discards=False)

@@ -70,7 +70,6 @@ def test_a_jax_cluster_started_elsewhere_is_warned_of_once(monkeypatch):
     """JAX does not say which timeouts it was started with: a cluster that
     `initialize_cluster()` did not start may have the 100 s heartbeat."""
     monkeypatch.setattr(events, "_said", set())
-    monkeypatch.setattr(launch, "_jax_started_here", False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         launch.warn_of_jax_default_timeouts(1)  # One process: no cluster.
@@ -80,7 +79,7 @@ def test_a_jax_cluster_started_elsewhere_is_warned_of_once(monkeypatch):
         warnings.simplefilter("error")
         launch.warn_of_jax_default_timeouts(2)  # Once per process.
         monkeypatch.setattr(events, "_said", set())
-        monkeypatch.setattr(launch, "_jax_started_here", True)
+        events.first_time("cluster", "jax default timeouts")  # initialize_cluster()
         launch.warn_of_jax_default_timeouts(2)
 
 

@@ -14,7 +14,6 @@ import pytest
 from conftest import make_model, run_once_on
 
 import keras_ft
-from keras_ft import threads
 from keras_ft.checkpoint.format import Checkpoint
 from keras_ft.errors import CheckpointWriteError
 from keras_ft.saves import queue as queue_module
@@ -146,15 +145,21 @@ def test_a_later_training_waits_for_the_writes_of_one_that_is_gone():
     second.release()
 
 
-def test_a_training_collected_unreleased_lets_go_of_the_pools(tmp_path):
+def test_a_training_collected_unreleased_ends_its_threads(tmp_path):
     """A training locked and never unlocked (its fit() raised and nothing
-    followed on its directory) gives back its hold on the thread pools when
-    it is garbage-collected: its finalizer only notes it (it may run in any
-    thread, at any allocation), and the count of holders leaves it out."""
-    holders = threads.holders()
+    followed on its directory) stays the directory's holder, but its helper
+    threads end once it is garbage-collected (its finalizer never waits: it
+    may run in any thread, at any allocation)."""
     state = keras_ft.WorkerTrainingState(make_model(), str(tmp_path))
     state.lock()
-    assert threads.holders() == holders + 1
+    state.back_up(1)
+    state.wait()
+    pools = state._state.pools
+    used = [pools.hasher(), pools.syncer()]
+    assert all(executor._threads for executor in used)
     del state
     gc.collect()
-    assert threads.holders() == holders
+    assert pools.hasher._executor is None and pools.syncer._executor is None
+    for thread in [t for executor in used for t in executor._threads]:
+        thread.join(timeout=30)
+        assert not thread.is_alive(), thread.name

@@ -46,7 +46,8 @@ class SaveOnceMidEpoch(keras.callbacks.Callback):
             return
         model = self.model  # On JAX, reading it syncs the trainer's state.
         self.expected = state_of(model)
-        threads.submit(threads.mover, self.gate.wait)  # The move waits for it.
+        mover = self.state._state.pools.mover
+        threads.submit(mover, self.gate.wait)  # The move waits for it.
         self.state.back_up(0, batch + 1)
 
 
@@ -215,7 +216,8 @@ _KILLED_MID_MOVE = textwrap.dedent(
     state.back_up(0)
     state.wait()
     model.fit(x, y, epochs=1, batch_size=16, verbose=0)
-    threads.submit(threads.mover, threading.Event().wait)  # The move never runs.
+    mover = state._state.pools.mover
+    threads.submit(mover, threading.Event().wait)  # The move never runs.
     state.back_up(1)
     print("moving", flush=True)
     threading.Event().wait()
@@ -319,7 +321,7 @@ def test_a_save_called_off_stops_its_move_to_host_memory(tmp_path, monkeypatch):
     )
     model.fit(x, y, epochs=1, batch_size=16, verbose=0)
     gate = threading.Event()
-    threads.submit(threads.mover, gate.wait)  # The move waits behind it.
+    threads.submit(state._state.pools.mover, gate.wait)  # The move waits behind it.
     state.back_up(0)
     time.sleep(0.2)  # The writer now waits for the move to fill the buffer.
     # Called off while its move has not begun; the move, let go once the

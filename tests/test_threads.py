@@ -181,7 +181,7 @@ def keras_ft_threads():
 
 
 @pytest.mark.parametrize("where", ["disk", "bucket"])
-def test_a_fit_leaves_no_thread_behind(tmp_path, where, monkeypatch):
+def test_a_fit_leaves_no_thread_behind(tmp_path, where):
     """Writers, pools (copy, checksum, fsync, removal, transfers) and the
     lease's heartbeat end with the fit(), kept or deleted backup alike; a
     deleted backup's removal (not waited for) ends by itself."""
@@ -190,11 +190,8 @@ def test_a_fit_leaves_no_thread_behind(tmp_path, where, monkeypatch):
     import keras_ft
     from keras_ft import threads
 
-    # Trainings of earlier tests that never ended hold the pools (and leases
-    # whose heartbeats go on): not this test's.
-    monkeypatch.setattr(threads, "_holders", 0)
-    monkeypatch.setattr(threads, "_collected", [])
-    threads.let_go()
+    # Trainings of earlier tests that never ended keep their threads (and
+    # leases whose heartbeats go on): not this test's.
     before = keras_ft_threads()
 
     backup = str(tmp_path) if where == "disk" else f"memory://threads-{tmp_path.name}"
@@ -212,7 +209,7 @@ def test_a_fit_leaves_no_thread_behind(tmp_path, where, monkeypatch):
 
 @pytest.mark.parametrize("same_callback", [True, False])
 def test_a_fit_that_raised_leaves_no_thread_once_the_next_one_ends(
-    tmp_path, monkeypatch, same_callback
+    tmp_path, same_callback
 ):
     """Keras calls no `on_train_end` for a fit() that raised: the next fit()
     on the backup (with the same callback or a new one) closes what the
@@ -224,10 +221,7 @@ def test_a_fit_that_raised_leaves_no_thread_once_the_next_one_ends(
     import keras_ft
     from keras_ft import threads
 
-    monkeypatch.setattr(threads, "_holders", 0)  # Earlier tests' trainings.
-    monkeypatch.setattr(threads, "_collected", [])
-    threads.let_go()
-    before = keras_ft_threads()
+    before = keras_ft_threads()  # Earlier tests' trainings' threads.
 
     class Boom(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):

@@ -48,6 +48,7 @@ class LocalCopies:
         others are whole when this returns.
         """
         root = scratch.make("download")
+        downloading = threads.Pool(threads.TRANSFERS, "keras-ft-transfer")
         local = Checkpoint(
             checkpoint.sequence,
             os.path.join(root, checkpoint_name(checkpoint.sequence)),
@@ -67,7 +68,7 @@ class LocalCopies:
             # The small files first: the transfer threads take work in order.
             downloads = [
                 threads.submit(
-                    threads.transfer, self._download, checkpoint, name,
+                    downloading, self._download, checkpoint, name,
                     local.file(name), shown,
                 )
                 for name in moved
@@ -90,8 +91,11 @@ class LocalCopies:
             for download in downloads:
                 download.result()
         except BaseException:
+            downloading.close()  # None goes on writing into what is removed.
             self.release(local)
             raise
+        finally:
+            downloading.close()
         return local
 
     def reader(self, local: Checkpoint) -> LocalReader:

@@ -144,6 +144,8 @@ class Staging(os.PathLike):
             `path` stays its name (to rename it). `path` and `recycle` must
             each be `<chief>/<name>`, reached without a symlink. Defaults to
             `False`.
+        pools: The helper threads that checksum and fsync the files (a
+            training's). Defaults to `None`: the writing thread does it.
     """
 
     def __init__(
@@ -154,9 +156,11 @@ class Staging(os.PathLike):
         sync: bool = True,
         pin: bool = False,
         written: WrittenFiles | None = None,
+        pools: threads.Pools | None = None,
     ):
         self.path = os.fspath(path)
         self.cancel = cancel
+        self.pools = pools
         self.recycle = recycle
         self.sync = sync
         self._written = written
@@ -219,6 +223,7 @@ class Staging(os.PathLike):
             filled=filled,
             written=written,
             fd=fd,
+            hasher=self.pools.hasher if self.pools is not None else None,
         )
         if self._written is not None and size >= RECYCLE_MIN:
             self._written.add(os.stat(path, follow_symlinks=False))
@@ -287,6 +292,7 @@ def write_file(
     filled: Watermark | None = None,
     written: threading.Event | None = None,
     fd: int | None = None,
+    hasher: threads.Pool | None = None,
 ) -> dict[str, Any]:
     """Writes buffers one after another into a new file at `path`.
 
@@ -313,6 +319,8 @@ def write_file(
         fd: An open descriptor of an existing file at `path` to overwrite in
             place (its blocks are reused; it is cut to the new size), which
             this call closes. Defaults to `None`: a new file.
+        hasher: The threads that checksum a single buffer's pieces while
+            they are written. Defaults to `None`: this thread does.
 
     Returns:
         The file's manifest entry: its size and checksum.
@@ -330,7 +338,7 @@ def write_file(
             fd = os.open(path, flags, 0o644)
         try:
             if len(views) == 1:
-                _write_buffer(path, fd, views[0], digest, cancel, filled)
+                _write_buffer(path, fd, views[0], digest, cancel, filled, hasher)
             else:
                 offset = 0
                 for start in range(0, len(views), _IOV_BATCH):
@@ -363,6 +371,7 @@ def _write_buffer(
     digest: Any,
     cancel: threading.Event | None,
     filled: Watermark | None,
+    hasher: threads.Pool | None,
 ) -> None:
     """Writes one buffer into the empty file `fd`, piece by piece as it fills.
 
@@ -384,7 +393,7 @@ def _write_buffer(
             piece = view[offset:end]
             # The checksum of a piece is taken while it is written, not
             # after: on the disk's path, it would slow every save.
-            hashing = threads.submit(threads.hasher, digest.update, piece)
+            hashing = threads.submit(hasher, digest.update, piece)
             try:
                 if direct_fd is not None and end <= aligned:
                     try:
@@ -462,9 +471,10 @@ def entry(path: str) -> dict[str, Any]:
     return {"size": os.path.getsize(path), DIGEST: file_digest(path, DIGEST)}
 
 
-def fsync_together(paths: list[str]) -> None:
-    """fsyncs the files (or directories) concurrently; raises the first error."""
-    for done in [threads.submit(threads.syncer, fsync_path, p) for p in paths]:
+def fsync_together(paths: list[str], syncer: threads.Pool | None) -> None:
+    """fsyncs the files (or directories), concurrently in `syncer`'s threads
+    if given; raises the first error."""
+    for done in [threads.submit(syncer, fsync_path, p) for p in paths]:
         done.result()
 
 

@@ -117,7 +117,9 @@ class LocalStorage:
 
     # Writing.
 
-    def stage(self, cancel: threading.Event | None) -> Staging:
+    def stage(
+        self, cancel: threading.Event | None, pools: threads.Pools | None = None
+    ) -> Staging:
         """A new staging directory, with the spare to write over, if any."""
         name = f"{_STAGING_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         path = os.path.join(self.directory, name)
@@ -130,6 +132,7 @@ class LocalStorage:
             sync=False,
             pin=True,
             written=self._written,
+            pools=pools,
         )
 
     def commit(
@@ -145,7 +148,9 @@ class LocalStorage:
         # synced together, the filesystem can flush them in one go.
         unsynced = [n for n in names if n not in staging.synced]
         through = os.fspath(staging)  # The directory as opened, not its name.
-        file_io.fsync_together([os.path.join(through, n) for n in unsynced] + [through])
+        syncer = staging.pools.syncer if staging.pools is not None else None
+        paths = [os.path.join(through, n) for n in unsynced] + [through]
+        file_io.fsync_together(paths, syncer)
         turn.take()
         staging.check_cancelled()
         committed = self.checkpoints()
@@ -421,7 +426,7 @@ class LocalHousekeeping:
                 continue
             with contextlib.suppress(OSError):
                 self._move_into(entries, into)
-            threads.remove_later(into)
+            threads.remove_in_background(into, discard=True)
         return not entries
 
     def _move_into(self, entries: list[str], into: str) -> None:
@@ -557,7 +562,7 @@ def sweep_discarded(backup_dir: str) -> None:
         for entry in entries:
             path = os.path.join(place, entry)
             if path not in pending and _is_directory(path):
-                threads.remove_later(path)
+                threads.remove_in_background(path, discard=True)
 
 
 def _trash(near: str) -> str | None:

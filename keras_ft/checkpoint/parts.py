@@ -31,6 +31,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from keras_ft import threads
 from keras_ft.checkpoint import files as file_io
 from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.format import PIECEWISE
@@ -49,7 +50,11 @@ class Parts(Protocol):
     poll_seconds: float
 
     def write_data(
-        self, name: str, chunks: Sequence[Any], cancel: threading.Event | None
+        self,
+        name: str,
+        chunks: Sequence[Any],
+        cancel: threading.Event | None,
+        hasher: threads.Pool | None = None,
     ) -> dict[str, Any]: ...
 
     def write_index(self, name: str, data: bytes) -> None: ...
@@ -77,11 +82,15 @@ class LocalParts:
         self.where = os.path.join(chief_dir, f"{PARTS_PREFIX}{tag}")
 
     def write_data(
-        self, name: str, chunks: Sequence[Any], cancel: threading.Event | None
+        self,
+        name: str,
+        chunks: Sequence[Any],
+        cancel: threading.Event | None,
+        hasher: threads.Pool | None = None,
     ) -> dict[str, Any]:
         os.makedirs(self.where, exist_ok=True)
         return file_io.write_file(
-            os.path.join(self.where, name), chunks, sync=True, cancel=cancel
+            os.path.join(self.where, name), chunks, cancel=cancel, hasher=hasher
         )
 
     def write_index(self, name: str, data: bytes) -> None:

@@ -251,9 +251,11 @@ class ObjectStorage:
 
     # Writing: files staged locally, uploaded, the manifest last.
 
-    def stage(self, cancel: threading.Event | None) -> Staging:
+    def stage(
+        self, cancel: threading.Event | None, pools: threads.Pools | None = None
+    ) -> Staging:
         path = scratch.make("upload")
-        return Staging(path, cancel, sync=False)  # Uploaded, not kept.
+        return Staging(path, cancel, sync=False, pools=pools)  # Uploaded.
 
     def commit(
         self,
@@ -281,15 +283,19 @@ class ObjectStorage:
             sum(os.path.getsize(p) for p in paths.values()),
         )  # fmt: skip
         try:
-            uploads = [
-                threads.submit(
-                    threads.transfer, self._upload, path,
-                    self._key(committed, n), staging.cancel, shown,
-                )
-                for n, path in paths.items()
-            ]  # fmt: skip
-            for upload in uploads:
-                upload.result()
+            uploading = threads.Pool(threads.TRANSFERS, "keras-ft-transfer")
+            try:
+                uploads = [
+                    threads.submit(
+                        uploading, self._upload, path,
+                        self._key(committed, n), staging.cancel, shown,
+                    )
+                    for n, path in paths.items()
+                ]  # fmt: skip
+                for upload in uploads:
+                    upload.result()
+            finally:
+                uploading.close()  # None goes on past a failed commit.
             if shown is not None:
                 shown.close()
             staging.check_cancelled()
@@ -577,14 +583,20 @@ class RemoteParts:
         self.where = storage.url(Checkpoint(sequence, ""))
 
     def write_data(
-        self, name: str, chunks: list[Any], cancel: threading.Event | None
+        self,
+        name: str,
+        chunks: list[Any],
+        cancel: threading.Event | None,
+        hasher: threads.Pool | None = None,
     ) -> dict[str, Any]:
         # Staged on local disk, as every upload is: written with direct I/O
         # from the share's buffer, the upload streams it with retries.
         staged = scratch.make("part")
         try:
             path = os.path.join(staged, name)
-            entry = file_io.write_file(path, chunks, sync=False, cancel=cancel)
+            entry = file_io.write_file(
+                path, chunks, sync=False, cancel=cancel, hasher=hasher
+            )
             self._upload(name, path, cancel)
         finally:
             scratch.remove(staged)

@@ -25,6 +25,8 @@ import stat
 import tempfile
 import threading
 
+from keras_ft import events
+
 try:
     import fcntl
 except ImportError:  # Windows: no locks, so nothing is reaped.
@@ -40,18 +42,15 @@ __all__ = ["make", "remove", "reap"]
 # lock goes with the process, which is how the next process knows it died).
 _owned: dict[str, int] = {}
 _owned_lock = threading.Lock()
-# Dead processes' directories are removed once per process, at its first
-# scratch directory.
-_reaped = False
 
 
 def make(kind: str) -> str:
     """A new empty directory `<tmp>/keras-ft-<kind>-<random>`, held by this
     process until `remove()`; the first call in a process first removes the
     directories of dead processes (`reap()`)."""
-    global _reaped
-    if not _reaped:
-        _reaped = True
+    # Dead processes' directories are removed once per process, at its
+    # first scratch directory.
+    if events.first_time("scratch", "reap"):
         reap()
     while True:
         fd, lock = tempfile.mkstemp(prefix=f"{PREFIX}{kind}-", suffix=LOCK_SUFFIX)

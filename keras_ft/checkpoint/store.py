@@ -132,8 +132,11 @@ class Storage(Protocol):
         commit (`keras_ft/checkpoint/parts.py`)."""
         ...
 
-    def stage(self, cancel: threading.Event | None) -> Staging:
-        """A new local directory for a checkpoint's files."""
+    def stage(
+        self, cancel: threading.Event | None, pools: threads.Pools | None = None
+    ) -> Staging:
+        """A new local directory for a checkpoint's files, written and
+        synced with the help of `pools` (a training's) if given."""
         ...
 
     def commit(
@@ -606,6 +609,7 @@ class CheckpointStore:
         lock: Any = None,
         supersedes: Checkpoint | None = None,
         committing: Callable[[Checkpoint, dict], None] | None = None,
+        pools: threads.Pools | None = None,
     ) -> Checkpoint:
         """Writes and atomically commits a new checkpoint.
 
@@ -630,11 +634,13 @@ class CheckpointStore:
                 before the commit makes `checkpoint` visible: a note of what
                 is being committed, written there, is never later than the
                 commit. Defaults to `None`.
+            pools: The helper threads that checksum and fsync the files (the
+                training's). Defaults to `None`: the writer thread does it.
 
         Returns:
             The committed checkpoint.
         """
-        staging = self.storage.stage(cancel)
+        staging = self.storage.stage(cancel, pools)
         try:
             write_files(staging)
             staging.write_file(METADATA_FILE, [json_bytes(metadata)])

@@ -72,7 +72,7 @@ class RangedDownload:
         # fills from its start, with at most n requests in flight.
         n = min(STREAM_CONNECTIONS, len(starts))
         self._futures = [
-            threads.submit(threads.transfer, self._fetch_every, starts[i::n])
+            threads.in_thread(self._fetch_every, starts[i::n], name="keras-ft-transfer")
             for i in range(n)
         ]
 

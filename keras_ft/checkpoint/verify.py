@@ -61,7 +61,7 @@ def fetch(
         finally:
             progress.finish()
 
-    verifying = threads.submit(threads.verifier, verify)
+    verifying = threads.in_thread(verify, name="keras-ft-verify")
     try:
         try:
             result, error = read(local, progress), None
@@ -86,7 +86,7 @@ def _local_copy(
     # In a bucket, the checkpoint's objects are listed while its manifest
     # is read: two round trips at once.
     listing = (
-        threads.submit(threads.transfer, reader.names, checkpoint)
+        threads.in_thread(reader.names, checkpoint, name="keras-ft-transfer")
         if reader.ranged_reads
         else None
     )

@@ -38,8 +38,9 @@ from keras_ft.compat.registry import fail, register, usable
 # Keras (major, minor) versions checked to need, and to work with, the fixes.
 CHECKED_KERAS_VERSIONS = ((3, 10), (3, 11), (3, 12), (3, 13), (3, 14), (3, 15), (3, 16))
 _ENV = "KERAS_FT_MULTI_WORKER_FIXES"
-# Keras is patched once per process: every model built after uses the fixes.
-_installed = False
+# Keras is patched once per process (every model built after uses the
+# fixes): the attribute that marks its patched function.
+_INSTALLED = "_keras_ft_fixes"
 
 
 def _tensorflow_trainer() -> tuple[type, Any] | None:
@@ -99,12 +100,13 @@ def install_multi_worker_fixes() -> None:
     workers. Call it yourself before `fit()` to train under
     `MultiWorkerMirroredStrategy` without the callback.
     """
-    global _installed
-    if _installed or keras.backend.backend() != "tensorflow":
+    if keras.backend.backend() != "tensorflow":
         return
     if not usable("multi_worker_fixes"):
         return
     trainer, module = _tensorflow_trainer()
+    if getattr(module.reduce_per_replica, _INSTALLED, False):
+        return  # Keras' own functions carry the mark of the fixes.
     original_build = trainer._maybe_symbolic_build
     original_reduce = module.reduce_per_replica
 
@@ -127,9 +129,9 @@ def install_multi_worker_fixes() -> None:
             )
         return original_reduce(values, strategy, reduction)
 
+    setattr(reduce_per_replica, _INSTALLED, True)
     trainer._maybe_symbolic_build = _maybe_symbolic_build
     module.reduce_per_replica = reduce_per_replica
-    _installed = True
 
 
 def _fix_applies(strategy: Any) -> bool:

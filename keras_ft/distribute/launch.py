@@ -22,9 +22,9 @@ from collections.abc import Mapping
 from keras_ft import events
 from keras_ft.distribute.cluster import TaskSpec, current_task
 
-# The process's one JAX cluster: started by initialize_cluster() (with short
-# timeouts) or elsewhere, which is said once (`events.first_time()`).
-_jax_started_here = False
+# The notice, once per process, of a JAX cluster started elsewhere than by
+# initialize_cluster() (with JAX's default timeouts); moot once it started one.
+_JAX_TIMEOUTS = ("cluster", "jax default timeouts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,8 +234,7 @@ def _start_jax(where: dict, heartbeat_seconds: int, shutdown_seconds: int) -> No
         heartbeat_timeout_seconds=heartbeat_seconds,
         shutdown_timeout_seconds=shutdown_seconds,
     )
-    global _jax_started_here
-    _jax_started_here = True
+    events.first_time(*_JAX_TIMEOUTS)  # keras-ft chose them: nothing to say.
 
 
 def _tf_config_from_launch(launch: Launch) -> str:
@@ -289,13 +288,13 @@ def warn_of_jax_default_timeouts(num_workers: int) -> None:
     """Warns once in a multi-process JAX run that `initialize_cluster()` did
     not start: JAX does not say which timeouts it was given, and its
     defaults keep the survivors of a dead peer waiting for minutes."""
-    if _jax_started_here or num_workers <= 1:
+    if num_workers <= 1:
         return
     import keras
 
     if keras.backend.backend() != "jax":
         return
-    if not events.first_time("cluster", "jax default timeouts"):
+    if not events.first_time(*_JAX_TIMEOUTS):
         return
     events.warn(
         "cluster",

@@ -277,12 +277,14 @@ def write_part(
     tag: str,
     share: Share,
     cancel: threading.Event | None = None,
+    hasher: threads.Pool | None = None,
 ) -> None:
     """Writes this process's pieces into `parts` (its storage's place for
-    the save's parts) and, last, their index: its part is done."""
+    the save's parts) and, last, their index: its part is done. `hasher`
+    checksums the data as it is written (see `files.write_file()`)."""
     name = part_name(process)
     chunks, pieces = _part_image(share)
-    entry = parts.write_data(f"{name}.bin", chunks, cancel)
+    entry = parts.write_data(f"{name}.bin", chunks, cancel, hasher)
     parts.write_index(f"{name}.json", _index_bytes(process, tag, entry, pieces))
 
 
@@ -537,6 +539,7 @@ class ShardedReader:
         self._fetching: dict[tuple[str, int, int], tuple[_Run, int]] = {}
         self._queued: collections.deque[_Run] = collections.deque()
         self._ahead = 0  # Bytes being fetched.
+        self._transfers = threads.Pool(threads.TRANSFERS, "keras-ft-transfer")
 
     def read(self, variable: int, bounds: cross_process.Bounds) -> np.ndarray:
         """The slice `bounds` (start, stop) of the variable at `variable`."""
@@ -607,7 +610,7 @@ class ShardedReader:
         while self._queued and (not self._fetching or self._ahead < _AHEAD_BYTES):
             run = self._queued.popleft()
             run.bytes = threads.submit(
-                threads.transfer, self._fetch, run.name, run.offset, run.nbytes
+                self._transfers, self._fetch, run.name, run.offset, run.nbytes
             )
             for key in run.pieces:
                 self._fetching[key] = (run, key[1] - run.offset)
@@ -675,10 +678,10 @@ class ShardedReader:
 
     def close(self) -> None:
         self._queued.clear()
-        for run, _ in self._fetching.values():
-            if run.bytes is not None:
-                run.bytes.cancel()  # A GET under way ends; its bytes are dropped.
         self._fetching.clear()
+        # The GETs not begun are called off; those under way end, their
+        # bytes dropped.
+        self._transfers.close()
         with self._lock:
             for fd in self._files.values():
                 os.close(fd)

@@ -86,7 +86,9 @@ class ChiefSaver:
             snapshot.release()  # Never written: the next copy must not wait.
             raise
         if snapshot.weights.from_device:
-            move = threads.submit(threads.mover, _move_to_host, snapshot.weights)
+            move = threads.submit(
+                self._queue.pools.mover, _move_to_host, snapshot.weights
+            )
             self._moving = move
         else:
             snapshot.weights.fill()  # On failure, the write sees it and calls off.
@@ -138,7 +140,10 @@ class ChiefSaver:
         """
         # A move to host memory stops with the save.
         stop = snapshot.weights.stop if snapshot.weights is not None else None
-        save = Save(snapshot, files, to_bucket, direct, stop or threading.Event())
+        save = Save(
+            snapshot, files, to_bucket, direct, stop or threading.Event(),
+            pools=self._queue.pools,
+        )  # fmt: skip
         self._queue.start(self._commit, save, replaces_last)
         return save.cancel
 

@@ -50,8 +50,8 @@ def assemble(
     options: BackupOptions,
     listeners: list[CheckpointListener],
 ) -> SaveParts:
-    """The parts of `training` (a `WorkerTrainingState`, whose lifetime the
-    queue's hold on the thread pools follows)."""
+    """The parts of `training` (a `WorkerTrainingState`); its writer (the
+    queue) closes the state's helper threads once its writes are over."""
     # A disk (rename commit, flock) or a bucket (manifest-last commit,
     # lease): one protocol, and nothing here asks which.
     backup_dir, keep = options.backup_dir, options.keep
@@ -67,7 +67,7 @@ def assemble(
     tiers = TieredStore.open(
         store, lock, root, options.local_dir, keep, task, state, options.manifest_key
     )
-    queue = SaveQueue(store.identity, options.async_save, training)
+    queue = SaveQueue(store.identity, options.async_save, training, state.pools)
     snapshots = SnapshotPlace(options.snapshot)
     # The chief holds the backup's lock; another worker only the temporary
     # directory its throwaway saves go to.

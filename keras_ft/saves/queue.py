@@ -26,7 +26,7 @@ from keras_ft.threads import (
 )
 
 # The queue of the training of this process that holds each chief
-# directory's lock (and the thread pools). It outlives a fit() on purpose:
+# directory's lock. It outlives a fit() on purpose:
 # Keras calls no `on_train_end` for a fit() that raised, and the next
 # training on the same directory must first wait for that fit's writes
 # (held here even if the training object is gone), then release it.
@@ -68,19 +68,28 @@ class SaveQueue:
             `WorkerTrainingState`).
         training: The training it belongs to: `hold()` closes an earlier
             training on the same directory that was never closed.
+        pools: The training's helper threads, closed by `release()`.
+            Defaults to `None`: threads of its own.
     """
 
-    def __init__(self, identity: str, async_save: bool, training: Any):
+    def __init__(
+        self,
+        identity: str,
+        async_save: bool,
+        training: Any,
+        pools: threads.Pools | None = None,
+    ):
         self.identity, self.async_save = identity, async_save
         self._training = weakref.ref(training)
+        self.pools = pools = pools or threads.Pools()
+        # A training collected unreleased (a fit() that raised, and no later
+        # training on its directory) ends its threads; the queue may be kept
+        # as the directory's holder. Never blocks: it may run in any thread.
+        weakref.finalize(training, pools.close, False)
         self._writer = BackgroundWriter()
         self._cancels: list[threading.Event] = []  # Of the saves in flight.
         # The newest save, for a save that replaces it.
         self._last: tuple[threading.Event, PendingWrite] | None = None
-        # Alive while this training holds the thread pools; tells them if
-        # the training is collected unreleased (a fit() that raised, with no
-        # later training on its directory to close it).
-        self._held: weakref.finalize | None = None
 
     def start(self, commit: Commit, save: Any, replaces_last: bool) -> None:
         """Hands `commit(save, previous)` to the writer thread; with
@@ -143,7 +152,7 @@ class SaveQueue:
     def hold(self) -> None:
         """Makes this training the directory's holder, closing an earlier
         one that was not closed (its writes commit, then its lock and its
-        hold on the pools go), and holds the thread pools."""
+        threads go)."""
         earlier = _holders.get(self.identity)
         if earlier is not None and earlier is not self:
             # A fit() that raised (its training may be gone): its writes
@@ -160,15 +169,11 @@ class SaveQueue:
                     training.unlock()
                 earlier.release()
         _holders[self.identity] = self
-        if self._held is None or not self._held.alive:
-            threads.hold()
-            self._held = weakref.finalize(self._training(), threads.collected)
 
     def release(self) -> None:
-        """Gives up the holder's place and the hold on the thread pools (the
-        last training to let go of them closes them). Call once its writes
-        are over (`finish()`)."""
+        """Gives up the holder's place and ends the training's helper
+        threads (a later save starts them again). Call once its writes are
+        over (`finish()`)."""
         if _holders.get(self.identity) is self:
             del _holders[self.identity]
-        if self._held is not None and self._held.detach() is not None:
-            threads.let_go()  # Held until now (not collected meanwhile).
+        self.pools.close()

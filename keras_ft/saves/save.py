@@ -15,6 +15,7 @@ import dataclasses
 import threading
 from typing import Protocol
 
+from keras_ft import threads
 from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.format import Checkpoint
 from keras_ft.errors import NonFiniteStateError, SaveCancelled
@@ -49,6 +50,8 @@ class Save:
             it too).
         replaced: The write of the save it supersedes (`replaces_last`),
             set by the queue.
+        pools: The training's helper threads, that checksum and fsync its
+            files.
     """
 
     snapshot: Snapshot
@@ -57,6 +60,7 @@ class Save:
     direct: bool = False
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
     replaced: PendingWrite | None = None
+    pools: threads.Pools | None = None
 
     def write_files(self, staging: Staging) -> None:
         """Writes the save's files into `staging` (in the writer thread)."""

@@ -92,7 +92,7 @@ class ShardedSaver:
         else:
             # The copies on the device go with the move.
             share = self._moving = threads.submit(
-                threads.mover, self._state.share, source
+                self._queue.pools.mover, self._state.share, source
             )
         self._saves += 1
         tag = f"{self._saves:08d}-{optimizer_step(self._state.model):012d}"
@@ -163,7 +163,9 @@ class ShardedSaver:
         process = self._task.task_index
         if not chief:
             tiered = self._tiers.local is not None
-            self._queue.run(_write_part, parts, process, tag, share, tiered)
+            self._queue.run(
+                _write_part, parts, process, tag, share, tiered, self._queue.pools
+            )
             return None
         gathered = GatheredParts(
             OwnPart(
@@ -208,9 +210,11 @@ class GatheredParts:
 
     def write(self, staging: Staging) -> None:
         own = self.own
+        hasher = staging.pools.hasher if staging.pools is not None else None
         sharded.write_part(
-            self.parts, own.process, own.tag, own.share.result(), staging.cancel
-        )
+            self.parts, own.process, own.tag, own.share.result(), staging.cancel,
+            hasher,
+        )  # fmt: skip
         self.parts.remove_earlier()  # Of saves called off (or killed) before.
         sharded.commit_parts(
             staging, self.parts, self.processes, own.tag, own.specs, own.layouts
@@ -224,6 +228,7 @@ def _write_part(
     tag: str,
     share: Future,
     tiered: bool,
+    pools: threads.Pools,
     previous: PendingWrite | None,
 ) -> None:
     """A process's part of a sharded save, in the writer thread (a process
@@ -232,4 +237,4 @@ def _write_part(
         # The local tier's commit of this save first: the bucket never
         # holds a save some tier lacks.
         previous.join()
-    sharded.write_part(parts, process, tag, share.result())
+    sharded.write_part(parts, process, tag, share.result(), hasher=pools.hasher)

@@ -102,7 +102,10 @@ class ThrowawaySaver(ChiefSaver):
                 previous.join()  # The directory holds one save at a time.
             try:
                 os.makedirs(self._scratch.path, exist_ok=True)
-                save.write_files(Staging(self._scratch.path, save.cancel, sync=False))
+                save.write_files(
+                    Staging(self._scratch.path, save.cancel, sync=False,
+                            pools=save.pools)
+                )  # fmt: skip
             except OSError as e:
                 raise self._tiers.write_failed(e) from e
             finally:

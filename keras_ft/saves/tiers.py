@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from keras_ft import events
+from keras_ft import events, threads
 from keras_ft.backend import cross_process
 from keras_ft.checkpoint.files import ReadProgress, Staging
 from keras_ft.checkpoint.format import METADATA_FILE, Checkpoint
@@ -140,6 +140,7 @@ class TieredStore:
                 previous,
                 lock,
                 self._committed_in(replaced, "bucket"),
+                save.pools,
             )
         committed = self.local.save(
             save.write_files,
@@ -148,6 +149,7 @@ class TieredStore:
             after=previous,
             lock=lock,
             supersedes=self._committed_in(replaced, "local"),
+            pools=save.pools,
         )
         if not save.to_bucket:
             return committed
@@ -159,6 +161,7 @@ class TieredStore:
             None,
             self._lock,
             self._committed_in(replaced, "bucket"),
+            save.pools,
         )
         self._copies[committed.path] = local
         while len(self._copies) > _REMEMBERED:
@@ -173,14 +176,16 @@ class TieredStore:
         after: PendingWrite | None,
         lock: Any,
         supersedes: Checkpoint | None,
+        pools: threads.Pools | None,
     ) -> Checkpoint:
         """Commits one save into the backup's store; with a local tier, the
         tier's note says which checkpoint that is from right before the
         commit (`LocalTier.uploading()`)."""
         if self.tier is None:
             return self.backup.save(
-                write, metadata, cancel, after=after, lock=lock, supersedes=supersedes
-            )
+                write, metadata, cancel, after=after, lock=lock,
+                supersedes=supersedes, pools=pools,
+            )  # fmt: skip
         try:
             committed = self.backup.save(
                 write,
@@ -190,6 +195,7 @@ class TieredStore:
                 lock=lock,
                 supersedes=supersedes,
                 committing=self.tier.uploading,
+                pools=pools,
             )
         except BaseException:
             self.tier.upload_failed()

@@ -23,7 +23,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_ft import events
+from keras_ft import events, threads
 from keras_ft.backend import cross_process
 from keras_ft.checkpoint import files as file_io
 from keras_ft.checkpoint.files import ReadProgress
@@ -130,7 +130,10 @@ class TrainingState:
 
     def __init__(self, model: keras.Model):
         self.model = model
-        self._weights = WeightsLayout(model)
+        # The helper threads of its copies and of its saves' writes, closed
+        # by the training's writer once its writes are over.
+        self.pools = threads.Pools()
+        self._weights = WeightsLayout(model, self.pools)
         self._share: sharded.Share | None = None  # The last sharded copy.
         # Whether a sharded copy takes every piece this process holds, not
         # only those it writes into a shared save (for a save of its own).

@@ -101,6 +101,7 @@ class CopyBuffer:
         slots: Where each value lies, in the order `capture()` is given
             the values.
         names: The values' dataset paths, for `non_finite`.
+        pools: The threads that help with a copy and check it.
     """
 
     def __init__(
@@ -109,8 +110,10 @@ class CopyBuffer:
         gaps: list[tuple[int, bytes]],
         slots: list[Slot],
         names: list[str],
+        pools: threads.Pools,
     ):
         self.size = size
+        self._pools = pools
         self._gaps, self._slots, self._names = gaps, slots, names
         self._image: mmap.mmap | None = None
         # How a capture copies the values into the image (`_copy_batches()`).
@@ -268,7 +271,7 @@ class CopyBuffer:
                 previous.wait()
             for ready, pieces, split in batches:
                 check = not check_later
-                helper = threads.copy_helper() if 0 < split < len(pieces) else None
+                helper = self._pools.copy_helper() if 0 < split < len(pieces) else None
                 if helper is not None:
                     second = helper.submit(_copy_pieces, values, pieces[split:], check)
                     bad.update(_copy_pieces(values, pieces[:split], check))
@@ -281,7 +284,8 @@ class CopyBuffer:
             filled.abandon(e)
             raise
         if check_later:
-            threads.submit(threads.checker, self._check, batches, filled, non_finite)
+            checker = self._pools.checker
+            threads.submit(checker, self._check, batches, filled, non_finite)
         else:
             self._finish(filled, non_finite, bad)
 
@@ -318,7 +322,9 @@ class CopyBuffer:
         order, views, ends = self._move_order
         moved = Watermark(self.size)
         batches = self._copy_batches
-        threads.submit(threads.checker, self._check, batches, filled, non_finite, moved)
+        threads.submit(
+            self._pools.checker, self._check, batches, filled, non_finite, moved
+        )
         try:
             if previous is not None:
                 previous.wait()

@@ -41,7 +41,7 @@ import keras
 import ml_dtypes
 import numpy as np
 
-from keras_ft import compat
+from keras_ft import compat, threads
 from keras_ft.backend import device_memory, finiteness, host_memory
 from keras_ft.checkpoint import files as file_io
 from keras_ft.state import hdf5
@@ -88,10 +88,13 @@ class WeightsLayout:
 
     Args:
         model: The `keras.Model` whose weights to capture.
+        pools: The helper threads of its copies. Defaults to `None`: its
+            own.
     """
 
-    def __init__(self, model: keras.Model):
+    def __init__(self, model: keras.Model, pools: threads.Pools | None = None):
         self.model = model
+        self._pools = pools or threads.Pools()
         self._fingerprint: tuple | None = None
         self._fast = False  # Laid out by Keras' own walk (not the fallback).
         self._groups: list[_Group] = []
@@ -233,7 +236,11 @@ class WeightsLayout:
     def _copy_buffer(self) -> CopyBuffer:
         if self._buffer is None:
             self._buffer = CopyBuffer(
-                self._size, self._gaps, self._data_slots(), self.dataset_names()
+                self._size,
+                self._gaps,
+                self._data_slots(),
+                self.dataset_names(),
+                self._pools,
             )
         return self._buffer
 
