@@ -18,9 +18,32 @@ import tempfile
 import threading
 import time
 
-import keras
-import numpy as np
-import pytest
+
+def _share_jax_compilations() -> None:
+    """JAX compiles the same small programs again in each of the suite's
+    hundreds of processes (a train step, keras-ft's copies): its persistent
+    cache, keyed by the program, compiles each once per pytest process and
+    the subprocesses it starts (they inherit the environment). Only the
+    suite's speed changes: a cached executable is the compiled program.
+    A size bound turns on JAX's lock around each entry's read and write, so
+    no process reads one that another is writing."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return  # A test's own subprocess, or the caller's choice.
+    where = tempfile.mkdtemp(prefix="keras-ft-tests-jax-cache-")
+    atexit.register(shutil.rmtree, where, ignore_errors=True)
+    os.environ.update({
+        "JAX_COMPILATION_CACHE_DIR": where,
+        "JAX_COMPILATION_CACHE_MAX_SIZE": str(2**31),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    })  # fmt: skip
+
+
+_share_jax_compilations()  # Before JAX is imported (by Keras).
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 TRAIN_SCRIPT = os.path.join(TESTS_DIR, "train_script.py")
