@@ -50,15 +50,17 @@ lint: venv
 	$(VENV)/bin/ruff check keras_ft tests benchmarks examples
 	$(VENV)/bin/ruff format --check keras_ft tests benchmarks examples
 
-# One pytest process per backend (Keras fixes its backend at import time),
-# LANES at a time: each keeps about one core busy (see .ci/suites). Each
-# backend's log is printed whole when it ends, and the failures again at the
-# end, so the tail of the output says what failed. EXTRA_JOBS=compat runs
-# test-compat in a lane too (CI does).
+# Each backend's test files in PARTS pytest processes of about equal time
+# (Keras fixes its backend at import time), LANES at a time, the longest
+# first: each keeps about one core busy (see .ci/suites). Each process's log
+# is printed whole when it ends, and the failures again at the end, so the
+# tail of the output says what failed. EXTRA_JOBS=compat runs test-compat in
+# a lane too (CI does). PARTS=1 where PYTEST_ARGS names test files.
 LANES ?= 2
+PARTS ?= 3
 EXTRA_JOBS ?=
 test: venv lint slurm
-	PY=$(PY) JOBS="$(BACKENDS) $(EXTRA_JOBS)" LANES=$(LANES) \
+	PY=$(PY) JOBS="$(BACKENDS) $(EXTRA_JOBS)" LANES=$(LANES) PARTS=$(PARTS) \
 		PYTEST_ARGS="$(PYTEST_ARGS)" bash .ci/suites
 
 # The core subset on the oldest Keras pyproject.toml declares and on
