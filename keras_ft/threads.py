@@ -357,9 +357,8 @@ def remove_in_background(path: str, discard: bool = False) -> None:
     """Removes the directory `path` in a thread nobody in `fit()` waits for:
     a deleted checkpoint, or with `discard` a finished backup's checkpoints
     (`wait_for_discards()`)."""
-    thread = threading.Thread(
-        target=_remove, args=(path,), name="keras-ft-remover", daemon=False
-    )
+    name = "keras-ft-discard" if discard else "keras-ft-remover"
+    thread = threading.Thread(target=_remove, args=(path,), name=name, daemon=False)
     with _removals_lock:  # Started and listed at once (`_wait()` joins it).
         try:
             thread.start()
