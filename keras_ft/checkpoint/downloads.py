@@ -94,8 +94,7 @@ class LocalCopies:
             downloading.close()  # None goes on writing into what is removed.
             self.release(local)
             raise
-        finally:
-            downloading.close()
+        downloading.close()  # Every download is in: its threads end.
         return local
 
     def reader(self, local: Checkpoint) -> LocalReader:
