@@ -12,7 +12,7 @@ from typing import Any
 
 import keras
 
-from keras_ft import compat, events
+from keras_ft import compat, events, holdings
 from keras_ft.checkpoint.store import CheckpointStore
 from keras_ft.distribute.cluster import TaskSpec
 from keras_ft.distribute.launch import (
@@ -26,19 +26,15 @@ from keras_ft.training.goodput import GoodputRecorder
 from keras_ft.training.preemption import interactive
 from keras_ft.worker_training_state import WorkerTrainingState
 
-# How many fit() calls of this process have opened each backup dir: a
-# script's fits sharing one are told apart by number (`fit_number()`). It
-# outlives a fit() on purpose, for the next one; an entry is a few bytes.
-# Not in a notebook, whose cells run again in any order: there, a fit()
-# resumes the newest backup, whichever cell wrote it.
-_fits_opened: dict[str, int] = {}
-
 
 def fit_number(backup_dir: str) -> int:
     """The number of the fit() now opening `backup_dir` in this process
-    (1 for the first), counting those before it."""
-    number = _fits_opened.get(backup_dir, 0) + 1
-    _fits_opened[backup_dir] = number
+    (1 for the first), counting those before it: a script's fits sharing one
+    are told apart by number. Not in a notebook, whose cells run again in
+    any order: there, a fit() resumes the newest backup, whichever cell
+    wrote it."""
+    number = (holdings.get("fits", backup_dir) or 0) + 1
+    holdings.put("fits", backup_dir, number)
     return number
 
 

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from keras_ft import holdings
+
 
 class Cancelled(Exception):
     """Work called off before it was done: it has no result and no error.
@@ -344,51 +346,49 @@ def _settle(
         done.set_exception(e)
 
 
-# Directories being removed in the background, each in a thread of its own,
-# with whether it is a whole finished backup (a discard): fit() and a save
-# never wait for the disk; the interpreter does, at exit (the threads are not
-# daemons). Process-wide because a removal outlives the fit() that began it;
-# a kill leaves `.trash-*` entries that the store clears at the next start.
-_removals: dict[threading.Thread, tuple[str, bool]] = {}
-_removals_lock = threading.Lock()
-
-
 def remove_in_background(path: str, discard: bool = False) -> None:
     """Removes the directory `path` in a thread nobody in `fit()` waits for:
     a deleted checkpoint, or with `discard` a finished backup's checkpoints
-    (`wait_for_discards()`)."""
+    (`wait_for_discards()`).
+
+    fit() and a save never wait for the disk; the interpreter does, at exit
+    (the threads are not daemons). The removal outlives the fit() that began
+    it, so this process holds it (`holdings`); a kill leaves `.trash-*`
+    entries that the store clears at its next start.
+    """
     name = "keras-ft-discard" if discard else "keras-ft-remover"
-    thread = threading.Thread(target=_remove, args=(path,), name=name, daemon=False)
-    with _removals_lock:  # Started and listed at once (`_wait()` joins it).
-        try:
-            thread.start()
-        except RuntimeError:  # At exit: no new thread; removed below.
-            thread = None
-        else:
-            _removals[thread] = (path, discard)
-    if thread is None:
+    listed = threading.Event()
+    thread = threading.Thread(
+        target=_remove, args=(path, listed), name=name, daemon=False
+    )
+    try:
+        thread.start()
+    except RuntimeError:  # At exit: no new thread.
         shutil.rmtree(path, ignore_errors=True)
+        return
+    holdings.put("removal", path, (thread, discard))
+    listed.set()
 
 
-def _remove(path: str) -> None:
+def _remove(path: str, listed: threading.Event) -> None:
     try:
         shutil.rmtree(path, ignore_errors=True)
     finally:
-        with _removals_lock:
-            _removals.pop(threading.current_thread(), None)
+        listed.wait()  # Listed once started, so that it is let go after.
+        entry = holdings.get("removal", path)
+        if entry is not None and entry[0] is threading.current_thread():
+            holdings.pop("removal", path, entry)
 
 
 def pending_removals() -> set[str]:
     """The finished backups' directories being removed now, in this process."""
-    with _removals_lock:
-        return {path for path, discard in _removals.values() if discard}
+    return {p for p, (_, discard) in holdings.of_kind("removal").items() if discard}
 
 
 def _wait(discards: bool) -> None:
-    with _removals_lock:
-        pending = [t for t, (_, d) in _removals.items() if d == discards]
-    for thread in pending:
-        thread.join()
+    for thread, discard in holdings.of_kind("removal").values():
+        if discard == discards:
+            thread.join()
 
 
 def wait_for_discards() -> None:

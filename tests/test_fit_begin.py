@@ -23,7 +23,7 @@ from conftest import (
 )
 
 import keras_ft
-from keras_ft import fit_begin
+from keras_ft import fit_begin, holdings
 
 STEPS = -(-SAMPLES // 32)  # Batches of conftest's data at fit()'s batch size.
 
@@ -102,7 +102,7 @@ def test_a_later_fits_backup_ends_an_earlier_fit_but_not_in_a_notebook(
     with pytest.raises(RuntimeError, match="crash"):
         fit(Crash())  # Fit #2 leaves its backup of 2 epochs.
     keras_ft.wait_for_backups()
-    monkeypatch.setattr(fit_begin, "_fits_opened", {})  # A new process.
+    holdings.forget("fits")  # A new process.
     monkeypatch.setattr(fit_begin, "interactive", lambda: notebook)
     model = fit()
     if notebook:  # Resumed: the third epoch trained, the backup done with.

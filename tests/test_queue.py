@@ -14,9 +14,9 @@ import pytest
 from conftest import make_model, run_once_on
 
 import keras_ft
+from keras_ft import holdings
 from keras_ft.checkpoint.format import Checkpoint
 from keras_ft.errors import CheckpointWriteError
-from keras_ft.saves import queue as queue_module
 from keras_ft.saves.queue import SaveQueue
 from keras_ft.saves.save import Save
 
@@ -118,11 +118,11 @@ def test_a_later_training_closes_the_earlier_one_on_its_directory():
     with pytest.warns(UserWarning, match="earlier fit\\(\\) failed.*No space left"):
         second.hold()
     assert earlier.calls == ["wait", "unlock"] and later.calls == []
-    assert queue_module._holders[where] is second
+    assert holdings.get("writer", where) is second
     first.release()  # No longer the holder: changes nothing.
-    assert queue_module._holders[where] is second
+    assert holdings.get("writer", where) is second
     second.release()
-    assert where not in queue_module._holders
+    assert holdings.get("writer", where) is None
 
 
 @ONCE
@@ -132,7 +132,7 @@ def test_a_later_training_waits_for_the_writes_of_one_that_is_gone():
     where = directory()
     first = SaveQueue(where, True, Training())
     first._training = lambda: None  # The training object is gone.
-    queue_module._holders[where] = first
+    holdings.put("writer", where, first)
     seen: list = []
     hold = threading.Event()
     start(first, 1, seen, hold)
@@ -141,7 +141,7 @@ def test_a_later_training_waits_for_the_writes_of_one_that_is_gone():
     second = SaveQueue(where, True, later)
     second.hold()
     assert [s for s, _, _ in seen] == [1]  # Committed before the hold.
-    assert queue_module._holders[where] is second
+    assert holdings.get("writer", where) is second
     second.release()
 
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 
 import fsspec
@@ -189,13 +192,17 @@ _WRITER = textwrap.dedent(
 )
 
 
-def start_writer(tmp_path, backup, pause, epochs, tmpdir=None) -> subprocess.Popen:
+def start_writer(
+    tmp_path, backup, pause, epochs, tmpdir=None, endpoint=None
+) -> subprocess.Popen:
     script = tmp_path / "writer.py"
     script.write_text(_WRITER)
     env = subprocess_env()
     env.update({k: os.environ[k] for k in os.environ if k.startswith("AWS_")})
     if tmpdir is not None:
         env["TMPDIR"] = str(tmpdir)  # Another machine: nothing local carried over.
+    if endpoint is not None:
+        env["AWS_ENDPOINT_URL"] = endpoint
     return subprocess.Popen(
         [sys.executable, str(script), backup, str(pause), str(epochs)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -210,6 +217,48 @@ def listing(backup: str) -> dict[str, set[str]]:
         if parts[-2].startswith("ckpt-"):
             found.setdefault(parts[-2], set()).add(parts[-1])
     return found
+
+
+class SlowRelay:
+    """A TCP relay on loopback in front of the S3 server. Once `slow` is set,
+    what clients send goes on in pieces of `piece` bytes, `pause` seconds
+    apart: an upload of a checkpoint lasts seconds, long enough for a kill to
+    land inside it however loaded the machine is."""
+
+    def __init__(self, port: int, pause: float = 0.25, piece: int = 64 * 1024):
+        self.target, self.pause, self.piece = port, pause, piece
+        self.slow = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # Closed.
+                return
+            server = socket.create_connection(("127.0.0.1", self.target))
+            for source, sink, slowed in (
+                (client, server, True),
+                (server, client, False),
+            ):
+                threading.Thread(
+                    target=self._pass, args=(source, sink, slowed), daemon=True
+                ).start()
+
+    def _pass(self, source: socket.socket, sink: socket.socket, slowed: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(self.piece):
+                if slowed and self.slow.is_set():
+                    time.sleep(self.pause)
+                sink.sendall(data)
+        for end in (source, sink):  # One side gone: the connection is over.
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.listener.close()
 
 
 @ONCE
@@ -230,28 +279,33 @@ def test_sigkill_during_an_upload_resumes_from_the_previous_commit(s3_server, tm
 
     host = tmp_path / "host"  # The killed writer's local disk.
     host.mkdir()
-    # Each attempt kills at most once; on a loaded machine the upload seen may
-    # finish before the kill lands, so allow for a few misses.
-    for _ in range(16):
-        backup = url("kill")
-        writer = start_writer(tmp_path, backup, 0.0, 50, tmpdir=host)
+    # The writer reaches the bucket through a relay that, after its third
+    # commit, slows what it sends: the next checkpoint's small files arrive,
+    # its weights take seconds, and the kill lands in between.
+    relay = SlowRelay(int(s3_server["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
+    backup = url("kill")
+    writer = start_writer(
+        tmp_path, backup, 0.0, 50, tmpdir=host, endpoint=relay.endpoint
+    )
+    try:
         commits = 0
         for line in writer.stdout:
             commits += line.startswith("COMMIT")
             if commits == 3:
                 break
-        # Saves follow each other without a pause: kill as soon as the bucket
-        # shows one being uploaded (files, no manifest yet).
-        deadline = time.monotonic() + 30
+        relay.slow.set()
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not uploading(listing(backup)):
-            pass
+            time.sleep(0.05)
         writer.send_signal(signal.SIGKILL)
         writer.wait(timeout=60)
-        found = listing(backup)
-        partial = uploading(found)
-        if partial:
-            break
-    assert partial, "no kill landed during an upload in 16 attempts"
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+        relay.close()
+    found = listing(backup)
+    partial = uploading(found)
+    assert partial, "the kill did not land during an upload"
     committed = max(n for n, files in found.items() if "manifest.json" in files)
     expected_step = json.loads(
         s3().cat_file(f"{backup[5:]}/chief/{committed}/metadata.json")

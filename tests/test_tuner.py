@@ -138,3 +138,12 @@ def test_each_execution_of_a_trial_has_its_own_backup():
     assert tuner.trial_backup_dir("/b", [first]).endswith("trial_2/execution_0")
     assert tuner.trial_backup_dir("/b", [second]).endswith("trial_2/execution_1")
     assert tuner.trial_backup_dir("/b", [first]).endswith("trial_2/execution_0")
+
+
+def test_a_search_run_again_numbers_its_executions_anew():
+    # The same trial id from a new search (new trial objects, in the same
+    # process: a notebook cell run again) starts again at execution 0.
+    first = _tuner_callback(_Trial("4"), 2)
+    assert tuner.trial_backup_dir("/b", [first]).endswith("trial_4/execution_0")
+    again = _tuner_callback(_Trial("4"), 2)
+    assert tuner.trial_backup_dir("/b", [again]).endswith("trial_4/execution_0")

@@ -7,7 +7,6 @@ the rest of keras-ft is backend-agnostic.
 - `device_memory`: snapshots on the accelerator and their move to the host.
 - `finiteness`: whether a state holds a NaN or an infinity.
 - `cross_process`: variables split across processes, and agreeing on values.
-- `jit_cache`: the compiled executables the others reuse.
 
 Callers import the module of the concern they need.
 """

@@ -15,7 +15,7 @@ import keras
 import numpy as np
 
 from keras_ft.backend import host_memory
-from keras_ft.backend.jit_cache import compiled
+from keras_ft.once import made_once
 
 # Snapshots on the device: what a save holds training up for on an accelerator.
 #
@@ -372,7 +372,7 @@ def _jax_copy() -> Callable[[list], list]:
         # its outputs never alias its inputs (nothing is donated).
         return jax.jit(lambda xs: [jnp.copy(x) for x in xs])
 
-    return compiled("jax copy", make)
+    return made_once("jax copy", make)
 
 
 def shard_shape(value: Any) -> tuple[int, ...]:
@@ -394,7 +394,7 @@ def _tf_copy() -> Callable[[list], list]:
             lambda xs: [tf.identity(x) for x in xs], reduce_retracing=True
         )
 
-    return compiled("tensorflow copy", make)
+    return made_once("tensorflow copy", make)
 
 
 def device_free_bytes(value: Any) -> int | None:

@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from keras_ft.backend import device_memory
-from keras_ft.backend.jit_cache import compiled
+from keras_ft.once import made_once
 
 
 def non_finite_pieces(copies: list) -> set[int]:
@@ -55,7 +55,7 @@ def _jax_finite_each() -> Callable[[list], Any]:
 
         return jax.jit(lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs]))
 
-    return compiled("jax_finite_each", make)
+    return made_once("jax_finite_each", make)
 
 
 def device_all_finite(values: list) -> bool:
@@ -125,7 +125,7 @@ def _jax_all_finite() -> Callable[[list], Any]:
             lambda xs: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in xs]))
         )
 
-    return compiled("jax_finite", make)
+    return made_once("jax_finite", make)
 
 
 def _tf_all_finite() -> Callable[[list], Any]:
@@ -139,7 +139,7 @@ def _tf_all_finite() -> Callable[[list], Any]:
             reduce_retracing=True,
         )
 
-    return compiled("tensorflow_finite", make)
+    return made_once("tensorflow_finite", make)
 
 
 def all_finite(array: np.ndarray) -> bool:

@@ -20,10 +20,9 @@ import secrets
 import socket
 import threading
 import time
-import weakref
 from typing import TYPE_CHECKING, Any
 
-from keras_ft import events, threads
+from keras_ft import events, holdings, threads
 from keras_ft.checkpoint.transfers import Refused
 from keras_ft.errors import DirectoryInUseError, LeaseLapsedError
 
@@ -36,11 +35,6 @@ LEASE_SECONDS_ENV = "KERAS_FT_LEASE_SECONDS"
 _CONDITIONAL = ("s3", "s3a")
 # One process's memory: no other writer to race with.
 _LOCAL_ONLY = ("memory",)
-# The lease each prefix has in this process, if any. A fit() that raised
-# keeps its lease, as it keeps a flock, until a later fit() here takes it:
-# that one stops the earlier heartbeat, which would otherwise write the
-# lease again for as long as the process lives (a notebook's kernel).
-_HELD: weakref.WeakValueDictionary[str, RemoteLease] = weakref.WeakValueDictionary()
 
 
 class RemoteLease:
@@ -56,7 +50,7 @@ class RemoteLease:
         self.fs = store.fs
         self.directory = store.location
         self.key = f"{store.root}/{LEASE_FILE}"
-        # Its name in this process's `_HELD`: the same path on another
+        # Its name among what this process holds: the same path on another
         # server is another lease.
         self._ident = f"{store.identity}/{LEASE_FILE}"
         self.seconds = (
@@ -116,7 +110,10 @@ class RemoteLease:
         held = self._read()
         if held is not None and not self._expired(held):
             raise self._in_use(held)
-        earlier = _HELD.get(self._ident)
+        # A fit() that raised keeps its lease, as it keeps a flock, until a
+        # later fit() here takes it: that one stops the earlier heartbeat,
+        # which would otherwise beat for as long as the process lives.
+        earlier = holdings.get("lease", self._ident)
         if earlier is not None and earlier is not self:
             earlier._yield_to_this_process()
         self._token, self._taken = secrets.token_hex(8), None
@@ -139,7 +136,7 @@ class RemoteLease:
         self._renewed, self._failure = time.monotonic(), None
         self._stop.clear()
         self._beating = threads.start_daemon(self._heartbeat, "keras-ft-lease")
-        _HELD[self._ident] = self
+        holdings.put("lease", self._ident, self)
         events.log("lease", f"took the lease on {self.directory}")
 
     def _yield_to_this_process(self) -> None:
@@ -228,8 +225,7 @@ class RemoteLease:
         """Gives the lease back: its object is removed if it is still ours."""
         self._stop_beating()
         token, self._token = self._token, None
-        if _HELD.get(self._ident) is self:
-            del _HELD[self._ident]
+        holdings.pop("lease", self._ident, self)
         if token is None:
             return
         try:

@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import IO
 
-from keras_ft import threads
+from keras_ft import holdings, threads
 from keras_ft.checkpoint import files as file_io
 from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.format import (
@@ -488,17 +488,11 @@ def _rename(directory: str, old: str, new: str) -> None:
         )
 
 
-# The big files this process wrote, per directory (its real path). Shared on
-# purpose by every store of a directory in this process: a second fit() (a
-# notebook cell run again) recycles what the first one wrote. A handful of
-# directories per process, each bounded (`WrittenFiles`).
-_WRITTEN: dict[str, file_io.WrittenFiles] = {}
-_WRITTEN_LOCK = threading.Lock()
-
-
 def _written_files(identity: str) -> file_io.WrittenFiles:
-    with _WRITTEN_LOCK:
-        return _WRITTEN.setdefault(identity, file_io.WrittenFiles())
+    # Shared on purpose by every store of a directory in this process: a
+    # second fit() (a notebook cell run again) recycles what the first one
+    # wrote. A handful of directories per process, each bounded.
+    return holdings.setdefault("written", identity, file_io.WrittenFiles)
 
 
 def _write_temporary(directory: int, name: str, data: bytes) -> str:

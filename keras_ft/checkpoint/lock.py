@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 
+from keras_ft import holdings
 from keras_ft.checkpoint.files import CHIEF_FILE, open_regular
 from keras_ft.errors import DirectoryInUseError
 
@@ -25,11 +26,6 @@ except ImportError:  # Windows: `import keras_ft` works, a backup does not.
 LOCK_FILE = ".lock"
 
 __all__ = ["LOCK_FILE", "DirectoryInUseError", "DirectoryLock", "check_platform"]
-
-# Locks this process holds, by path: a fit() that raised never reached train
-# end, and the next fit() in the same process (a notebook cell run again)
-# takes its lock over instead of reporting itself as another writer.
-_held: dict[str, DirectoryLock] = {}
 
 
 def check_platform() -> None:
@@ -75,9 +71,11 @@ class DirectoryLock:
                 the lock file is not a regular file (a backup directory is
                 untrusted input: keras-ft follows no link in it).
         """
-        key = os.path.realpath(self.path)
-        if key in _held:
-            _held[key].release()
+        # A fit() that raised never reached train end: the next fit() in
+        # this process (a notebook cell run again) takes its lock over.
+        earlier = holdings.get("lock", os.path.realpath(self.path))
+        if earlier is not None:
+            earlier.release()
         os.makedirs(self.directory, exist_ok=True)
         if os.path.islink(self.directory):
             raise ValueError(
@@ -107,7 +105,7 @@ class DirectoryLock:
         finally:
             os.close(note)
         self._fd = fd
-        _held[key] = self
+        holdings.put("lock", os.path.realpath(self.path), self)
 
     def check(self) -> None:
         """Nothing to check: the kernel holds a `flock` until the process
@@ -127,7 +125,7 @@ class DirectoryLock:
                     return
                 self.release(remove=True)
             return
-        _held.pop(os.path.realpath(self.path), None)
+        holdings.pop("lock", os.path.realpath(self.path), self)
         if remove:
             # Unlink while still holding it, so no one locks a doomed file.
             with contextlib.suppress(FileNotFoundError):
@@ -141,12 +139,11 @@ def _close_in_child() -> None:
     # of every descriptor, and a flock lasts while any copy is open: a child
     # that outlives the fit() (Keras' workers do when fit() raises) would
     # keep the directory locked against the next fit(), or the restart.
-    for lock in list(_held.values()):
+    for lock in holdings.forget("lock").values():
         if lock._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(lock._fd)
             lock._fd = None
-    _held.clear()
 
 
 if hasattr(os, "register_at_fork"):

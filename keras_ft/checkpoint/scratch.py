@@ -23,9 +23,8 @@ import os
 import shutil
 import stat
 import tempfile
-import threading
 
-from keras_ft import events
+from keras_ft import events, holdings
 
 try:
     import fcntl
@@ -36,12 +35,6 @@ PREFIX = "keras-ft-"
 LOCK_SUFFIX = ".lock"
 
 __all__ = ["make", "remove", "reap"]
-
-# The lock descriptor of each directory this process made, by path: the
-# process's, not a training's (a directory is held until removed, and its
-# lock goes with the process, which is how the next process knows it died).
-_owned: dict[str, int] = {}
-_owned_lock = threading.Lock()
 
 
 def make(kind: str) -> str:
@@ -75,8 +68,9 @@ def make(kind: str) -> str:
         except FileExistsError:  # A dead lock's directory, not reaped yet.
             os.close(fd)
             continue
-        with _owned_lock:
-            _owned[path] = fd
+        # The process's, not a training's: held until the directory is
+        # removed, and dropped with the process (how the next one knows).
+        holdings.put("scratch", path, fd)
         return path
 
 
@@ -84,8 +78,7 @@ def remove(path: str) -> None:
     """Removes a directory from `make()` and its lock; ignores errors, as a
     clean-up after a failure must not raise over it."""
     shutil.rmtree(path, ignore_errors=True)
-    with _owned_lock:
-        fd = _owned.pop(path, None)
+    fd = holdings.pop("scratch", path)
     with contextlib.suppress(OSError):
         os.remove(path + LOCK_SUFFIX)
     if fd is not None:
@@ -140,10 +133,9 @@ def reap(directory: str | None = None) -> list[str]:
 
 
 def _close_in_child() -> None:
-    for fd in _owned.values():
+    for fd in holdings.forget("scratch").values():  # The parent's to remove.
         with contextlib.suppress(OSError):
             os.close(fd)
-    _owned.clear()  # The parent's to remove, not ours.
 
 
 if hasattr(os, "register_at_fork"):

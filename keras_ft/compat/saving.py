@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from keras_ft.compat.registry import register, usable
+from keras_ft.once import made_once
 
 _SAVE_PARAMETERS = ["weights_store", "assets_store", "inner_path", "visited_saveables"]
 _LOAD_PARAMETERS = ["visited_saveables", "failed_saveables", "error_msgs"]
@@ -116,18 +117,14 @@ def _skipsets_cached() -> Iterator[None]:
     from keras.src.saving import saving_lib
 
     original = saving_lib.get_attr_skipset
-    saving_lib.get_attr_skipset = _cached_skipset(original)
+    # Cached for the process: the skip sets depend only on the object type.
+    saving_lib.get_attr_skipset = made_once(
+        f"keras get_attr_skipset {id(original)}", lambda: functools.cache(original)
+    )
     try:
         yield
     finally:
         saving_lib.get_attr_skipset = original
-
-
-# One cached walk per Keras function for the process: the skip sets depend
-# only on the object type.
-@functools.cache
-def _cached_skipset(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    return functools.cache(original)
 
 
 try:  # The store class `_save_state` and `_load_state` accept.

@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from keras_ft import events, threads
+from keras_ft import events, holdings, threads
 from keras_ft.checkpoint.format import Checkpoint
 from keras_ft.errors import CheckpointWriteError, NonFiniteStateError
 from keras_ft.threads import (
@@ -24,13 +24,6 @@ from keras_ft.threads import (
     wait_for_discards,
     wait_for_removals,
 )
-
-# The queue of the training of this process that holds each chief
-# directory's lock. It outlives a fit() on purpose:
-# Keras calls no `on_train_end` for a fit() that raised, and the next
-# training on the same directory must first wait for that fit's writes
-# (held here even if the training object is gone), then release it.
-_holders: dict[str, SaveQueue] = {}
 
 # A commit handed to the writer: `commit(save, previous)`, with the save (a
 # `saves.chief.Save`: its `cancel` event calls it off, its `replaced` is the
@@ -53,7 +46,7 @@ def wait_for_backups() -> None:
     Raises:
         keras_ft.CheckpointWriteError: if one of those writes failed.
     """
-    for queue in list(_holders.values()):
+    for queue in holdings.of_kind("writer").values():
         queue.wait()
     wait_for_removals()
     wait_for_discards()
@@ -153,7 +146,10 @@ class SaveQueue:
         """Makes this training the directory's holder, closing an earlier
         one that was not closed (its writes commit, then its lock and its
         threads go)."""
-        earlier = _holders.get(self.identity)
+        # Keras calls no `on_train_end` for a fit() that raised: its writer
+        # stays the directory's (even with its training gone) until this one
+        # has waited for its writes and closed it.
+        earlier = holdings.get("writer", self.identity)
         if earlier is not None and earlier is not self:
             # A fit() that raised (its training may be gone): its writes
             # commit first, and it lets go.
@@ -168,12 +164,11 @@ class SaveQueue:
                 if training is not None:
                     training.unlock()
                 earlier.release()
-        _holders[self.identity] = self
+        holdings.put("writer", self.identity, self)
 
     def release(self) -> None:
         """Gives up the holder's place and ends the training's helper
         threads (a later save starts them again). Call once its writes are
         over (`finish()`)."""
-        if _holders.get(self.identity) is self:
-            del _holders[self.identity]
+        holdings.pop("writer", self.identity, self)
         self.pools.close()

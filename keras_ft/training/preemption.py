@@ -33,7 +33,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from keras_ft import compat, events, threads
-from keras_ft.training.watchdog import SignalSentinel, forget_in_child
+from keras_ft.training.watchdog import (
+    SignalSentinel,
+    forget_in_child,
+    hold_back,
+    let_through,
+)
 
 
 def parse_signals(value: Iterable[Any] | None) -> tuple[signal.Signals, ...]:
@@ -314,7 +319,6 @@ def _remove_stale_watchers(signum: signal.Signals, frame: Any) -> None:
 # the child before it has stepped aside (a loaded machine may take
 # milliseconds to run the child at all); the child then receives it as it
 # would have without keras-ft.
-_fork = threading.local()
 
 
 def _watched_signals() -> set[signal.Signals]:
@@ -327,14 +331,7 @@ def _watched_signals() -> set[signal.Signals]:
 
 
 def _before_fork() -> None:
-    watched = _watched_signals()
-    _fork.mask = signal.pthread_sigmask(signal.SIG_BLOCK, watched) if watched else None
-
-
-def _after_fork_in_parent() -> None:
-    mask, _fork.mask = getattr(_fork, "mask", None), None
-    if mask is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    hold_back(_watched_signals())
 
 
 def _after_fork_in_child() -> None:
@@ -345,7 +342,7 @@ def _after_fork_in_child() -> None:
         with contextlib.suppress(ValueError, OSError, TypeError):
             signal.signal(signum, handler)
     forget_in_child()
-    _after_fork_in_parent()  # Lets what was held back arrive, as it now would.
+    let_through()  # What was held back arrives, as it now would.
 
 
 def _is_watcher(handler: Any) -> bool:
@@ -357,7 +354,7 @@ def _is_watcher(handler: Any) -> bool:
 if hasattr(os, "register_at_fork") and hasattr(signal, "pthread_sigmask"):
     os.register_at_fork(
         before=_before_fork,
-        after_in_parent=_after_fork_in_parent,
+        after_in_parent=let_through,
         after_in_child=_after_fork_in_child,
     )
 

@@ -21,11 +21,9 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+from keras_ft import holdings
 from keras_ft.checkpoint.format import join_location
 
-# The tuner callbacks seen for each trial in this process, in order: the
-# n-th `fit()` of a trial is its n-th execution. Entries go with the trial.
-_executions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SAFE_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
@@ -40,11 +38,25 @@ def trial_backup_dir(backup_dir: str, callbacks: Iterable[Any]) -> str:
         trial_id = hashlib.sha1(trial_id.encode()).hexdigest()[:16]
     parts = [f"trial_{trial_id}"]
     if int(getattr(tuner, "executions_per_trial", 1) or 1) > 1:
-        seen = _executions.setdefault(trial, [])
-        if id(callback) not in seen:
-            seen.append(id(callback))
-        parts.append(f"execution_{seen.index(id(callback))}")
+        number = _execution(join_location(backup_dir, *parts), trial, callback)
+        parts.append(f"execution_{number}")
     return join_location(backup_dir, *parts)
+
+
+def _execution(trial_dir: str, trial: Any, callback: Any) -> int:
+    """The trial's n-th `fit()` in this process is its n-th execution, told
+    apart by the tuner's callback (one per execution). Held by weak
+    references: a search run again (new trial objects of the same ids)
+    counts anew, and a callback gone is never mistaken for a new one."""
+    seen = holdings.get("executions", trial_dir)
+    if seen is None or seen[0]() is not trial:
+        seen = [weakref.ref(trial)]
+        holdings.put("executions", trial_dir, seen)
+    for number, ref in enumerate(seen[1:]):
+        if ref() is callback:
+            return number
+    seen.append(weakref.ref(callback))
+    return len(seen) - 2
 
 
 def _tuner_callback(callbacks: Iterable[Any]) -> tuple[Any, Any, Any] | None:

@@ -79,13 +79,16 @@ class SignalSentinel:
 
 class _WakeupReader:
     """The process's one reader of the interpreter's wakeup descriptor (a
-    pipe and a daemon thread blocked reading it), and the sentinels it
-    reports each signal to (see `SignalSentinel`)."""
+    pipe and a daemon thread blocked reading it), the sentinels it reports
+    each signal to (see `SignalSentinel`), and the signals a forking thread
+    holds back (`hold_back()`)."""
 
     def __init__(self) -> None:
         self.sentinels: set[SignalSentinel] = set()
         self.lock = threading.Lock()
         self.write_fd: int | None = None  # The pipe's end signals are written to.
+        # The forking thread's signal mask before `hold_back()`, if any.
+        self.forking = threading.local()
 
     def add(self, sentinel: SignalSentinel) -> bool:
         """Reports to `sentinel` from now on, if the wakeup descriptor is (or
@@ -138,9 +141,24 @@ class _WakeupReader:
                             traceback.print_exc()
 
 
-# Process-wide: the interpreter has one wakeup descriptor per process, so its
-# reader (a thread) outlives every fit(), reused on purpose by the next.
+# Process-wide: the interpreter has one wakeup descriptor and one signal
+# disposition per process, so its reader (a thread) outlives every fit(),
+# reused on purpose by the next.
 _wakeups = _WakeupReader()
+
+
+def hold_back(signals: set[signal.Signals]) -> None:
+    """Blocks `signals` in this thread until `let_through()` (across a fork)."""
+    _wakeups.forking.mask = (
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals) if signals else None
+    )
+
+
+def let_through() -> None:
+    """Restores the mask `hold_back()` changed: what was held back arrives."""
+    mask, _wakeups.forking.mask = getattr(_wakeups.forking, "mask", None), None
+    if mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def forget_in_child() -> None:

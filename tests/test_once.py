@@ -1,18 +1,17 @@
-"""One compiled executable per operation, made on first use
-(`keras_ft/backend/jit_cache.py`)."""
+"""What a process makes once, on first use (`keras_ft/once.py`)."""
 
 from __future__ import annotations
 
 from conftest import run_once_on
 
-from keras_ft.backend import jit_cache
+from keras_ft import once
 
 ONCE = run_once_on("torch", "a cache; the backend does not matter")
 
 
 @ONCE
 def test_each_operation_is_made_once_and_reused(monkeypatch):
-    monkeypatch.setattr(jit_cache, "_compiled", {})
+    monkeypatch.setattr(once, "_made", {})
     made = []
 
     def make(name):
@@ -22,7 +21,7 @@ def test_each_operation_is_made_once_and_reused(monkeypatch):
 
         return factory
 
-    first = jit_cache.compiled("copy", make("copy"))
-    assert jit_cache.compiled("copy", make("copy again")) is first
-    other = jit_cache.compiled("finite", make("finite"))
+    first = once.made_once("copy", make("copy"))
+    assert once.made_once("copy", make("copy again")) is first
+    other = once.made_once("finite", make("finite"))
     assert other is not first and made == ["copy", "finite"]
