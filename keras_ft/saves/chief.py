@@ -17,6 +17,7 @@ from keras_ft.errors import (
 )
 from keras_ft.saves.queue import SaveQueue
 from keras_ft.saves.save import Save, SaveFiles
+from keras_ft.saves.throwaway import ScratchTier
 from keras_ft.saves.tiers import TieredStore
 from keras_ft.state import Snapshot
 from keras_ft.state.snapshots import SnapshotPlace
@@ -27,13 +28,13 @@ from keras_ft.training.listeners import CheckpointListener, notify
 
 
 class ChiefSaver:
-    """Saves that commit a checkpoint of their own.
+    """Saves of the whole state, taken and handed to the writer thread.
 
     Args:
         state: The training state.
         task: This process's role.
         queue: The training's saves in flight.
-        tiers: Where they commit.
+        tiers: Where they commit (a worker's `ScratchTier`: nowhere).
         lock: The backup's writer lock (a lapsed lease stops a commit).
         listeners: Told before a save and after its commit (on the chief).
         snapshots: Where a save copies the state (`snapshot=`).
@@ -44,7 +45,7 @@ class ChiefSaver:
         state: TrainingState,
         task: TaskSpec,
         queue: SaveQueue,
-        tiers: TieredStore,
+        tiers: TieredStore | ScratchTier,
         lock: object,
         listeners: list[CheckpointListener],
         snapshots: SnapshotPlace,
@@ -147,7 +148,7 @@ class ChiefSaver:
         self._queue.start(self._commit, save, replaces_last)
         return save.cancel
 
-    def _commit(self, save: Save, previous: PendingWrite | None) -> Checkpoint:
+    def _commit(self, save: Save, previous: PendingWrite | None) -> Checkpoint | None:
         """Runs in the writer thread: writes and commits one save, after
         `previous` (commits keep the order of the saves)."""
         snapshot = save.snapshot
@@ -162,6 +163,8 @@ class ChiefSaver:
             raise self._tiers.write_failed(e) from e
         finally:
             snapshot.release()  # Also when it failed before writing anything.
+        if committed is None:  # A worker's throwaway save.
+            return None
         notify(
             self._listeners,
             "after_commit",

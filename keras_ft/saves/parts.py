@@ -21,7 +21,7 @@ from keras_ft.saves.chief import ChiefSaver
 from keras_ft.saves.claims import ChiefClaim
 from keras_ft.saves.queue import SaveQueue
 from keras_ft.saves.shards import ShardedSaver
-from keras_ft.saves.throwaway import ThrowawaySaver, WorkerScratch
+from keras_ft.saves.throwaway import ScratchTier, WorkerScratch
 from keras_ft.saves.tiers import TieredStore
 from keras_ft.state import TrainingState
 from keras_ft.state.snapshots import SnapshotPlace
@@ -40,7 +40,7 @@ class SaveParts:
     chief: ChiefSaver
     sharded: ShardedSaver
     # A worker's save without a local tier: written, then removed.
-    throwaway: ThrowawaySaver | None
+    throwaway: ChiefSaver | None
 
 
 def assemble(
@@ -83,7 +83,9 @@ def assemble(
         chief=chief,
         sharded=ShardedSaver(state, task, queue, tiers, chief, snapshots),
         throwaway=(
-            ThrowawaySaver(state, task, queue, tiers, scratch, snapshots)
+            ChiefSaver(
+                state, task, queue, ScratchTier(scratch, tiers), None, [], snapshots
+            )
             if scratch is not None and tiers.local is None
             else None
         ),

@@ -1,24 +1,23 @@
 """A worker's throwaway save: in a cluster, a process other than the chief
 writes its save into a temporary directory of its own and removes it right
 after (backends that need every worker to read distributed variables then
-read them all), under a lock of its own. It is taken and written as the
-chief's save is, in the background."""
+read them all), under a lock of its own. It is the chief's save (taken and
+written in the background by the same `ChiefSaver`) into another tier:
+`ScratchTier`, which commits nothing."""
 
 from __future__ import annotations
 
 import os
 import shutil
+from typing import Any
 
 from keras_ft.checkpoint.files import Staging
 from keras_ft.checkpoint.lock import DirectoryLock
 from keras_ft.checkpoint.store import CheckpointStore
 from keras_ft.distribute.cluster import TaskSpec, worker_temp_name
-from keras_ft.saves.chief import ChiefSaver
-from keras_ft.saves.queue import SaveQueue
+from keras_ft.errors import ProcessesDisagreeError
 from keras_ft.saves.save import Save
 from keras_ft.saves.tiers import TieredStore
-from keras_ft.state import TrainingState
-from keras_ft.state.snapshots import SnapshotPlace
 from keras_ft.threads import PendingWrite
 
 
@@ -64,51 +63,32 @@ class WorkerScratch:
         CheckpointStore(self.path).check_writable()
 
 
-class ThrowawaySaver(ChiefSaver):
-    """Writes a worker's save into its scratch directory, then removes it.
-
-    The save is taken as the chief takes its own (a copy on the device, or
-    into the host buffer, with `snapshot=`), and written by the writer
-    thread: a worker holds the cluster's next step up no longer than the
-    chief does.
+class ScratchTier:
+    """Where a worker's save goes: written into its scratch directory, then
+    removed. Nothing reads it, so nothing is made durable (no fsync) or
+    committed: `commit()` returns `None`.
 
     Args:
-        state: The training state.
-        task: This worker's role.
-        queue: The training's saves in flight.
-        tiers: The backup's stores (for the error of a failed write).
         scratch: The worker's directory.
-        snapshots: Where a save copies the state (`snapshot=`).
+        tiers: The backup's stores (for the error of a failed write).
     """
 
-    def __init__(
-        self,
-        state: TrainingState,
-        task: TaskSpec,
-        queue: SaveQueue,
-        tiers: TieredStore,
-        scratch: WorkerScratch,
-        snapshots: SnapshotPlace,
-    ):
-        super().__init__(state, task, queue, tiers, None, [], snapshots)
-        self._scratch = scratch
+    def __init__(self, scratch: WorkerScratch, tiers: TieredStore):
+        self._scratch, self._tiers = scratch, tiers
 
-    def _commit(self, save: Save, previous: PendingWrite | None) -> None:
+    def commit(self, save: Save, previous: PendingWrite | None, lock: Any) -> None:
         """Runs in the writer thread: writes one save's files into the
-        scratch directory and removes them. Nothing reads them, so nothing
-        is made durable (no fsync) or committed."""
+        scratch directory, after `previous` (the directory holds one save at
+        a time), and removes them."""
+        if previous is not None:
+            previous.join()
         try:
-            if previous is not None:
-                previous.join()  # The directory holds one save at a time.
-            try:
-                os.makedirs(self._scratch.path, exist_ok=True)
-                save.write_files(
-                    Staging(self._scratch.path, save.cancel, sync=False,
-                            pools=save.pools)
-                )  # fmt: skip
-            except OSError as e:
-                raise self._tiers.write_failed(e) from e
-            finally:
-                shutil.rmtree(self._scratch.path, ignore_errors=True)
+            os.makedirs(self._scratch.path, exist_ok=True)
+            save.write_files(
+                Staging(self._scratch.path, save.cancel, sync=False, pools=save.pools)
+            )
         finally:
-            save.snapshot.release()  # Also when it failed before writing anything.
+            shutil.rmtree(self._scratch.path, ignore_errors=True)
+
+    def write_failed(self, error: OSError | ProcessesDisagreeError) -> Exception:
+        return self._tiers.write_failed(error)
