@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import threading
+import time
 
 import pytest
 
@@ -60,9 +62,6 @@ def test_a_forked_child_holds_nothing_of_its_parent_and_never_waits(tmp_path):
         if child == 0:  # pragma: no cover - the child's exit code says.
             code = 1
             try:
-                import signal
-
-                signal.alarm(10)  # A deadlock ends the child with SIGALRM.
                 holdings.put("fits", "/child", 1)
                 nothing = not holdings.of_kind("lock") and not holdings.of_kind(
                     "scratch"
@@ -73,8 +72,16 @@ def test_a_forked_child_holds_nothing_of_its_parent_and_never_waits(tmp_path):
     finally:
         leave.set()
         thread.join()
-    _, status = os.waitpid(child, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    # A child that waits for the guard (in the fork's own handlers, too)
+    # never ends by itself: it is given 30 s.
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(child, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+            pytest.fail("the forked child waited for a lock held at the fork")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(done[1]) == 0
     # The parent still holds both.
     assert holdings.of_kind("lock")[os.path.realpath(lock.path)] is lock
     assert made in holdings.of_kind("scratch")

@@ -147,3 +147,27 @@ def test_a_search_run_again_numbers_its_executions_anew():
     assert tuner.trial_backup_dir("/b", [first]).endswith("trial_4/execution_0")
     again = _tuner_callback(_Trial("4"), 2)
     assert tuner.trial_backup_dir("/b", [again]).endswith("trial_4/execution_0")
+
+
+class _SameClassCallback:
+    """Keras Tuner's callbacks are all of one class, whose freed instances'
+    ids CPython hands to the next one."""
+
+    __module__ = "keras_tuner.fake"
+
+    def __init__(self, trial, executions):
+        self.trial, self.tuner = trial, _Tuner(executions)
+
+
+def test_an_execution_is_never_taken_for_one_whose_callback_is_gone():
+    # A new execution's callback may get the id of one that is gone: it must
+    # not inherit that one's number.
+    trial = _Trial("5")
+    first = _SameClassCallback(trial, 3)
+    assert tuner.trial_backup_dir("/b", [first]).endswith("trial_5/execution_0")
+    del first
+    for number in (1, 2):
+        later = _SameClassCallback(trial, 3)
+        found = tuner.trial_backup_dir("/b", [later])
+        assert found.endswith(f"trial_5/execution_{number}")
+        del later
