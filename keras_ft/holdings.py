@@ -101,9 +101,8 @@ def of_kind(kind: str) -> dict[str, Any]:
 def forget(kind: str) -> dict[str, Any]:
     """In a forked child: drops every entry of `kind` (the parent's, which
     the child must not hold or remove) and returns them."""
-    _key(kind, "")
-    with _held.guard:
-        found = {p: v for (k, p), v in _held.entries.items() if k == kind}
+    with _held.guard:  # Reentrant: `of_kind()` takes it too.
+        found = of_kind(kind)
         for path in found:
             del _held.entries[kind, path]
     return found
