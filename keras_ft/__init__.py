@@ -40,7 +40,7 @@ _WHERE = {
     "initialize_cluster": "keras_ft.distribute.launch",
     "install_multi_worker_fixes": "keras_ft.compat",
     "load_checkpoint": "keras_ft.watching",
-    "wait_for_backups": "keras_ft.worker_training_state",
+    "wait_for_backups": "keras_ft.saves.queue",
     "watch": "keras_ft.watching",
 }
 
@@ -104,6 +104,7 @@ if TYPE_CHECKING:
         NonFiniteStateError,
     )
     from keras_ft.options import BackupOptions
+    from keras_ft.saves.queue import wait_for_backups
     from keras_ft.state import ResumePoint
     from keras_ft.training.listeners import CheckpointListener
     from keras_ft.training.nan_guard import NanGuard
@@ -112,4 +113,4 @@ if TYPE_CHECKING:
     from keras_ft.training.warm_start import WarmStart
     from keras_ft.training.watchdog import RETRYABLE_EXIT_CODE
     from keras_ft.watching import load_checkpoint, watch
-    from keras_ft.worker_training_state import WorkerTrainingState, wait_for_backups
+    from keras_ft.worker_training_state import WorkerTrainingState

@@ -16,21 +16,12 @@ from keras_ft.distribute.cluster import TaskSpec, current_task
 from keras_ft.errors import NonFiniteStateError
 from keras_ft.options import BackupOptions
 from keras_ft.saves.parts import assemble
-from keras_ft.saves.queue import wait_for_backups
-from keras_ft.saves.save import write_snapshot
-from keras_ft.saves.tiers import local_tier_dir
 from keras_ft.state import ResumePoint, TrainingState
 from keras_ft.state.weights_copy import CopyBuffer
 from keras_ft.threads import wait_for_removals
 from keras_ft.training.listeners import CheckpointListener, check_listeners, notify
 
-# Where they were defined before `keras_ft/saves/`; still imported from here.
-__all__ = [
-    "WorkerTrainingState",
-    "local_tier_dir",
-    "wait_for_backups",
-    "write_snapshot",
-]
+__all__ = ["WorkerTrainingState"]
 
 
 # The option arguments' defaults: set alongside a `BackupOptions`, an error.

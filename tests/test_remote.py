@@ -364,7 +364,7 @@ def test_one_url_on_two_servers_is_two_backups(monkeypatch, tmp_path):
     import hashlib
 
     from keras_ft.distribute.cluster import TaskSpec
-    from keras_ft.worker_training_state import local_tier_dir
+    from keras_ft.saves.tiers import local_tier_dir
 
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)

@@ -9,8 +9,8 @@ from conftest import iterations, make_model, weights_of
 
 import keras_ft
 from keras_ft.errors import CorruptCheckpointError
+from keras_ft.saves.save import write_snapshot
 from keras_ft.state import TrainingState
-from keras_ft.worker_training_state import write_snapshot
 
 
 def trained_state(tmp_path, data, units=8):
