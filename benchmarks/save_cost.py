@@ -187,8 +187,9 @@ def interleaved(variants: dict, rounds: int, settle=None) -> dict[str, list[floa
 class Stopwatch:
     """Last in the callback list: notes when every callback's train end is over.
 
-    TensorFlow sometimes spends another ~4 s after that tearing down its input
-    pipeline, with or without callbacks; a fit is timed up to this point.
+    TensorFlow sometimes spends another 0.2-1.3 s after that in tf.data's
+    iterator destructor, waiting out its autotuning thread's sleep (with or
+    without callbacks; docs/benchmarks.md); a fit is timed up to this point.
     """
 
     def __init__(self):
