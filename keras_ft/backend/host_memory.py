@@ -44,13 +44,13 @@ def _view_of(value: Any) -> np.ndarray | None:
     if backend == "tensorflow":
         import tensorflow as tf
 
-        if any(c.__name__ == "BaseResourceVariable" for c in type(value).__mro__):
+        if isinstance(value, tf.distribute.DistributedValues):
+            value = value.read_value()  # A strategy's: its own read.
+        elif isinstance(value, tf.Variable):
             # One op (`read_value()` adds an identity: two dispatches, a few
             # ms a save over a model's variables); the tensor read shares the
             # variable's buffer, which `numpy()` would copy.
             value = tf.raw_ops.ReadVariableOp(resource=value.handle, dtype=value.dtype)
-        elif isinstance(value, tf.Variable):  # Distributed, say: its own read.
-            value = value.read_value()
         if isinstance(value, tf.Tensor):
             return np.asarray(value)
     elif backend == "jax":
