@@ -1,9 +1,9 @@
 """Every background thread of keras-ft, and how far a buffer is ready.
 
-Writers: one thread per save in flight (`BackgroundWriter`). Helpers: a
-training's `Pools` (checksums, fsyncs, the copy's second half, the check, the
-move from the device), made on first use and closed by the training's writer
-once its writes are over; a thread per verification and per transfer batch
+A training's `Pools`, each made on first use and closed by the training's
+writer once its writes are over: the writes (two threads, `BackgroundWriter`)
+and their helpers (checksums, fsyncs, the copy's second half, the check, the
+move from the device); a thread per verification and per transfer batch
 of a restore or an upload (`in_thread()`, a `Pool` of the call's own); a
 thread per directory removed (`remove_in_background()`).
 
@@ -13,8 +13,8 @@ save commits its small files, but commits happen in the order of the saves,
 and a third save waits until the first is done, so memory stays bounded and
 no save is skipped. A write's error is kept and raised in the training thread
 the next time it looks: at the next batch end, the next save, or train end.
-The threads are not daemons, so the interpreter waits for a pending commit
-before it exits.
+The interpreter waits for a pending commit before it exits (a pool's
+threads finish the work handed to them; the others are not daemons).
 
 A `Watermark` tells one thread how much of a buffer another thread has made
 ready: the writer follows the copy into the snapshot buffer piece by piece.
@@ -26,7 +26,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from keras_ft import holdings
@@ -97,8 +97,9 @@ class Watermark:
 
 
 class PendingWrite:
-    """`write(*args, previous)` in a thread of its own, `previous` being the
-    write handed over before it (or `None`).
+    """`write(*args, previous)` in a thread of `pool`'s (without a pool, in
+    a thread of its own), `previous` being the write handed over before it
+    (or `None`).
 
     A write that raises `Cancelled` was called off: it has no result
     and no error.
@@ -109,22 +110,19 @@ class PendingWrite:
         write: Callable[..., Any],
         args: tuple = (),
         previous: PendingWrite | None = None,
+        pool: Pool | None = None,
     ):
         self._write, self._args, self._previous = write, args, previous
-        self._result: Any = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(
-            target=self._run, name="keras-ft-checkpoint-writer", daemon=False
-        )
-        self._thread.start()
+        if pool is None:
+            self._future = in_thread(self._run, name="keras-ft-checkpoint-writer")
+        else:
+            self._future = submit(pool, self._run)
 
-    def _run(self) -> None:
+    def _run(self) -> Any:
         try:
-            self._result = self._write(*self._args, self._previous)
+            return self._write(*self._args, self._previous)
         except Cancelled:
-            pass
-        except BaseException as e:  # Handed to the training thread.
-            self._error = e
+            return None
         finally:
             # Not kept past the write: a chain of writes, each holding the
             # one before and its snapshot, would hold every save of a run.
@@ -132,7 +130,7 @@ class PendingWrite:
 
     @property
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self._future.done()
 
     @property
     def value(self) -> Any:
@@ -140,33 +138,45 @@ class PendingWrite:
 
         Unlike `result()`, never waits and never raises.
         """
-        if self._thread.is_alive() or self._error is not None:
+        future = self._future
+        if not future.done() or future.exception() is not None:
             return None
-        return self._result
+        return future.result()
 
     def join(self) -> None:
         """Waits for the write to end, whatever its outcome."""
-        self._thread.join()
+        wait([self._future])
 
     def result(self) -> Any:
         """Waits for the write; returns its result or raises its error, once."""
-        self._thread.join()
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-        return self._result
+        future = self._future
+        error = future.exception()  # Waits.
+        if error is None:
+            return future.result()
+        self._future = _ENDED  # Raised once: later, no result and no error.
+        raise error
+
+
+# A write's outcome once its error was raised: no result and no error.
+_ENDED: Future = Future()
+_ENDED.set_result(None)
 
 
 class BackgroundWriter:
     """Runs writes in background threads: at most two, committing in order.
 
     Args:
+        pool: The threads that run the writes, at least `depth` of them (a
+            training's `Pools.writer`, closed with its other helpers).
+            Defaults to `None`: a pool of the writer's own, which `close()`
+            ends.
         depth: How many writes may be in flight at once. Defaults to `2`:
             one writing its data while the one before commits.
     """
 
-    def __init__(self, depth: int = 2):
+    def __init__(self, pool: Pool | None = None, depth: int = 2):
         self.depth = depth
+        self._pool = pool or Pool(depth, "keras-ft-checkpoint-writer")
         self._pending: list[PendingWrite] = []
 
     def submit(self, write: Callable[..., Any], *args: Any) -> PendingWrite:
@@ -183,7 +193,7 @@ class BackgroundWriter:
         while len(self._pending) >= self.depth:
             self._pending.pop(0).result()
         previous = self._pending[-1] if self._pending else None
-        pending = PendingWrite(write, args, previous)
+        pending = PendingWrite(write, args, previous, self._pool)
         self._pending.append(pending)
         return pending
 
@@ -213,6 +223,20 @@ class BackgroundWriter:
         """Raises the error of a write that has ended, without waiting."""
         while self._pending and self._pending[0].done:
             self._pending.pop(0).result()
+
+    def close(self) -> None:
+        """Waits for every write in flight (raising the first error, as
+        `wait()`), then ends the threads; a later write starts them again."""
+        try:
+            self.wait()
+        finally:
+            self._pool.close()
+
+    def __enter__(self) -> BackgroundWriter:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
 
 
 def submit(pool: Pool | None, fn: Callable, *args, **kwargs) -> Future:
@@ -301,11 +325,15 @@ class Pools:
         # The move of a snapshot made on the device into host memory,
         # beside the next training steps (the writer follows it).
         self.mover = Pool(1, "keras-ft-device-to-host")
+        # The writes themselves (`BackgroundWriter`): one writing its data
+        # while the one before commits. Started once, not per save: a new
+        # thread cost the training thread about 1 ms a save under load.
+        self.writer = Pool(2, "keras-ft-checkpoint-writer")
 
     def close(self, wait: bool = True) -> None:
         """Ends the threads (see `Pool.close()`)."""
         for pool in (self.hasher, self.syncer, self.copy_helper, self.checker,
-                     self.mover):  # fmt: skip
+                     self.mover, self.writer):  # fmt: skip
             pool.close(wait)
 
 

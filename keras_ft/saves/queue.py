@@ -61,7 +61,7 @@ class SaveQueue:
             `WorkerTrainingState`).
         training: The training it belongs to: `hold()` closes an earlier
             training on the same directory that was never closed.
-        pools: The training's helper threads, closed by `release()`.
+        pools: The training's writer and helper threads, closed by `release()`.
             Defaults to `None`: threads of its own.
     """
 
@@ -79,7 +79,7 @@ class SaveQueue:
         # training on its directory) ends its threads; the queue may be kept
         # as the directory's holder. Never blocks: it may run in any thread.
         weakref.finalize(training, pools.close, False)
-        self._writer = BackgroundWriter()
+        self._writer = BackgroundWriter(pools.writer)
         self._cancels: list[threading.Event] = []  # Of the saves in flight.
         # The newest save, for a save that replaces it.
         self._last: tuple[threading.Event, PendingWrite] | None = None
