@@ -97,9 +97,8 @@ class Watermark:
 
 
 class PendingWrite:
-    """`write(*args, previous)` in a thread of `pool`'s (without a pool, in
-    a thread of its own), `previous` being the write handed over before it
-    (or `None`).
+    """`write(*args, previous)` in one of `pool`'s threads, `previous` being
+    the write handed over before it (or `None`).
 
     A write that raises `Cancelled` was called off: it has no result
     and no error.
@@ -108,15 +107,12 @@ class PendingWrite:
     def __init__(
         self,
         write: Callable[..., Any],
-        args: tuple = (),
-        previous: PendingWrite | None = None,
-        pool: Pool | None = None,
+        args: tuple,
+        previous: PendingWrite | None,
+        pool: Pool,
     ):
         self._write, self._args, self._previous = write, args, previous
-        if pool is None:
-            self._future = in_thread(self._run, name="keras-ft-checkpoint-writer")
-        else:
-            self._future = submit(pool, self._run)
+        self._future = submit(pool, self._run)
 
     def _run(self) -> Any:
         try:

@@ -66,16 +66,18 @@ def test_the_save_superseded_is_known_once_its_write_is_over():
         assert gate.wait(10)
         return checkpoint
 
-    save = Save(None, replaced=threads.PendingWrite(commit))
-    threading.Timer(0.2, gate.set).start()
-    assert save.superseded() == checkpoint  # Waited for it.
+    with threads.BackgroundWriter() as writer:
+        save = Save(None, replaced=writer.submit(commit))
+        threading.Timer(0.2, gate.set).start()
+        assert save.superseded() == checkpoint  # Waited for it.
 
 
 def test_a_superseded_save_called_off_committed_nothing():
     def called_off(previous):
         raise threads.Cancelled("called off")
 
-    assert Save(None, replaced=threads.PendingWrite(called_off)).superseded() is None
+    with threads.BackgroundWriter() as writer:
+        assert Save(None, replaced=writer.submit(called_off)).superseded() is None
 
 
 @pytest.mark.parametrize("later", [True, False], ids=["checked later", "in the copy"])
