@@ -19,6 +19,7 @@ from keras_ft.backend import cross_process
 def test_a_value_of_one_process_is_one_whole_piece():
     v = keras.Variable(np.arange(12, dtype="float32").reshape(3, 4))
     assert not cross_process.spans_processes(v)
+    assert not cross_process.any_spans_processes([v, v])
     ((bounds, data, first),) = cross_process.held_pieces(v)
     assert bounds == ((0, 0), (3, 4)) and first
     np.testing.assert_array_equal(data, np.arange(12).reshape(3, 4))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import keras
@@ -34,6 +34,21 @@ def spans_processes(value: Any) -> bool:
         and not value.is_fully_addressable
         and not value.is_fully_replicated
     )
+
+
+def any_spans_processes(values: Iterable[Any]) -> bool:
+    """Whether one of `values` is split across processes (`spans_processes()`).
+
+    Asked at every save: in a single process (where none can be, and each
+    variable's read costs a few microseconds) it looks at none of them.
+    """
+    if keras.backend.backend() != "jax":
+        return False
+    import jax
+
+    if jax.process_count() == 1:
+        return False
+    return any(spans_processes(v) for v in values)
 
 
 Bounds = tuple[tuple[int, ...], tuple[int, ...]]

@@ -167,7 +167,7 @@ class Share:
 
 def is_sharded(variables: list) -> bool:
     """Whether a save of `variables` must be sharded: one spans processes."""
-    return any(cross_process.spans_processes(v) for v in variables)
+    return cross_process.any_spans_processes(variables)
 
 
 def take_share(
