@@ -22,6 +22,7 @@ ready: the writer follows the copy into the snapshot buffer piece by piece.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -277,9 +278,7 @@ class Pool:
         # the VMs measured), and a copy asks at each of its batches.
         self._unwanted = needs_two_cores and (os.cpu_count() or 1) < 2
         self._executor: ThreadPoolExecutor | None = None
-        # Reentrant: `close(wait=False)` may run in a finalizer, in any
-        # thread, at any allocation, this pool's own start included.
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
 
     def __call__(self) -> ThreadPoolExecutor | None:
         if self._unwanted:
@@ -331,6 +330,22 @@ class Pools:
         for pool in (self.hasher, self.syncer, self.copy_helper, self.checker,
                      self.mover, self.writer):  # fmt: skip
             pool.close(wait)
+
+
+def close_soon(pools: Pools) -> None:
+    """`pools.close(wait=False)` in a thread of its own, for a finalizer.
+
+    A finalizer runs in whatever thread the garbage collector interrupts, at
+    any allocation: maybe inside a submit to one of these pools, holding the
+    executor's lock that closing it takes (it would wait for itself forever).
+    Another thread waits for that submit to end instead.
+    """
+    closer = threading.Thread(
+        target=pools.close, args=(False,), name="keras-ft-closer", daemon=True
+    )
+    # At exit no thread starts (RuntimeError): the interpreter ends the pools'.
+    with contextlib.suppress(RuntimeError):
+        closer.start()
 
 
 def start_daemon(target: Callable[[], Any], name: str) -> threading.Thread:

@@ -163,3 +163,30 @@ def test_a_training_collected_unreleased_ends_its_threads(tmp_path):
     for thread in [t for executor in used for t in executor._threads]:
         thread.join(timeout=30)
         assert not thread.is_alive(), thread.name
+
+
+@ONCE
+def test_a_training_collected_inside_a_submit_to_its_pools_closes_them_later():
+    """A training may be collected in any thread at any allocation: in one
+    of its writes, inside a submit to one of its own pools, which holds the
+    lock that closing the pool takes. Its finalizer must not wait for that
+    lock in the same thread (a CI run once hung there); the pools close once
+    the submit is over."""
+    holder = [Training()]
+    queue = SaveQueue(directory(), True, holder[0])
+    executor = queue.pools.syncer()
+
+    def a_write_submitting():
+        with executor._shutdown_lock:  # Held as `executor.submit()` holds it.
+            holder.clear()  # The last reference: collected here, now.
+            gc.collect()
+
+    thread = threading.Thread(target=a_write_submitting, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the finalizer waited for its own thread's lock"
+    deadline = time.monotonic() + 30
+    while queue.pools.syncer._executor is not None:
+        assert time.monotonic() < deadline, "the pools were never closed"
+        time.sleep(0.01)
+    executor.shutdown(wait=True)  # Its thread ends (closed without waiting).

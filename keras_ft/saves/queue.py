@@ -77,8 +77,10 @@ class SaveQueue:
         self.pools = pools = pools or threads.Pools()
         # A training collected unreleased (a fit() that raised, and no later
         # training on its directory) ends its threads; the queue may be kept
-        # as the directory's holder. Never blocks: it may run in any thread.
-        weakref.finalize(training, pools.close, False)
+        # as the directory's holder. The finalizer may run in any thread, at
+        # any allocation: in one of its writes, inside a submit to these very
+        # pools, holding the lock that closing them takes (`close_soon()`).
+        weakref.finalize(training, threads.close_soon, pools)
         self._writer = BackgroundWriter(pools.writer)
         self._cancels: list[threading.Event] = []  # Of the saves in flight.
         # The newest save, for a save that replaces it.
