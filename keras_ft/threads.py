@@ -340,17 +340,15 @@ def close_soon(pools: Pools) -> None:
     executor's lock that closing it takes (it would wait for itself forever).
     Another thread waits for that submit to end instead.
     """
-    closer = threading.Thread(
-        target=pools.close, args=(False,), name="keras-ft-closer", daemon=True
-    )
     # At exit no thread starts (RuntimeError): the interpreter ends the pools'.
     with contextlib.suppress(RuntimeError):
-        closer.start()
+        start_daemon(pools.close, "keras-ft-closer", False)
 
 
-def start_daemon(target: Callable[[], Any], name: str) -> threading.Thread:
-    """Runs `target` in a daemon thread (work nobody must wait for at exit)."""
-    thread = threading.Thread(target=target, name=name, daemon=True)
+def start_daemon(target: Callable[..., Any], name: str, *args: Any) -> threading.Thread:
+    """Runs `target(*args)` in a daemon thread (work nobody must wait for at
+    exit)."""
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
     thread.start()
     return thread
 
