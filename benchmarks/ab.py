@@ -1,7 +1,10 @@
 """The harness of the 10 % rule's A/B benchmarks (`recycling.py`,
-`one_writer.py`): `fit()` saving every batch (or every `--every` batches)
-with no callback and with keras-ft in each arm, in one process, rounds
-interleaved (every other round in reverse order), medians.
+`one_writer.py`, `copy_helper.py`, `check_in_copy.py`): `fit()` saving every
+batch (or every `--every` batches) with no callback and with keras-ft in each
+arm, in one process, rounds interleaved (every other round in reverse order),
+medians. A fit is timed up to its last callback's train end (keras-ft's waits
+for its commits there): TensorFlow sometimes spends seconds more in tf.data's
+iterator destructor, in any arm (`save_cost.Stopwatch`).
 
 An arm is set up in this process only (the package is not changed) by the
 benchmark's `use(arm)`, called before each fit of a keras-ft arm; the
@@ -22,7 +25,7 @@ from collections.abc import Callable
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from save_cost import build_model, data  # noqa: E402
+from save_cost import Stopwatch, build_model, data  # noqa: E402
 
 
 def arguments(description: str) -> argparse.Namespace:
@@ -56,19 +59,20 @@ def compare(
     root = tempfile.mkdtemp(dir=args.dir)
 
     def fit(arm: str) -> float:
-        callbacks = []
+        stopwatch = Stopwatch()  # Last: up to every callback's train end.
+        callbacks = [stopwatch.callback]
         if arm != "none":
             use(arm)
             directory = os.path.join(root, arm.replace(" ", "_"))
-            callbacks = [
-                keras_ft.BackupAndRestore(directory, save_freq=args.every, verbose=0)
-            ]
+            backup = keras_ft.BackupAndRestore(
+                directory, save_freq=args.every, verbose=0
+            )
+            callbacks.insert(0, backup)
         start = time.perf_counter()
         model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
                   callbacks=callbacks)  # fmt: skip
-        seconds = time.perf_counter() - start
         threads.wait_for_discards()  # The finished backup's removal.
-        return seconds
+        return stopwatch.ended - start
 
     every = ("none", *arms)
     try:

@@ -1,20 +1,20 @@
 """Every background thread of keras-ft, and how far a buffer is ready.
 
 A training's `Pools`, each made on first use and closed by the training's
-writer once its writes are over: the writes (two threads, `BackgroundWriter`)
+writer once its writes are over: the writes (one thread, `BackgroundWriter`)
 and their helpers (checksums, fsyncs, the copy's second half, the check, the
-move from the device); a thread per verification and per transfer batch
-of a restore or an upload (`in_thread()`, a `Pool` of the call's own); a
-thread per directory removed (`remove_in_background()`).
+move from the device); a thread per verification and per transfer batch of a
+restore or an upload (`in_thread()`, a `Pool` of the call's own); a thread
+per directory removed (`remove_in_background()`).
 
-The training thread hands over a write and goes on training. Writes overlap
-by at most one stage: the next save's data may go to disk while the previous
-save commits its small files, but commits happen in the order of the saves,
-and a third save waits until the first is done, so memory stays bounded and
-no save is skipped. A write's error is kept and raised in the training thread
-the next time it looks: at the next batch end, the next save, or train end.
-The interpreter waits for a pending commit before it exits (a pool's
-threads finish the work handed to them; the others are not daemons).
+The training thread hands over a write and goes on training. Writes run one
+at a time, in the order of the saves, so commits keep that order; a save
+handed over while one write runs and another waits first waits for the
+running one, so memory stays bounded and no save is skipped. A write's error
+is kept and raised in the training thread the next time it looks: at the
+next batch end, the next save, or train end. The interpreter waits for a
+pending commit before it exits (a pool's threads finish the work handed to
+them; the others are not daemons).
 
 A `Watermark` tells one thread how much of a buffer another thread has made
 ready: the writer follows the copy into the snapshot buffer piece by piece.
@@ -98,8 +98,7 @@ class Watermark:
 
 
 class PendingWrite:
-    """`write(*args, previous)` in one of `pool`'s threads, `previous` being
-    the write handed over before it (or `None`).
+    """`write(*args)` in `pool`'s thread.
 
     A write that raises `Cancelled` was called off: it has no result
     and no error.
@@ -109,21 +108,19 @@ class PendingWrite:
         self,
         write: Callable[..., Any],
         args: tuple,
-        previous: PendingWrite | None,
         pool: Pool,
     ):
-        self._write, self._args, self._previous = write, args, previous
+        self._write, self._args = write, args
         self._future = submit(pool, self._run)
 
     def _run(self) -> Any:
         try:
-            return self._write(*self._args, self._previous)
+            return self._write(*self._args)
         except Cancelled:
             return None
         finally:
-            # Not kept past the write: a chain of writes, each holding the
-            # one before and its snapshot, would hold every save of a run.
-            self._write, self._args, self._previous = None, (), None
+            # Not kept past the write: its snapshot is let go with it.
+            self._write, self._args = None, ()
 
     @property
     def done(self) -> bool:
@@ -160,37 +157,32 @@ _ENDED.set_result(None)
 
 
 class BackgroundWriter:
-    """Runs writes in background threads: at most two, committing in order.
+    """Runs writes in a background thread, one at a time, in order.
 
     Args:
-        pool: The threads that run the writes, at least `depth` of them (a
-            training's `Pools.writer`, closed with its other helpers).
-            Defaults to `None`: a pool of the writer's own, which `close()`
-            ends.
-        depth: How many writes may be in flight at once. Defaults to `2`:
-            one writing its data while the one before commits.
+        pool: The thread that runs the writes (a training's `Pools.writer`,
+            closed with its other helpers). Defaults to `None`: a thread of
+            the writer's own, which `close()` ends.
     """
 
-    def __init__(self, pool: Pool | None = None, depth: int = 2):
-        self.depth = depth
-        self._pool = pool or Pool(depth, "keras-ft-checkpoint-writer")
+    # Writes in flight at most: one running, one waiting for it.
+    depth = 2
+
+    def __init__(self, pool: Pool | None = None):
+        self._pool = pool or Pool(1, "keras-ft-checkpoint-writer")
         self._pending: list[PendingWrite] = []
 
     def submit(self, write: Callable[..., Any], *args: Any) -> PendingWrite:
-        """Starts `write(*args, previous)`, `previous` being the write before
-        it (a `PendingWrite`, or `None`).
-
-        `write` should wait for `previous.join()` before it commits, so that
-        commits keep the order of the saves. If `depth` writes are in flight,
-        first waits for the oldest, raising its error.
+        """Starts `write(*args)` once the writes handed over before it have
+        ended. If `depth` writes are in flight, first waits for the oldest,
+        raising its error.
 
         Returns:
             The write started.
         """
         while len(self._pending) >= self.depth:
             self._pending.pop(0).result()
-        previous = self._pending[-1] if self._pending else None
-        pending = PendingWrite(write, args, previous, self._pool)
+        pending = PendingWrite(write, args, self._pool)
         self._pending.append(pending)
         return pending
 
@@ -243,13 +235,11 @@ def submit(pool: Pool | None, fn: Callable, *args, **kwargs) -> Future:
     At exit, executors take no new work; a write still committing (which the
     interpreter waits for) then does the rest of it in its own thread.
     """
-    try:
-        if pool is not None:
+    if pool is not None:
+        with contextlib.suppress(RuntimeError):
             executor = pool()
             if executor is not None:
                 return executor.submit(fn, *args, **kwargs)
-    except RuntimeError:
-        pass
     done: Future = Future()
     _settle(done, fn, args, kwargs)
     return done
@@ -313,17 +303,21 @@ class Pools:
         self.hasher = Pool(2, "keras-ft-checksum")
         # fsyncs of a checkpoint's files, together.
         self.syncer = Pool(4, "keras-ft-fsync")
-        # The second half of a snapshot's copy, on more than one core.
+        # The second half of a snapshot's copy, on more than one core: the
+        # training thread waits for the copy (held up 10 % less on
+        # TensorFlow, docs/benchmarks.md).
         self.copy_helper = Pool(1, "keras-ft-copy", needs_two_cores=True)
         # The NaN/infinity check of a copy, ahead of the writer.
         self.checker = Pool(1, "keras-ft-finite-check")
         # The move of a snapshot made on the device into host memory,
         # beside the next training steps (the writer follows it).
         self.mover = Pool(1, "keras-ft-device-to-host")
-        # The writes themselves (`BackgroundWriter`): one writing its data
-        # while the one before commits. Started once, not per save: a new
-        # thread cost the training thread about 1 ms a save under load.
-        self.writer = Pool(2, "keras-ft-checkpoint-writer")
+        # The writes themselves (`BackgroundWriter`), one at a time: a
+        # second writer, writing a save's data while the one before
+        # commits, did not pay (docs/benchmarks.md). Started once, not per
+        # save: a new thread cost the training thread about 1 ms a save
+        # under load.
+        self.writer = Pool(1, "keras-ft-checkpoint-writer")
 
     def close(self, wait: bool = True) -> None:
         """Ends the threads (see `Pool.close()`)."""

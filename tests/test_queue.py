@@ -43,13 +43,11 @@ def directory() -> str:
     return f"/backups/{time.monotonic_ns()}"  # A writer of its own.
 
 
-def commit(save: Save, previous) -> Checkpoint:
+def commit(save: Save) -> Checkpoint:
     """A saver's commit: the save's `snapshot` stands for its number here."""
     sequence, seen, hold = save.snapshot
     if hold is not None:
         hold.wait(10)
-    if previous is not None:
-        previous.join()  # Commits keep the order of the saves.
     seen.append((sequence, save.cancel.is_set(), save.replaced))
     return Checkpoint(sequence, f"ckpt-{sequence}")
 

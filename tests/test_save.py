@@ -62,7 +62,7 @@ def test_the_save_superseded_is_known_once_its_write_is_over():
     gate = threading.Event()
     checkpoint = Checkpoint(3, "/backup/ckpt-00000003")
 
-    def commit(previous):
+    def commit():
         assert gate.wait(10)
         return checkpoint
 
@@ -73,7 +73,7 @@ def test_the_save_superseded_is_known_once_its_write_is_over():
 
 
 def test_a_superseded_save_called_off_committed_nothing():
-    def called_off(previous):
+    def called_off():
         raise threads.Cancelled("called off")
 
     with threads.BackgroundWriter() as writer:

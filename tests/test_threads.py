@@ -1,5 +1,5 @@
-"""BackgroundWriter and Watermark: bounded overlap, ordered commits, no lost
-error, threads that outlive a write but not the writer."""
+"""BackgroundWriter and Watermark: one write at a time in order, a bounded
+queue, no lost error, a thread that outlives a write but not the writer."""
 
 from __future__ import annotations
 
@@ -12,42 +12,39 @@ from keras_ft.threads import BackgroundWriter, Cancelled, Watermark
 
 @pytest.fixture
 def writer():
-    """A writer of two threads (the default depth), ended after the test."""
+    """A writer of its own thread, ended after the test."""
     writer = BackgroundWriter()
     yield writer
     writer._pool.close()
 
 
 def held_write(name, gate, log, result=None):
-    """A write that waits at `gate`, then for the write before it, then logs."""
+    """A write that waits at `gate`, then logs."""
 
-    def write(previous):
+    def write():
         log.append(f"{name} started")
         assert gate.wait(timeout=60)
-        if previous is not None:
-            previous.join()
         log.append(f"{name} committed")
         return result if result is not None else name
 
     return write
 
 
-def test_a_write_starts_while_the_one_before_runs_and_commits_after_it(writer):
+def test_writes_run_one_at_a_time_in_the_order_handed_over(writer):
     first_gate, second_gate, log = threading.Event(), threading.Event(), []
     writer.submit(held_write("first", first_gate, log))
     writer.submit(held_write("second", second_gate, log))
-    # Both submit() calls returned while both writes are held at their gates.
-    second_started = threading.Event()
-    while "second started" not in log:
-        second_started.wait(0.01)
-    assert writer.busy and not any("committed" in entry for entry in log)
-    second_gate.set()  # The second is ready first, yet commits second.
+    # Both submit() calls returned while the first write is held at its gate.
+    while "first started" not in log:
+        first_gate.wait(0.01)
+    second_gate.set()  # The second is ready first, yet starts second.
+    first_gate.wait(0.2)
+    assert writer.busy and log == ["first started"]
     first_gate.set()
     assert writer.wait() == "second"
-    assert [e for e in log if "committed" in e] == [
-        "first committed",
-        "second committed",
-    ]
+    assert log == [
+        "first started", "first committed", "second started", "second committed",
+    ]  # fmt: skip
     assert not writer.busy
 
 
@@ -64,7 +61,7 @@ def test_a_third_write_waits_until_the_first_has_ended(writer):
 
 def test_an_error_is_raised_at_the_next_look_and_only_once(writer):
 
-    def fail(previous):
+    def fail():
         raise OSError(28, "No space left on device")
 
     writer.submit(fail)
@@ -73,16 +70,16 @@ def test_an_error_is_raised_at_the_next_look_and_only_once(writer):
         writer.raise_if_failed()
     writer.raise_if_failed()  # Raised once, then gone.
     writer.submit(fail)
-    writer.submit(lambda previous: "ok")
+    writer.submit(lambda: "ok")
     with pytest.raises(OSError):
-        writer.submit(lambda previous: "later")  # A third save sees it,
+        writer.submit(lambda: "later")  # A third save sees it,
     assert writer.wait() == "ok"  # and is not started.
 
 
 def test_wait_waits_for_every_write_and_raises_the_first_error(writer):
     gate, log = threading.Event(), []
 
-    def fail(previous):
+    def fail():
         raise OSError(5, "Input/output error")
 
     writer.submit(fail)
@@ -97,7 +94,7 @@ def test_wait_waits_for_every_write_and_raises_the_first_error(writer):
 def test_raise_if_failed_does_not_wait(writer):
     gate = threading.Event()
 
-    def fail_after_gate(previous):
+    def fail_after_gate():
         gate.wait(timeout=60)
         raise OSError(5, "Input/output error")
 
@@ -110,7 +107,7 @@ def test_raise_if_failed_does_not_wait(writer):
 
 def test_a_cancelled_write_has_neither_result_nor_error(writer):
 
-    def cancelled(previous):
+    def cancelled():
         raise Cancelled("called off")
 
     writer.submit(cancelled)
@@ -157,27 +154,27 @@ def test_an_abandoned_watermark_calls_its_waiters_off():
 
 def test_a_writes_value_never_waits_or_raises(writer):
     gate = threading.Event()
-    failing = writer.submit(lambda previous: (gate.wait(timeout=60), 1 / 0))
+    failing = writer.submit(lambda: (gate.wait(timeout=60), 1 / 0))
     assert failing.value is None  # Still running: no waiting.
     gate.set()
     failing.join()
     assert failing.value is None  # Failed: no result, and no raise.
     with pytest.raises(ZeroDivisionError):
         writer.wait()
-    done = writer.submit(lambda previous: "committed")
+    done = writer.submit(lambda: "committed")
     done.join()
     assert done.value == "committed"
 
 
 def test_a_writer_keeps_its_threads_across_writes_and_close_ends_them():
-    """Writes run on the writer's own threads, not a thread started per
+    """Writes run on the writer's own thread, not a thread started per
     write (that cost the training thread ~1 ms a save under load)."""
     ran_on = []
     with BackgroundWriter() as writer:
         for _ in range(20):
-            writer.submit(lambda previous: ran_on.append(threading.current_thread()))
+            writer.submit(lambda: ran_on.append(threading.current_thread()))
         writer.wait()
-        assert 1 <= len(set(ran_on)) <= writer.depth
+        assert len(set(ran_on)) == 1
         assert all(t.name.startswith("keras-ft-checkpoint-writer") for t in ran_on)
         assert all(t.is_alive() for t in ran_on)  # Idle, kept for the next save.
     assert not any(t.is_alive() for t in set(ran_on))  # close() ended them.
@@ -186,7 +183,7 @@ def test_a_writer_keeps_its_threads_across_writes_and_close_ends_them():
 def test_close_raises_a_writes_error_and_still_ends_the_threads():
     ran_on = []
 
-    def failing(previous):
+    def failing():
         ran_on.append(threading.current_thread())
         raise OSError("disk full")
 
@@ -195,7 +192,7 @@ def test_close_raises_a_writes_error_and_still_ends_the_threads():
     with pytest.raises(OSError, match="disk full"):
         writer.close()
     assert not ran_on[0].is_alive()
-    writer.submit(lambda previous: "again")  # A later write starts them again.
+    writer.submit(lambda: "again")  # A later write starts them again.
     assert writer.wait() == "again"
     writer.close()
 

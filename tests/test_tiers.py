@@ -72,7 +72,7 @@ def commit(tiers, step: int):
     # What a save's record carries here: its metadata, and how its files are
     # written.
     save = Save(types.SimpleNamespace(metadata=at(step)), Weights(), to_bucket=True)
-    return tiers.commit(save, previous=None, lock=None)
+    return tiers.commit(save, lock=None)
 
 
 def test_a_save_is_committed_to_the_tier_then_copied_to_the_bucket(tiered):

@@ -17,7 +17,6 @@ from typing import Any, Protocol
 
 from keras_ft.checkpoint import files as file_io
 from keras_ft.errors import CorruptCheckpointError
-from keras_ft.threads import PendingWrite
 
 MANIFEST_FILE = "manifest.json"
 METADATA_FILE = "metadata.json"
@@ -85,22 +84,18 @@ class CommitTurn:
 
     A storage calls `take()` once a checkpoint's files are durable (or, in
     a bucket, before they are uploaded), before it numbers the checkpoint:
-    it waits for the write that commits first (`after`: commits keep the
-    order of the saves), then checks the writer's `lock` (a lapsed lease:
-    another writer may commit). It calls `numbered(checkpoint)` right
+    it checks the writer's `lock` (a lapsed lease: another writer may
+    commit). It calls `numbered(checkpoint)` right
     before the commit point, which tells `committing(checkpoint,
     metadata)`: a note of what is being committed, written there, is never
     later than the commit.
     """
 
-    after: PendingWrite | None = None
     lock: Any = None  # A `DirectoryLock` or a lease: anything with `check()`.
     committing: Callable[[Checkpoint, dict], None] | None = None
     metadata: dict = dataclasses.field(default_factory=dict)
 
     def take(self) -> None:
-        if self.after is not None:
-            self.after.join()
         if self.lock is not None:
             self.lock.check()
 

@@ -65,7 +65,6 @@ from keras_ft.errors import (
     NoGoodCheckpointError,
     SaveCancelled,
 )
-from keras_ft.threads import PendingWrite
 
 __all__ = [
     "MANIFEST_FILE",
@@ -605,7 +604,6 @@ class CheckpointStore:
         metadata: dict[str, Any],
         cancel: threading.Event | None = None,
         *,
-        after: PendingWrite | None = None,
         lock: Any = None,
         supersedes: Checkpoint | None = None,
         committing: Callable[[Checkpoint, dict], None] | None = None,
@@ -621,10 +619,8 @@ class CheckpointStore:
             cancel: An event that, set before the commit, calls the save
                 off: the partial checkpoint is removed and `SaveCancelled`
                 raised. Defaults to `None`.
-            after: A write that commits first: waited for once the files
-                are written and durable, before the checkpoint gets its
-                number. Defaults to `None`.
-            lock: The writer's lock or lease, checked right after `after`
+            lock: The writer's lock or lease, checked once the files are
+                written and durable, before the checkpoint gets its number
                 (a lapsed lease: another writer may commit). Defaults to
                 `None`.
             supersedes: The checkpoint this one replaces, deleted once this
@@ -660,7 +656,7 @@ class CheckpointStore:
                 # Indented: people read manifests too.
                 body = manifest_body(files, time.time(), self._key)
                 f.write(json_bytes(body, indent=1))
-            turn = CommitTurn(after, lock, committing, metadata)
+            turn = CommitTurn(lock, committing, metadata)
             committed = self.storage.commit(staging, [*files, MANIFEST_FILE], turn)
         finally:
             self.storage.unstage(staging)

@@ -23,7 +23,6 @@ from keras_ft.state import Snapshot
 from keras_ft.state.snapshots import SnapshotPlace
 from keras_ft.state.training_state import TrainingState, optimizer_step
 from keras_ft.state.weights_copy import CapturedWeights
-from keras_ft.threads import PendingWrite
 from keras_ft.training.listeners import CheckpointListener, notify
 
 
@@ -148,15 +147,14 @@ class ChiefSaver:
         self._queue.start(self._commit, save, replaces_last)
         return save.cancel
 
-    def _commit(self, save: Save, previous: PendingWrite | None) -> Checkpoint | None:
-        """Runs in the writer thread: writes and commits one save, after
-        `previous` (commits keep the order of the saves)."""
+    def _commit(self, save: Save) -> Checkpoint | None:
+        """Runs in the writer thread: writes and commits one save."""
         snapshot = save.snapshot
         metadata = snapshot.metadata
         # A lapsed lease: another writer may commit.
         lock = self._lock if self._task.is_chief else None
         try:
-            committed = self._tiers.commit(save, previous, lock)
+            committed = self._tiers.commit(save, lock)
         except LeaseLapsedError:
             raise  # Says itself why nothing was committed.
         except (OSError, ProcessesDisagreeError) as e:

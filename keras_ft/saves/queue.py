@@ -25,10 +25,10 @@ from keras_ft.threads import (
     wait_for_removals,
 )
 
-# A commit handed to the writer: `commit(save, previous)`, with the save (a
+# A commit handed to the writer: `commit(save)`, with the save (a
 # `saves.chief.Save`: its `cancel` event calls it off, its `replaced` is the
-# write it supersedes) and the write before it (to commit after).
-Commit = Callable[[Any, PendingWrite | None], Any]
+# write it supersedes). The writer runs one at a time, in order.
+Commit = Callable[[Any], Any]
 
 
 def wait_for_backups() -> None:
@@ -87,7 +87,7 @@ class SaveQueue:
         self._last: tuple[threading.Event, PendingWrite] | None = None
 
     def start(self, commit: Commit, save: Any, replaces_last: bool) -> None:
-        """Hands `commit(save, previous)` to the writer thread; with
+        """Hands `commit(save)` to the writer thread; with
         `replaces_last`, calls the last save off first and sets it as
         `save.replaced`."""
         cancel = save.cancel
@@ -102,7 +102,7 @@ class SaveQueue:
         del self._cancels[: -self._writer.depth]
 
     def run(self, write: Callable[..., Any], *args: Any) -> None:
-        """Hands `write(*args, previous)`, which commits nothing, to the
+        """Hands `write(*args)`, which commits nothing, to the
         writer thread; waits for it unless saves are asynchronous."""
         self._writer.submit(write, *args)
         if not self.async_save:

@@ -28,7 +28,6 @@ from keras_ft.saves.tiers import TieredStore
 from keras_ft.state import Snapshot, TrainingState, arrays
 from keras_ft.state.snapshots import SnapshotPlace
 from keras_ft.state.training_state import optimizer_step
-from keras_ft.threads import PendingWrite
 
 
 class ShardedSaver:
@@ -162,10 +161,7 @@ class ShardedSaver:
         parts = storage.parts(tag, sequence)
         process = self._task.task_index
         if not chief:
-            tiered = self._tiers.local is not None
-            self._queue.run(
-                _write_part, parts, process, tag, share, tiered, self._queue.pools
-            )
+            self._queue.run(_write_part, parts, process, tag, share, self._queue.pools)
             return None
         gathered = GatheredParts(
             OwnPart(
@@ -227,14 +223,10 @@ def _write_part(
     process: int,
     tag: str,
     share: Future,
-    tiered: bool,
     pools: threads.Pools,
-    previous: PendingWrite | None,
 ) -> None:
     """A process's part of a sharded save, in the writer thread (a process
-    other than the chief: the chief's commit waits for every part)."""
-    if previous is not None and tiered:
-        # The local tier's commit of this save first: the bucket never
-        # holds a save some tier lacks.
-        previous.join()
+    other than the chief: the chief's commit waits for every part), after
+    the local tier's commit of this save where there is one (the writer
+    runs them in order): the bucket never holds a save some tier lacks."""
     sharded.write_part(parts, process, tag, share.result(), hasher=pools.hasher)

@@ -18,7 +18,6 @@ from keras_ft.distribute.cluster import TaskSpec, worker_temp_name
 from keras_ft.errors import ProcessesDisagreeError
 from keras_ft.saves.save import Save
 from keras_ft.saves.tiers import TieredStore
-from keras_ft.threads import PendingWrite
 
 
 class WorkerScratch:
@@ -76,12 +75,10 @@ class ScratchTier:
     def __init__(self, scratch: WorkerScratch, tiers: TieredStore):
         self._scratch, self._tiers = scratch, tiers
 
-    def commit(self, save: Save, previous: PendingWrite | None, lock: Any) -> None:
+    def commit(self, save: Save, lock: Any) -> None:
         """Runs in the writer thread: writes one save's files into the
-        scratch directory, after `previous` (the directory holds one save at
-        a time), and removes them."""
-        if previous is not None:
-            previous.join()
+        scratch directory (one save at a time, as the writer runs them), and
+        removes them."""
         try:
             os.makedirs(self._scratch.path, exist_ok=True)
             save.write_files(

@@ -23,7 +23,6 @@ from keras_ft.errors import CheckpointWriteError, ProcessesDisagreeError
 from keras_ft.local_tier import LocalTier
 from keras_ft.saves.save import Save
 from keras_ft.state import ResumePoint, TrainingState
-from keras_ft.threads import PendingWrite
 from keras_ft.training.policy import KeepLast
 
 if TYPE_CHECKING:  # fsspec is optional.
@@ -120,14 +119,12 @@ class TieredStore:
             self._local_lock.release(remove=True)
             self.local.storage.housekeeping.remove_root()
 
-    def commit(
-        self, save: Save, previous: PendingWrite | None, lock: Any
-    ) -> Checkpoint:
+    def commit(self, save: Save, lock: Any) -> Checkpoint:
         """Writes and commits one save (in the writer thread): into the
         local tier first if there is one (then, `save.to_bucket`, a copy
         into the bucket), else, or with `save.direct` (a sharded save's own
-        commit into the bucket), into the backup's store. Each commit waits
-        for `previous` and checks `lock` (if any) before it takes a number;
+        commit into the bucket), into the backup's store. Each commit checks
+        `lock` (if any) before it takes a number;
         the checkpoint of the save `save` supersedes is deleted once it is
         committed."""
         replaced = save.superseded()
@@ -137,7 +134,6 @@ class TieredStore:
                 save.write_files,
                 metadata,
                 cancel,
-                previous,
                 lock,
                 self._committed_in(replaced, "bucket"),
                 save.pools,
@@ -146,7 +142,6 @@ class TieredStore:
             save.write_files,
             metadata,
             cancel,
-            after=previous,
             lock=lock,
             supersedes=self._committed_in(replaced, "local"),
             pools=save.pools,
@@ -158,7 +153,6 @@ class TieredStore:
             TierCopy(self.local, local).write,
             metadata,
             cancel,
-            None,
             self._lock,
             self._committed_in(replaced, "bucket"),
             save.pools,
@@ -173,7 +167,6 @@ class TieredStore:
         write: Callable[[Staging], None],
         metadata: dict,
         cancel: Any,
-        after: PendingWrite | None,
         lock: Any,
         supersedes: Checkpoint | None,
         pools: threads.Pools | None,
@@ -183,15 +176,14 @@ class TieredStore:
         commit (`LocalTier.uploading()`)."""
         if self.tier is None:
             return self.backup.save(
-                write, metadata, cancel, after=after, lock=lock,
-                supersedes=supersedes, pools=pools,
+                write, metadata, cancel, lock=lock, supersedes=supersedes,
+                pools=pools,
             )  # fmt: skip
         try:
             committed = self.backup.save(
                 write,
                 metadata,
                 cancel,
-                after=after,
                 lock=lock,
                 supersedes=supersedes,
                 committing=self.tier.uploading,
