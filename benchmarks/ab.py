@@ -1,5 +1,5 @@
 """The harness of the 10 % rule's A/B benchmarks (`recycling.py`,
-`one_writer.py`, `copy_helper.py`, `check_in_copy.py`): `fit()` saving every
+`one_writer.py`, `without_pool.py`, `check_in_copy.py`): `fit()` saving every
 batch (or every `--every` batches) with no callback and with keras-ft in each
 arm, in one process, rounds interleaved (every other round in reverse order),
 medians. A fit is timed up to its last callback's train end (keras-ft's waits
