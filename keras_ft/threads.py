@@ -160,9 +160,10 @@ class BackgroundWriter:
     """Runs writes in a background thread, one at a time, in order.
 
     Args:
-        pool: The thread that runs the writes (a training's `Pools.writer`,
-            closed with its other helpers). Defaults to `None`: a thread of
-            the writer's own, which `close()` ends.
+        pool: A pool of one thread that runs the writes (a training's
+            `Pools.writer`, closed with its other helpers): its order is
+            the commits'. Defaults to `None`: a thread of the writer's own,
+            which `close()` ends.
     """
 
     # Writes in flight at most: one running, one waiting for it.
@@ -170,6 +171,12 @@ class BackgroundWriter:
 
     def __init__(self, pool: Pool | None = None):
         self._pool = pool or Pool(1, "keras-ft-checkpoint-writer")
+        if self._pool.workers != 1:
+            raise ValueError(
+                "Invalid value for argument `pool`. Expected a pool of one "
+                f"thread (writes commit in order). Received: {self._pool.workers} "
+                "workers"
+            )
         self._pending: list[PendingWrite] = []
 
     def submit(self, write: Callable[..., Any], *args: Any) -> PendingWrite:

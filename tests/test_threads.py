@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from keras_ft.threads import BackgroundWriter, Cancelled, Watermark
+from keras_ft.threads import BackgroundWriter, Cancelled, Pool, Watermark
 
 
 @pytest.fixture
@@ -268,3 +268,8 @@ def test_a_fit_that_raised_leaves_no_thread_once_the_next_one_ends(
     make_model().fit(x, y, epochs=2, batch_size=16, verbose=0, callbacks=[callback])
     threads.wait_for_discards()  # The deleted backup's removal ends by itself.
     assert sorted(t.name for t in keras_ft_threads() - before) == []
+
+
+def test_a_writer_takes_a_pool_of_one_thread_only():
+    with pytest.raises(ValueError, match="pool of one thread"):
+        BackgroundWriter(Pool(2, "keras-ft-test-writer"))
