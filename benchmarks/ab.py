@@ -1,5 +1,5 @@
 """The harness of the 10 % rule's A/B benchmarks (`recycling.py`,
-`one_writer.py`, `without_pool.py`, `check_in_copy.py`): `fit()` saving every
+`without_pool.py`, `check_in_copy.py`): `fit()` saving every
 batch (or every `--every` batches) with no callback and with keras-ft in each
 arm, in one process, rounds interleaved (every other round in reverse order),
 medians. A fit is timed up to its last callback's train end (keras-ft's waits
@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -102,3 +103,23 @@ def compare(
         f"  fit() {arms[0]} / {arms[1]}: {statistics.median(ratios):.3f} "
         f"({min(ratios):.3f}-{max(ratios):.3f})"
     )
+
+
+def compare_patched(
+    args: argparse.Namespace,
+    arms: tuple[str, str],
+    owner: Any,
+    name: str,
+    replacement: Callable,
+) -> None:
+    """`compare()` with `owner.name` as it is in the first arm and
+    `replacement` in the second, put back afterwards (in this process only)."""
+    original = getattr(owner, name)
+
+    def use(arm: str) -> None:
+        setattr(owner, name, original if arm == arms[0] else replacement)
+
+    try:
+        compare(args, arms, use)
+    finally:
+        setattr(owner, name, original)

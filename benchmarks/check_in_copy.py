@@ -15,7 +15,7 @@ counts.
 
 from __future__ import annotations
 
-from ab import arguments, compare
+from ab import arguments, compare_patched
 
 
 def main() -> None:
@@ -27,13 +27,8 @@ def main() -> None:
     def in_copy(self, values, fill, check_later=False, move=None):
         return after(self, values, fill, move is not None, move)
 
-    def use(arm: str) -> None:
-        CopyBuffer.capture = in_copy if arm == "in the copy" else after
-
-    try:
-        compare(args, ("in the copy", "after the copy"), use)
-    finally:
-        CopyBuffer.capture = after
+    arms = ("after the copy", "in the copy")
+    compare_patched(args, arms, CopyBuffer, "capture", in_copy)
 
 
 if __name__ == "__main__":

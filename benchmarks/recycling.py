@@ -16,25 +16,17 @@ mechanism only where such a row shows it pays at least 10 % (docs/benchmarks.md)
 
 from __future__ import annotations
 
-from ab import arguments, compare
+from ab import arguments, compare_patched
 
 
 def main() -> None:
     args = arguments(__doc__.split("\n")[0])
     from keras_ft.checkpoint.local import LocalStorage
 
-    recycled = LocalStorage.retire
-
     def deleted(self, checkpoint) -> None:
         self.delete(checkpoint)
 
-    def use(arm: str) -> None:
-        LocalStorage.retire = recycled if arm == "recycled" else deleted
-
-    try:
-        compare(args, ("recycled", "deleted"), use)
-    finally:
-        LocalStorage.retire = recycled
+    compare_patched(args, ("recycled", "deleted"), LocalStorage, "retire", deleted)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 
-from ab import arguments, compare
+from ab import arguments, compare_patched
 
 PREFIXES = {"copy": "keras-ft-copy", "checksum": "keras-ft-checksum",
             "fsync": "keras-ft-fsync"}  # fmt: skip
@@ -38,14 +38,7 @@ def main() -> None:
         return None if self.prefix == PREFIXES[pool] else with_it(self)
 
     arms = (f"with {pool}", f"without {pool}")
-
-    def use(arm: str) -> None:
-        Pool.__call__ = with_it if arm == arms[0] else without_it
-
-    try:
-        compare(args, arms, use)
-    finally:
-        Pool.__call__ = with_it
+    compare_patched(args, arms, Pool, "__call__", without_it)
 
 
 if __name__ == "__main__":
