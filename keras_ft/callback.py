@@ -417,6 +417,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             epoch=epoch,
             done=self._batches.done,
             steps=self.params.get("steps"),
+            ran_out=self._inputs.ran_out(),
             preempted=bool(self.preempted_by),
             skipped=skipped,
             skip_until=self._batches.skip_until,

@@ -42,6 +42,9 @@ class EpochEnd:
         skipped: A resume skipped this whole epoch (the backup holds it).
         steps: The batches an epoch has (Keras' `params["steps"]`), if known.
         done: The batches this epoch ran (those a resume skipped included).
+        ran_out: The input ran out before `steps` (read with
+            `steps_per_epoch`): Keras ends the epoch there, whole, and reads
+            the input from its start in the next one.
         skip_until: The batches of it a resume skipped.
         stop: Whether, and how, a service stopped training.
         saves_stopped_epochs: Whether an epoch another callback stopped
@@ -57,6 +60,7 @@ class EpochEnd:
     epoch: int
     done: int
     steps: int | None = None
+    ran_out: bool = False
     preempted: bool = False
     skipped: bool = False
     skip_until: int = 0
@@ -69,7 +73,7 @@ class EpochEnd:
 
     @property
     def stopped_mid_epoch(self) -> bool:
-        return bool(self.steps) and self.done < self.steps
+        return bool(self.steps) and self.done < self.steps and not self.ran_out
 
     @property
     def asks_schedules(self) -> bool:

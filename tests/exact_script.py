@@ -89,8 +89,8 @@ def main() -> None:
     parser.add_argument("--stateful-callbacks", action="store_true")
     parser.add_argument("--snapshot", default="auto")
     parser.add_argument(
-        "--input", choices=["numpy", "numpy-unshuffled", "pydataset", "tf.data"],
-        default="numpy",
+        "--input", default="numpy",
+        choices=["numpy", "numpy-unshuffled", "numpy-weighted", "pydataset", "tf.data"],
     )  # fmt: skip
     parser.add_argument("--steps-per-execution", type=int, default=1)
     args = parser.parse_args()
@@ -150,8 +150,18 @@ def main() -> None:
             ),
         ]  # fmt: skip
     inputs = {"x": x, "y": y, "batch_size": BATCH, "shuffle": True}
+    validation = {"validation_data": (x_val, y_val)}
     if args.input == "numpy-unshuffled":
         inputs["shuffle"] = False
+    elif args.input == "numpy-weighted":
+        # Arrays as many scripts pass them: per-sample weights, and the
+        # validation rows split off the end of x (before any shuffle).
+        weights = rng.uniform(0.5, 2.0, size=(SAMPLES * 5 // 4,)).astype("float32")
+        x_all = np.concatenate([x, x_val[: SAMPLES // 4]])
+        y_all = np.concatenate([y, y_val[: SAMPLES // 4]])
+        inputs = {"x": x_all, "y": y_all, "sample_weight": weights,
+                  "batch_size": BATCH, "shuffle": True}  # fmt: skip
+        validation = {"validation_split": 0.2}
     elif args.input == "pydataset":
         inputs = {"x": Batches(x, y), "shuffle": True}
     elif args.input == "tf.data":
@@ -163,7 +173,7 @@ def main() -> None:
     history = model.fit(
         **inputs,
         epochs=args.epochs,
-        validation_data=(x_val, y_val),
+        **validation,
         verbose=0,
         callbacks=callbacks,
     )

@@ -1,6 +1,8 @@
-"""fit() on one stream across epochs: an endless Python generator or a
-repeated tf.data pipeline, read with steps_per_epoch (Keras does not restart
-it at an epoch's begin).
+"""fit() on one stream across epochs: an endless Python generator, a
+repeated tf.data pipeline, or arrays or a PyDataset of more batches than an
+epoch takes, read with steps_per_epoch (Keras does not restart it at an
+epoch's begin; arrays and a PyDataset run out every other epoch here, and
+start again at the next).
 
 Run by tests/test_inputs.py: uninterrupted, and SIGKILLed by itself at a
 chosen batch (after the backups are in) then run again. Writes OUT.npz.
@@ -19,11 +21,29 @@ import keras_ft
 SAMPLES, BATCH, STEPS, EPOCHS = 64, 8, 5, 4  # 8 batches a pass, 5 an epoch.
 
 
+class Noisy(keras.utils.PyDataset):
+    """Batches with NumPy noise drawn as each loads, like an augmentation."""
+
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return SAMPLES // BATCH
+
+    def __getitem__(self, index):
+        part = slice(index * BATCH, (index + 1) * BATCH)
+        noise = np.random.normal(scale=0.01, size=self.x[part].shape)
+        return (self.x[part] + noise).astype("float32"), self.y[part]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("backup_dir")
     parser.add_argument("out")
-    parser.add_argument("--input", choices=["generator", "repeat"])
+    parser.add_argument(
+        "--input", choices=["generator", "repeat", "arrays", "pydataset"]
+    )
     parser.add_argument("--save-freq", default="epoch")
     parser.add_argument("--kill-at", default=None, help="EPOCH:BATCH")
     args = parser.parse_args()
@@ -42,6 +62,10 @@ def main() -> None:
                 start += 1
 
         data = endless()
+    elif args.input == "arrays":
+        data = {"x": x, "y": y, "batch_size": BATCH, "shuffle": True}
+    elif args.input == "pydataset":
+        data = {"x": Noisy(x, y), "shuffle": True}
     else:
         import tensorflow as tf
 
@@ -57,8 +81,9 @@ def main() -> None:
     save_freq = int(args.save_freq) if args.save_freq.isdigit() else args.save_freq
     at = tuple(map(int, args.kill_at.split(":"))) if args.kill_at else None
     backup = keras_ft.BackupAndRestore(args.backup_dir, save_freq=save_freq, verbose=0)
+    data = data if isinstance(data, dict) else {"x": data}
     model.fit(
-        data, steps_per_epoch=STEPS, epochs=EPOCHS, verbose=0,
+        **data, steps_per_epoch=STEPS, epochs=EPOCHS, verbose=0,
         callbacks=[backup, KillAt(at)],
     )  # fmt: skip
     np.savez(args.out + ".npz", *[np.asarray(w) for w in model.get_weights()])

@@ -12,6 +12,7 @@ import pytest
 from conftest import (
     checkpoint_entries,
     make_model,
+    run_once_on,
     subprocess_env,
     tree_digest,
     weights_of,
@@ -124,6 +125,12 @@ def test_export_writes_files_keras_opens(backup, tmp_path):
         np.testing.assert_array_equal(mine, theirs)
     assert int(exported.optimizer.iterations) == 12
 
+
+@run_once_on("torch", "the weights file and the argument check do not depend on it")
+def test_export_of_the_weights_alone_needs_no_model_file(backup, tmp_path):
+    backup_dir, trained = backup
+    model_file = str(tmp_path / "architecture.keras")
+    make_model().save(model_file)
     for model_args in (["--model", model_file], []):
         weights = str(tmp_path / f"exported{len(model_args)}.weights.h5")
         result = keras_ft_command("export", backup_dir, *model_args, "--out", weights)

@@ -76,6 +76,11 @@ TABLE = [
     ("skipped by a resume", dataclasses.replace(WHOLE, skipped=True), Decision()),
     ("stopped mid-epoch by another callback", AT_4, Decision(STOPPED, to_bucket=True)),
     (
+        "the input ran out at batch 4 of 10 (steps_per_epoch): the epoch ran",
+        dataclasses.replace(AT_4, ran_out=True, scheduled=True),
+        Decision(SAVE, to_bucket=True, completed=True),
+    ),
+    (
         "stopped mid-epoch, scheduled: the stop point, not the epoch",
         dataclasses.replace(AT_4, scheduled=True, later_stateful=True),
         Decision(STOPPED, to_bucket=True),

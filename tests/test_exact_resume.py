@@ -124,6 +124,8 @@ INPUTS = [
         marks=run_once_on("torch", "the array adapter is tested on every backend"),
     ),
     "pydataset",
+    # Per-sample weights, and validation rows split off the arrays' end.
+    pytest.param("numpy-weighted", marks=run_once_on("jax", SPREAD)),
 ]
 if keras.backend.backend() == "tensorflow":
     INPUTS.append("tf.data")

@@ -814,6 +814,10 @@ FIT_CASES = {
         callback_value(("epoch_begin_rng", "numpy", "pos"), 10**6),
         "random",
     ),
+    "a stream's PyTorch generator state not bytes": (
+        callback_value(("input",), {"stream": 1, "stream_rng": {"torch": "x"}}),
+        "PyTorch",
+    ),
     "PyTorch generator state of the wrong size": (
         torch_state_of_the_wrong_size,
         "PyTorch",

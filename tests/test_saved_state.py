@@ -20,7 +20,7 @@ def state() -> dict:
     return {
         "rng": generators,
         "input": {"stream": 12, "tf_iterator": np.frombuffer(b"it", np.uint8),
-                  "rng": generators},  # fmt: skip
+                  "rng": generators, "stream_made": True},  # fmt: skip
         "logs": {"loss": 0.25, "accuracy": 1, "val_loss": None},
         "fit": 2,
         "callbacks_pending": ["EarlyStopping:0"],
@@ -47,6 +47,7 @@ def test_the_state_keras_ft_saves_passes():
     [
         (lambda s: s.update(input=[1]), "input's position is not an object"),
         (lambda s: s["input"].update(stream=-1), "stream position is not a count"),
+        (lambda s: s["input"].update(stream_made=1), "stream_made is not true"),
         (lambda s: s["input"].update(grain=b"raw"), "grain state is not bytes"),
         (lambda s: s["input"].update(tf_iterator=np.zeros(2)), "tf_iterator"),
         (lambda s: s["input"]["rng"]["numpy"].update(pos=700), "position"),

@@ -50,6 +50,17 @@ def loop_pulls_batches() -> bool:
     return keras.backend.backend() == "torch"
 
 
+def loads_ahead_in_tf_data(epoch_iterator: Any) -> bool:
+    """Whether `fit()` loads its `PyDataset` through a prefetching `tf.data`
+    pipeline (TensorFlow): items then load in a thread of their own, as far
+    ahead of training as tf.data's autotuning takes them."""
+    adapter = getattr(epoch_iterator, "data_adapter", None)
+    return (
+        keras.backend.backend() == "tensorflow"
+        and type(adapter).__name__ == "PyDatasetAdapter"
+    )
+
+
 def _pull(iterator: Any, count: int) -> list:
     batches = []
     for _ in range(count):

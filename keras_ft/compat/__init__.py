@@ -18,8 +18,10 @@ from keras_ft.compat.data import (
     input_kind,
     is_placeholder,
     loads_in_processes,
+    make_stream,
     restore_tf_iterator,
     start_data_at_epoch,
+    stream_made,
     stream_position,
 )
 from keras_ft.compat.grain_input import GrainView
@@ -79,6 +81,8 @@ __all__ = [
     "PyDatasetView",
     "TfDataState",
     "advance_stream",
+    "make_stream",
+    "stream_made",
     "stream_position",
     "available",
     "build_metrics",

@@ -556,15 +556,21 @@ def restore_tf_iterator(iterator: Any, state: bytes) -> bool:
 
 # Inputs Keras reads as one stream across the epochs of a fit() given
 # `steps_per_epoch`: it makes their iterator once, and anew only when a
-# finite one runs out.
-_STREAMS = ("GeneratorDataAdapter", "TFDatasetAdapter")
+# finite one runs out (arrays and a PyDataset longer than `steps_per_epoch`
+# included: an epoch goes on where the last one stopped in the pass).
+_STREAMS = (
+    "GeneratorDataAdapter", "TFDatasetAdapter", "ArrayDataAdapter",
+    "PyDatasetAdapter",
+)  # fmt: skip
 
 
 @register(
     "stream_position",
-    "an endless generator or a repeated tf.data pipeline read with "
-    "steps_per_epoch resumes where its epoch began drawing, not where the "
-    "stream was: other batches than the uninterrupted run's",
+    "an input read with steps_per_epoch (an endless generator, a repeated "
+    "tf.data pipeline, arrays or a PyDataset longer than it) resumes where "
+    "its epoch began drawing, not where the stream was, and an epoch the "
+    "input ran out in counts as stopped: other batches than the "
+    "uninterrupted run's",
 )
 def _check_stream_position() -> bool:
     from keras.src.trainers.epoch_iterator import EpochIterator
@@ -577,9 +583,9 @@ def _check_stream_position() -> bool:
 
 def stream_position(epoch_iterator: Any) -> int | None:
     """Batches `fit()` has drawn from its input's current iterator, where
-    it reads the input as one stream across epochs (a generator or a
-    `tf.data` pipeline, with `steps_per_epoch`): Keras' `_steps_seen`, 0
-    before it made one. `None` for other input (restarted each epoch)."""
+    it reads the input as one stream across epochs (any input of `_STREAMS`,
+    with `steps_per_epoch`): Keras' `_steps_seen`, 0 before it made one and
+    once the input ran out. `None` for other input (restarted each epoch)."""
     if input_kind(epoch_iterator) not in _STREAMS:
         return None
     if not getattr(epoch_iterator, "steps_per_epoch", None):
@@ -591,19 +597,37 @@ def stream_position(epoch_iterator: Any) -> int | None:
     return int(getattr(epoch_iterator, "_steps_seen", 0))
 
 
-def advance_stream(epoch_iterator: Any, count: int) -> bool:
-    """Gives `fit()`'s stream (`stream_position()`) an iterator that has
-    drawn `count` batches, before the epoch reads it; returns whether it
-    did."""
+def stream_made(epoch_iterator: Any) -> bool:
+    """Whether `fit()`'s stream (`stream_position()`) has its iterator."""
+    return getattr(epoch_iterator, "_current_iterator", None) is not None
+
+
+def make_stream(epoch_iterator: Any) -> bool:
+    """Gives `fit()`'s stream a new iterator now, as Keras makes one (on
+    PyTorch, making a `DataLoader`'s iterator draws from PyTorch's
+    generator); returns whether it did."""
     try:
-        iterator = iter(epoch_iterator._get_iterator())
-        for _ in range(count):
-            next(iterator)
-    except StopIteration:
-        return False  # Shorter than the backup says: read as it comes.
+        epoch_iterator._current_iterator = iter(epoch_iterator._get_iterator())
     except Exception as e:
         fail("stream_position", e)
         return False
-    epoch_iterator._current_iterator = iterator
+    epoch_iterator._steps_seen = 0
+    return True
+
+
+def advance_stream(epoch_iterator: Any, count: int) -> bool:
+    """Draws `count` batches from `fit()`'s stream (`make_stream()`), before
+    the epoch reads it; returns whether it did."""
+    try:
+        for _ in range(count):
+            next(epoch_iterator._current_iterator)
+    except StopIteration:
+        # Shorter than the backup says: read as it comes.
+        epoch_iterator._current_iterator = None
+        return False
+    except Exception as e:
+        fail("stream_position", e)
+        epoch_iterator._current_iterator = None
+        return False
     epoch_iterator._steps_seen = count
     return True

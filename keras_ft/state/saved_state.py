@@ -35,6 +35,8 @@ def check(state: dict) -> None:
         generators.check(saved)
     if not _is_count(saved_input.get("stream", 0)):
         raise ValueError("the input's stream position is not a count")
+    if not isinstance(saved_input.get("stream_made", False), bool):
+        raise ValueError("the input's stream_made is not true or false")
     for name in ("tf_iterator", "grain"):
         value = saved_input.get(name)
         if value is not None and not (

@@ -33,8 +33,10 @@ On JAX and PyTorch, Keras reads the pipeline through NumPy, so no iterator
 state is saved: replayed too, exact unless the pipeline reshuffles (then a
 warning says so).
 
-A Python generator or a `tf.data` pipeline read with `steps_per_epoch` is one
-stream across the epochs: Keras does not restart it at an epoch's begin. Its
+Input read with `steps_per_epoch` is one stream across the epochs (a Python
+generator, a `tf.data` pipeline, and arrays or a `PyDataset` with more
+batches than an epoch takes): Keras does not restart it at an epoch's begin,
+and one that runs out ends its epoch, then starts again in the next. Its
 position is counted from the stream's start (`stream_at()`), and a new
 process's stream draws the batches of the epochs before the resumed one again
 before that epoch begins (`advance_stream()`), from Python's and NumPy's
@@ -82,6 +84,9 @@ class InputPosition:
         # the data side's generators when it began.
         self._stream_start: int | None = None
         self._stream_rng: dict[str, Any] | None = None
+        # Whether its iterator was made before its first epoch began (at
+        # the end of the last pass), before `_stream_rng` was noted.
+        self._stream_made = False
         self._before: collections.deque = collections.deque(maxlen=KEPT_LOADS)
         self._resume_rng: dict[str, Any] | None = None
         self.view = compat.PyDatasetView.of(epoch_iterator, self._before_load)
@@ -95,8 +100,10 @@ class InputPosition:
         self._before.clear()
         self._resume_rng = None
         self._stream_start = compat.stream_position(self.epoch_iterator)
-        if self._stream_start == 0:  # Keras makes its iterator this epoch.
-            self._stream_rng = rng.from_raw(rng.capture_raw())
+        if self._stream_start == 0:  # A pass begins.
+            # PyTorch's generator too: a `DataLoader` draws from it.
+            self._stream_rng = rng.capture()
+            self._stream_made = compat.stream_made(self.epoch_iterator)
         if self.view is not None:
             self.view.skip([], placeholders=False)
         if self.arrays is not None:
@@ -132,42 +139,70 @@ class InputPosition:
         """Where a stream read across epochs (see the module's docstring)
         is after the epoch's first `batch` (`None`: the whole epoch, at its
         end): `{"stream": batches drawn, "stream_rng": the data side's
-        generators when it began}`, or `None` for other input."""
+        generators when its pass began, "stream_made": whether its iterator
+        was made before that}`, or `None` for other input."""
         if self._stream_start is None:
             return None
+        made = self._stream_made
         if batch is None:  # Keras may have made a new iterator: it knows.
             drawn = compat.stream_position(self.epoch_iterator)
+            if not drawn:  # The next pass begins with the next epoch.
+                made = compat.stream_made(self.epoch_iterator)
         else:
             drawn = self._stream_start + batch
-        if not drawn or drawn is None:
+        if drawn is None or not (drawn or made):
             return None  # A new stream: nothing to draw again.
-        return {"stream": drawn, "stream_rng": self._stream_rng or {}}
+        return {
+            "stream": drawn,
+            "stream_rng": self._stream_rng or {},
+            "stream_made": made,
+        }
+
+    def ran_out(self) -> bool:
+        """At an epoch's end, whether a stream (see the module's docstring)
+        ran out in it: Keras counts the epoch as run, and reads the input
+        from its start in the next one."""
+        return compat.stream_position(self.epoch_iterator) == 0
 
     def advance_stream(self, point: ResumePoint) -> None:
         """At the resumed epoch's begin, in a stream read across epochs:
-        draws the batches of the stream before that epoch again (not
-        trained), leaving the global random generators as they were; the
-        epoch's own trained batches are skipped as any input's."""
+        makes its iterator where the uninterrupted run had made it before
+        (so that what making it draws comes before the random state put
+        back), and draws the batches of the pass before that epoch again
+        (not trained), leaving the global random generators as they were;
+        the epoch's own trained batches are skipped as any input's."""
         saved = point.extra.get("input")
         stream = saved.get("stream") if isinstance(saved, dict) else None
         if stream is None or self._stream_start is None:
             return
         # Noted again by this process's saves: the stream is the same.
         self._stream_rng = saved.get("stream_rng") or self._stream_rng
+        self._stream_made = made = saved.get("stream_made") is True
         if point.batch and "tf_iterator" in saved:
             return  # Restored exactly from the iterator's state.
         before = stream - point.batch
-        if before <= 0:
-            return
+        if stream and fit_loop.loads_ahead_in_tf_data(self.epoch_iterator):
+            self._warn_loads_ahead()
+        if before <= 0 and not made:
+            return  # Keras makes the pass's iterator as it did.
         state = rng.capture()
-        began = saved.get("stream_rng", {})
-        rng.apply(began)
-        advanced = compat.advance_stream(self.epoch_iterator, before)
-        rng.apply(state)
-        if advanced:
-            self._stream_start = before
-            if compat.input_kind(self.epoch_iterator) == "GeneratorDataAdapter":
-                self._warn_generator(stream)
+        try:
+            # Made at the last pass's end, before this pass's state was noted:
+            # what making it draws is in that state already.
+            if made and not compat.make_stream(self.epoch_iterator):
+                return
+            if before <= 0:
+                return
+            rng.apply(saved.get("stream_rng", {}))
+            if not made and not compat.make_stream(self.epoch_iterator):
+                return
+            if not compat.advance_stream(self.epoch_iterator, before):
+                return
+        finally:
+            rng.apply(state)
+        self._stream_start = before
+        if compat.input_kind(self.epoch_iterator) == "GeneratorDataAdapter":
+            self._warn_generator(stream)
 
     def skip(self, point: ResumePoint) -> bool:
         """Sets up the resumed epoch to skip its trained items at the source.
@@ -236,6 +271,19 @@ class InputPosition:
             if self._stream_start:
                 return  # Said with the stream's batches before the epoch.
             self._warn_generator(count)
+
+    def _warn_loads_ahead(self) -> None:
+        events.warn(
+            "restore",
+            "BackupAndRestore: on TensorFlow a keras.utils.PyDataset read with "
+            "steps_per_epoch loads ahead of training in a tf.data thread, and "
+            "how far ahead it was when an epoch began is not known: its "
+            "batches come in the uninterrupted run's order, but what its "
+            "__getitem__ draws from NumPy's or Python's global generators "
+            "(augmentation) after the resume may differ. For an exact resume "
+            "draw from a generator seeded by the item's index.",
+            stacklevel=3,
+        )
 
     def _warn_generator(self, count: int) -> None:
         events.warn(

@@ -302,17 +302,20 @@ class Resumption:
 def check_saved(extra: dict, callbacks: list) -> None:
     """Raises `ValueError` unless what `BackupAndRestore` saved beside the
     variables has the shape a resume uses, beyond what the restore checks
-    of any checkpoint (`saved_state.check()`): the epoch's first generator
-    states (PyTorch's and Keras' too), and this fit()'s stock callbacks'
-    state by what each callback is. Checked before anything is restored, so
-    that a malformed checkpoint is damage (the restore falls back) rather
-    than an error mid-training.
+    of any checkpoint (`saved_state.check()`): the generator states of the
+    epoch's and the stream's begin (PyTorch's and Keras' too), and this
+    fit()'s stock callbacks' state by what each callback is. Checked before
+    anything is restored, so that a malformed checkpoint is damage (the
+    restore falls back) rather than an error mid-training.
 
     Args:
         extra: A checkpoint's `ResumePoint.extra`.
         callbacks: This fit()'s other callbacks.
     """
     rng.check(extra.get("epoch_begin_rng", {}))
+    saved_input = extra.get("input", {})
+    if isinstance(saved_input, dict):  # A stream's, PyTorch's included.
+        rng.check(saved_input.get("stream_rng", {}))
     callback_state.check(callbacks, extra.get("callbacks", {}))
 
 
