@@ -1,8 +1,8 @@
 """fit() on one stream across epochs: an endless Python generator, a
-repeated tf.data pipeline, or arrays or a PyDataset of more batches than an
-epoch takes, read with steps_per_epoch (Keras does not restart it at an
-epoch's begin; arrays and a PyDataset run out every other epoch here, and
-start again at the next).
+repeated tf.data pipeline, or arrays, a PyDataset or a PyTorch DataLoader of
+more batches than an epoch takes, read with steps_per_epoch (Keras does not
+restart it at an epoch's begin; the finite ones run out every other epoch
+here, and start again at the next).
 
 Run by tests/test_inputs.py: uninterrupted, and SIGKILLed by itself at a
 chosen batch (after the backups are in) then run again. Writes OUT.npz.
@@ -42,7 +42,8 @@ def main() -> None:
     parser.add_argument("backup_dir")
     parser.add_argument("out")
     parser.add_argument(
-        "--input", choices=["generator", "repeat", "arrays", "pydataset"]
+        "--input",
+        choices=["generator", "repeat", "arrays", "pydataset", "dataloader"],
     )
     parser.add_argument("--save-freq", default="epoch")
     parser.add_argument("--kill-at", default=None, help="EPOCH:BATCH")
@@ -66,6 +67,11 @@ def main() -> None:
         data = {"x": x, "y": y, "batch_size": BATCH, "shuffle": True}
     elif args.input == "pydataset":
         data = {"x": Noisy(x, y), "shuffle": True}
+    elif args.input == "dataloader":
+        import torch
+
+        pairs = torch.utils.data.TensorDataset(torch.tensor(x), torch.tensor(y))
+        data = torch.utils.data.DataLoader(pairs, batch_size=BATCH, shuffle=True)
     else:
         import tensorflow as tf
 

@@ -556,18 +556,19 @@ def restore_tf_iterator(iterator: Any, state: bytes) -> bool:
 
 # Inputs Keras reads as one stream across the epochs of a fit() given
 # `steps_per_epoch`: it makes their iterator once, and anew only when a
-# finite one runs out (arrays and a PyDataset longer than `steps_per_epoch`
-# included: an epoch goes on where the last one stopped in the pass).
+# finite one runs out (arrays, a PyDataset and a DataLoader longer than
+# `steps_per_epoch` included: an epoch goes on where the last one stopped).
 _STREAMS = (
     "GeneratorDataAdapter", "TFDatasetAdapter", "ArrayDataAdapter",
-    "PyDatasetAdapter",
+    "PyDatasetAdapter", "TorchDataLoaderAdapter",
 )  # fmt: skip
 
 
 @register(
     "stream_position",
     "an input read with steps_per_epoch (an endless generator, a repeated "
-    "tf.data pipeline, arrays or a PyDataset longer than it) resumes where "
+    "tf.data pipeline, arrays, a PyDataset or a DataLoader longer than it) "
+    "resumes where "
     "its epoch began drawing, not where the stream was, and an epoch the "
     "input ran out in counts as stopped: other batches than the "
     "uninterrupted run's",

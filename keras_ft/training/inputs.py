@@ -34,15 +34,17 @@ state is saved: replayed too, exact unless the pipeline reshuffles (then a
 warning says so).
 
 Input read with `steps_per_epoch` is one stream across the epochs (a Python
-generator, a `tf.data` pipeline, and arrays or a `PyDataset` with more
-batches than an epoch takes): Keras does not restart it at an epoch's begin,
-and one that runs out ends its epoch, then starts again in the next. Its
-position is counted from the stream's start (`stream_at()`), and a new
-process's stream draws the batches of the epochs before the resumed one again
-before that epoch begins (`advance_stream()`), from Python's and NumPy's
-generators as they were when the stream began (what a generator drew from
-them comes out the same), which are put back afterwards; then the resumed
-epoch goes on as any other.
+generator, a `tf.data` pipeline, and arrays, a `PyDataset` or a PyTorch
+`DataLoader` with more batches than an epoch takes): Keras does not restart
+it at an epoch's begin, and one that runs out ends its epoch (counted as
+run), then starts again in the next. Its position is counted from the pass's
+start (`stream_at()`). A new process makes the pass's iterator where the
+uninterrupted run had made it (before the random state put back: on PyTorch
+making it draws from the generator training draws from), draws the batches
+of the pass before the resumed epoch again (`advance_stream()`) from the
+generators as they were when the pass began (what a generator drew from them
+comes out the same), and puts them back afterwards; then the resumed epoch
+goes on as any other.
 
 A Grain `MapDataset` or `IterDataset` is saved as Grain checkpoints its
 iterators (`compat.GrainView`): the backup holds the state of the epoch's
