@@ -50,15 +50,11 @@ def loop_pulls_batches() -> bool:
     return keras.backend.backend() == "torch"
 
 
-def loads_ahead_in_tf_data(epoch_iterator: Any) -> bool:
-    """Whether `fit()` loads its `PyDataset` through a prefetching `tf.data`
+def py_dataset_loads_ahead() -> bool:
+    """Whether `fit()` loads a `PyDataset` through a prefetching `tf.data`
     pipeline (TensorFlow): items then load in a thread of their own, as far
     ahead of training as tf.data's autotuning takes them."""
-    adapter = getattr(epoch_iterator, "data_adapter", None)
-    return (
-        keras.backend.backend() == "tensorflow"
-        and type(adapter).__name__ == "PyDatasetAdapter"
-    )
+    return keras.backend.backend() == "tensorflow"
 
 
 def _pull(iterator: Any, count: int) -> list:

@@ -183,7 +183,8 @@ class InputPosition:
         if point.batch and "tf_iterator" in saved:
             return  # Restored exactly from the iterator's state.
         before = stream - point.batch
-        if stream and fit_loop.loads_ahead_in_tf_data(self.epoch_iterator):
+        kind = compat.input_kind(self.epoch_iterator)
+        if stream and kind == "PyDatasetAdapter" and fit_loop.py_dataset_loads_ahead():
             self._warn_loads_ahead()
         if before <= 0 and not made:
             return  # Keras makes the pass's iterator as it did.
@@ -203,7 +204,7 @@ class InputPosition:
         finally:
             rng.apply(state)
         self._stream_start = before
-        if compat.input_kind(self.epoch_iterator) == "GeneratorDataAdapter":
+        if kind == "GeneratorDataAdapter":
             self._warn_generator(stream)
 
     def skip(self, point: ResumePoint) -> bool:
