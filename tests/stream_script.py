@@ -70,6 +70,8 @@ def main() -> None:
     elif args.input == "dataloader":
         import torch
 
+        # keras.utils.set_random_seed() seeds PyTorch on its backend only.
+        torch.manual_seed(5)
         pairs = torch.utils.data.TensorDataset(torch.tensor(x), torch.tensor(y))
         data = torch.utils.data.DataLoader(pairs, batch_size=BATCH, shuffle=True)
     else:

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -13,8 +15,8 @@ from keras_ft.backend import random_state
 TORCH = keras.backend.backend() == "torch"
 
 
-@pytest.mark.skipif(not TORCH, reason="PyTorch's global generator")
 def test_the_global_generator_draws_again_what_it_drew():
+    """On every backend: a DataLoader(shuffle=True) draws from it on any."""
     import torch
 
     torch.manual_seed(3)
@@ -27,7 +29,6 @@ def test_the_global_generator_draws_again_what_it_drew():
     assert torch.equal(torch.rand(5), first)  # ...and is set back.
 
 
-@pytest.mark.skipif(not TORCH, reason="PyTorch's global generator")
 @pytest.mark.parametrize(
     "damage", [lambda s: s[:10], lambda s: np.zeros(3, np.uint8), lambda s: s[::2]]
 )
@@ -41,12 +42,16 @@ def test_a_malformed_state_is_refused_before_any_is_set(damage):
     assert torch.equal(torch.get_rng_state(), before)
 
 
-@pytest.mark.skipif(TORCH, reason="the other backends' own generators")
-def test_other_backends_have_no_global_generator_of_their_own():
+@pytest.mark.skipif(TORCH, reason="the torch backend imports PyTorch")
+def test_a_process_without_pytorch_saves_and_sets_no_pytorch_state(monkeypatch):
+    """Nothing drew from PyTorch's generator where it was never imported;
+    setting a saved one there would import it for nothing."""
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
     assert random_state.generator_state() is None
-    assert random_state.device_generator_states() is None
     random_state.check_generator_state(np.zeros(3, np.uint8))  # Nothing to set.
     random_state.set_generator_state(np.zeros(3, np.uint8))
+    assert "torch" not in sys.modules
+    assert random_state.device_generator_states() is None
 
 
 def test_without_cuda_no_device_generator_is_saved_or_set():

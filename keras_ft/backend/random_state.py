@@ -1,5 +1,6 @@
-"""Each backend's global random generators beyond Python's and NumPy's
-(PyTorch's CPU and device generators), and whether its ops are deterministic.
+"""The global random generators beyond Python's and NumPy's (PyTorch's CPU
+generator wherever PyTorch is imported, its device generators on the torch
+backend), and whether the backend's ops are deterministic.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import numpy as np
 
 
 def generator_state() -> np.ndarray | None:
-    """The state of the backend's own global generator (PyTorch's), if any.
+    """The state of PyTorch's global CPU generator, where PyTorch is imported.
 
     An unseeded Dropout on the torch backend draws from it, and so does a
-    `RandomSampler` shuffling arrays.
+    `RandomSampler` shuffling arrays, or a `DataLoader(shuffle=True)` on any
+    backend. A process that never imported PyTorch draws nothing from it.
     """
-    if keras.backend.backend() != "torch" or "torch" not in sys.modules:
+    if "torch" not in sys.modules:
         return None
     import torch
 
@@ -25,8 +27,10 @@ def generator_state() -> np.ndarray | None:
 
 
 def set_generator_state(state: np.ndarray) -> None:
-    """Sets what `generator_state()` returned."""
-    if keras.backend.backend() == "torch":
+    """Sets what `generator_state()` returned, where PyTorch is imported (a
+    process that has not imported it yet has drawn nothing from it; importing
+    it here would cost seconds for nothing)."""
+    if "torch" in sys.modules:
         import torch
 
         torch.set_rng_state(torch.from_numpy(np.asarray(state, np.uint8)))
@@ -82,7 +86,7 @@ def check_device_generator_states(states: list[np.ndarray]) -> None:
 def check_generator_state(state: np.ndarray) -> None:
     """Raises `ValueError` unless `set_generator_state(state)` would take
     it: set first on a generator of its own."""
-    if keras.backend.backend() == "torch":
+    if "torch" in sys.modules:
         import torch
 
         try:

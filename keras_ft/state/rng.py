@@ -3,8 +3,9 @@
 Covers the generators that `keras.utils.set_random_seed()` seeds and that
 `fit()` draws from outside the model: Python's `random` (PyDataset shuffling),
 NumPy's global generator (array shuffling on JAX), PyTorch's default generator
-(array shuffling on PyTorch, through `RandomSampler`) and its generators on
-CUDA devices (an unseeded Dropout on a GPU), and Keras' global
+wherever PyTorch is imported (array shuffling on PyTorch, through
+`RandomSampler`; a `DataLoader(shuffle=True)` on any backend) and its generators
+on CUDA devices (an unseeded Dropout on a GPU), and Keras' global
 `SeedGenerator`. Seed generators owned by layers are model state, saved with
 the model (see `state.py`). TensorFlow's data pipeline seeds itself from the
 global seed each epoch, so it needs nothing here.
