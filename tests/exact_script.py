@@ -90,7 +90,8 @@ def main() -> None:
     parser.add_argument("--snapshot", default="auto")
     parser.add_argument(
         "--input", default="numpy",
-        choices=["numpy", "numpy-unshuffled", "numpy-weighted", "pydataset", "tf.data"],
+        choices=["numpy", "numpy-unshuffled", "numpy-weighted", "pydataset",
+                 "tf.data", "dataloader"],
     )  # fmt: skip
     parser.add_argument("--steps-per-execution", type=int, default=1)
     args = parser.parse_args()
@@ -164,6 +165,14 @@ def main() -> None:
         validation = {"validation_split": 0.2}
     elif args.input == "pydataset":
         inputs = {"x": Batches(x, y), "shuffle": True}
+    elif args.input == "dataloader":
+        import torch
+
+        # keras.utils.set_random_seed() seeds PyTorch on its backend only.
+        torch.manual_seed(7)
+        pairs = torch.utils.data.TensorDataset(torch.tensor(x), torch.tensor(y))
+        loader = torch.utils.data.DataLoader(pairs, batch_size=BATCH, shuffle=True)
+        inputs = {"x": loader}
     elif args.input == "tf.data":
         import tensorflow as tf
 
