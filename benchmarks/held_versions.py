@@ -6,6 +6,8 @@ timing one copy and keras-ft's saves in turn.
 
 A change to what the training thread does at a save (the copy, its helper)
 shows here; the fit-time A/Bs (`ab.py`) cannot see a millisecond a save.
+`--every-batch`: instead, the time a save every batch adds to `fit()` (the
+every-batch row), a fit without a callback and one with keras-ft in turn.
 
 Run: `python benchmarks/held_versions.py /tmp/old . --backend tensorflow`.
 """
@@ -22,14 +24,29 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def measure(fits: int) -> None:
-    """In a process of one version: held up / one copy, for each of `fits`."""
+def measure(fits: int, every_batch: bool) -> None:
+    """In a process of one version: held up / one copy, for each of `fits`
+    (or milliseconds added per save every batch)."""
     sys.path.insert(0, HERE)
-    from save_cost import BLOCKING_EVERY, CopyOnly, blocking_runner, data
+    from save_cost import BLOCKING_EVERY, CopyOnly, blocking_runner, data, fit_runner
 
     import keras_ft
 
     root = tempfile.mkdtemp()
+    if every_batch:
+        steps = 60
+        xs, ys = data(steps)
+        directory = os.path.join(root, "every")
+        none = fit_runner(2048, xs, ys, list)
+        saved = fit_runner(
+            2048, xs, ys, lambda: [keras_ft.BackupAndRestore(directory, save_freq=1)]
+        )
+        added = []
+        for _ in range(fits):
+            added.append((saved() - none()) / steps * 1000)
+            keras_ft.wait_for_backups()
+        print("RATIOS", " ".join(f"{a:.1f}" for a in added))
+        return
     xs, ys = data(BLOCKING_EVERY * 8)
 
     def backup() -> list:
@@ -51,10 +68,11 @@ def main() -> None:
     parser.add_argument("--backend", default="tensorflow")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--fits", type=int, default=5)
+    parser.add_argument("--every-batch", action="store_true")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
-        measure(args.fits)
+        measure(args.fits, args.every_batch)
         return
     for round_ in range(args.rounds):
         for tree in args.trees:
@@ -62,13 +80,15 @@ def main() -> None:
                    "PYTHONPATH": os.path.abspath(tree)}  # fmt: skip
             out = subprocess.run(
                 [sys.executable, __file__, *args.trees, "--measure",
-                 "--fits", str(args.fits)],
+                 "--fits", str(args.fits)]
+                + (["--every-batch"] if args.every_batch else []),
                 capture_output=True, text=True, env=env, cwd=tempfile.gettempdir(),
                 check=True,
             ).stdout  # fmt: skip
             ratios = [float(r) for r in out.split("RATIOS")[-1].split()]
+            row = "ms added a save" if args.every_batch else "held up / one copy"
             print(
-                f"round {round_ + 1}, {tree}: held up / one copy "
+                f"round {round_ + 1}, {tree}: {row} "
                 f"{statistics.median(ratios):.3f} "
                 f"({', '.join(f'{r:.2f}' for r in ratios)})",
                 flush=True,
