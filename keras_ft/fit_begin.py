@@ -157,6 +157,8 @@ def resume_fit(
         compat.start_data_at_epoch(position.epoch_iterator, point.epoch)
     if not jumped and start is not point:
         model.stop_training = True  # After the first batch, read through.
+    if start is point:
+        _warn_if_epoch_changed(point, params.get("steps"))
     resumption = resume.Resumption(
         model, start, apply_metrics, jumped, position, began=began
     )
@@ -173,3 +175,22 @@ def resume_fit(
         message += f"; warm start from {warm_start.path} not applied"
     events.say("restore", message + ".", verbose=verbose, write=compat.print_msg)
     return resumption
+
+
+def _warn_if_epoch_changed(point: ResumePoint, steps: int | None) -> None:
+    """Warns where a mid-epoch backup counted its epoch's batches otherwise
+    than this fit() does (another `batch_size`, more or fewer samples): its
+    position names batches of the other size."""
+    saved = point.extra.get("epoch_batches")
+    if not point.batch or not saved or not steps or saved == steps:
+        return
+    events.warn(
+        "restore",
+        f"BackupAndRestore: {point.checkpoint} was saved after batch "
+        f"{point.batch} of {saved} of epoch {point.epoch + 1}, but an epoch of "
+        f"this fit() has {steps} batches (another `batch_size`, or other "
+        f"data). It resumes after batch {min(point.batch, steps)} of {steps}: "
+        "some samples of that epoch train twice or not at all. For an exact "
+        "resume, rerun with the `batch_size` and data of the backed-up run.",
+        stacklevel=4,
+    )

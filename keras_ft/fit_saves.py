@@ -98,6 +98,9 @@ class FitSaves:
         self.validation_rng: dict | None = None
         self._reported_interval: int | None = None
         self._told_unsaved = False  # Of callbacks whose state no save holds.
+        # The batches an epoch of this fit() has (Keras' `params["steps"]`):
+        # a mid-epoch position counts them.
+        self.epoch_batches: int | None = None
 
     def save(
         self,
@@ -271,6 +274,8 @@ class FitSaves:
             behind = self._callbacks.later_batch_counters()
             if behind:
                 extra["callbacks_behind"] = self._callbacks.keys(behind)
+        if batch and self.epoch_batches:
+            extra["epoch_batches"] = self.epoch_batches
         if batch:  # Counted in the save's cost: a tf.data state may be large.
             position = self._inputs.state_at(batch)
             if position is not None:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 
 import keras
 import numpy as np
@@ -77,6 +78,42 @@ def test_fits_are_numbered_per_backup_dir():
     assert fit_begin.fit_number(first) == 1
     assert fit_begin.fit_number(other) == 1
     assert fit_begin.fit_number(first) == 2
+
+
+@pytest.mark.parametrize("batch_size", [16, 8])
+def test_a_resume_whose_epoch_has_other_batches_says_so(backup_dir, data, batch_size):
+    """Saved after batch 3 of 4 (batches of 16), killed, rerun with batches
+    of 8: the position (3 batches) names batches of the other size, and the
+    rerun is told; rerun with the same size, it is not."""
+
+    class Crash(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 3:
+                raise RuntimeError("crash")
+
+    def fit(size, *callbacks):
+        backup = keras_ft.BackupAndRestore(backup_dir, save_freq=3, verbose=0)
+        make_model().fit(
+            *data, batch_size=size, epochs=2, verbose=0, callbacks=[backup, *callbacks]
+        )
+
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(16, Crash())
+    keras_ft.wait_for_backups()
+    holdings.forget("fits")  # A new process.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(batch_size)
+    told = [
+        str(w.message) for w in caught if "an epoch of this fit()" in str(w.message)
+    ]
+    if batch_size == 16:
+        assert not told
+    else:
+        (message,) = told
+        assert "was saved after batch 3 of 4 of epoch 1, but an epoch" in message
+        assert "this fit() has 8 batches (another `batch_size`" in message
+        assert "It resumes after batch 3 of 8: some samples" in message
 
 
 @pytest.mark.parametrize("notebook", [False, True])

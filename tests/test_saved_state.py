@@ -23,6 +23,7 @@ def state() -> dict:
                   "rng": generators, "stream_made": True},  # fmt: skip
         "logs": {"loss": 0.25, "accuracy": 1, "val_loss": None},
         "fit": 2,
+        "epoch_batches": 12,
         "callbacks_pending": ["EarlyStopping:0"],
         "callbacks": {
             "EarlyStopping:0": {"wait": 1, "best": 0.3, "best_epoch": 2,
@@ -54,6 +55,7 @@ def test_the_state_keras_ft_saves_passes():
         (lambda s: s["logs"].update(loss="low"), "logs are not an object of numbers"),
         (lambda s: s["logs"].update(loss=True), "logs"),
         (lambda s: s.update(fit=0), "fit\\(\\) number"),
+        (lambda s: s.update(epoch_batches="12"), "epoch's batch count"),
         (lambda s: s.update(callbacks_pending="EarlyStopping:0"), "callbacks_pending"),
         (lambda s: s.update(callbacks=[]), "callbacks' state is not an object"),
         (lambda s: s["callbacks"].update({"History:0": [1]}), "History:0 is not an"),

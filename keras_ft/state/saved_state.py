@@ -48,6 +48,8 @@ def check(state: dict) -> None:
         v is None or is_number(v) for v in logs.values()
     ):
         raise ValueError("the logs are not an object of numbers")
+    if not _is_count(state.get("epoch_batches", 0)):
+        raise ValueError("the epoch's batch count is not a count")
     fit = state.get("fit", 1)
     if not _is_count(fit) or fit < 1:
         raise ValueError("the fit() number is not a positive count")
