@@ -179,8 +179,8 @@ def resume_fit(
 
 def _warn_if_epoch_changed(point: ResumePoint, steps: int | None) -> None:
     """Warns where a mid-epoch backup counted its epoch's batches otherwise
-    than this fit() does (another `batch_size`, more or fewer samples): its
-    position names batches of the other size."""
+    than this fit() does (another `batch_size` or `steps_per_epoch`, more or
+    fewer samples): its position may name other batches."""
     saved = point.extra.get("epoch_batches")
     if not point.batch or not saved or not steps or saved == steps:
         return
@@ -188,9 +188,10 @@ def _warn_if_epoch_changed(point: ResumePoint, steps: int | None) -> None:
         "restore",
         f"BackupAndRestore: {point.checkpoint} was saved after batch "
         f"{point.batch} of {saved} of epoch {point.epoch + 1}, but an epoch of "
-        f"this fit() has {steps} batches (another `batch_size`, or other "
+        f"this fit() has {steps} (another `batch_size`, `steps_per_epoch` or "
         f"data). It resumes after batch {min(point.batch, steps)} of {steps}: "
-        "some samples of that epoch train twice or not at all. For an exact "
-        "resume, rerun with the `batch_size` and data of the backed-up run.",
+        "where the batches differ, some samples of that epoch train twice or "
+        "not at all. For an exact resume, rerun with the `batch_size`, "
+        "`steps_per_epoch` and data of the backed-up run.",
         stacklevel=4,
     )

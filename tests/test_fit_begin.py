@@ -112,8 +112,8 @@ def test_a_resume_whose_epoch_has_other_batches_says_so(backup_dir, data, batch_
     else:
         (message,) = told
         assert "was saved after batch 3 of 4 of epoch 1, but an epoch" in message
-        assert "this fit() has 8 batches (another `batch_size`" in message
-        assert "It resumes after batch 3 of 8: some samples" in message
+        assert "this fit() has 8 (another `batch_size`, `steps_per_epoch`" in message
+        assert "It resumes after batch 3 of 8: where the batches differ" in message
 
 
 @pytest.mark.parametrize("notebook", [False, True])
