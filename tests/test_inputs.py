@@ -609,15 +609,8 @@ def whole_streams(tmp_path_factory):
         pytest.param("arrays", "2", "2:4", marks=run_once_on("jax", SPREAD)),
         pytest.param("pydataset", "2", "3:1", marks=run_once_on("torch", SPREAD)),
         # A PyTorch DataLoader's shuffle draws from PyTorch's generator, on
-        # PyTorch the one training draws from, on JAX one of its own.
+        # PyTorch the one training draws from (on JAX: test_exact_resume).
         pytest.param("dataloader", "2", "3:1", marks=run_once_on("torch", SPREAD)),
-        pytest.param(
-            "dataloader",
-            "2",
-            "3:1",
-            id="dataloader-jax",
-            marks=run_once_on("jax", SPREAD),
-        ),
         pytest.param("pydataset", "epoch", "1:2", marks=run_once_on("jax", SPREAD)),
         # TensorFlow loads it ahead in a tf.data thread: said, not exact.
         pytest.param("pydataset", "2", "3:2", marks=run_once_on("tensorflow", SPREAD)),
