@@ -313,7 +313,6 @@ class BackupAndRestore(keras.callbacks.Callback):
         )
         self._services = services.bind(self._callbacks.others, self)
         self._saves = FitSaves.of(self, self._state, self._inputs, self._stop_threads)
-        self._saves.epoch_batches = self.params.get("steps")
         task = self._state.task
         if task.num_workers > 1:
             # Only the chief's input state is backed up, and a Grain iterator's

@@ -52,7 +52,7 @@ class FitSaves:
         on_raise: Callable[[], None],
     ) -> FitSaves:
         """The saves of `callback`'s (a `BackupAndRestore`'s) current fit()."""
-        return cls(
+        saves = cls(
             state,
             callback._schedule,
             callback._local_schedule,
@@ -63,6 +63,8 @@ class FitSaves:
             on_raise=on_raise,
             backs_up_stopped_epochs=callback._backs_up_stopped_epochs,
         )
+        saves.epoch_batches = (callback.params or {}).get("steps")
+        return saves
 
     def __init__(
         self,
