@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+import pytest
 from conftest import STEPS_PER_EPOCH, iterations, make_model, weights_of
 
+import keras_ft
 from keras_ft.training.resume import FastForward
 
 
@@ -59,3 +61,52 @@ def test_remove_restores_the_real_train_function(data):
     assert fast_forward.active and model.train_function != real
     fast_forward.remove()
     assert model.train_function is real
+
+
+class ResetRnnStates(keras.callbacks.Callback):
+    """What users of stateful RNN layers add: each epoch starts afresh."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.model.layers[0].reset_state()
+
+
+class CrashAt(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch + 1) == (1, 5):
+            raise RuntimeError("crash")
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow",
+    reason="Keras carries a stateful RNN's states through fit() on TensorFlow "
+    "only (JAX's compiled step leaves them at zeros; PyTorch's cannot train)",
+)
+def test_a_resumed_epoch_starts_from_the_rnn_states_of_the_save(tmp_path):
+    """Set back at train begin, and again after the epoch's callbacks reset
+    them: where its first batch trains, as in the uninterrupted run."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(48, 5, 3)).astype("float32")
+    y = x[:, -1, :1] * 2
+
+    def fit(backup_dir, *crash):
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([
+            keras.Input(batch_shape=(8, 5, 3)),
+            keras.layers.LSTM(4, stateful=True),
+            keras.layers.Dense(1),
+        ])  # fmt: skip
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        backup = keras_ft.BackupAndRestore(str(backup_dir), save_freq=3)
+        model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+                  callbacks=[backup, ResetRnnStates(), *crash])  # fmt: skip
+        return model
+
+    reference = fit(tmp_path / "reference")
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(tmp_path / "resumed", CrashAt())
+    resumed = fit(tmp_path / "resumed")
+    for a, b in zip(weights_of(reference), weights_of(resumed), strict=True):
+        np.testing.assert_array_equal(a, b)

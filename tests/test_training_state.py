@@ -121,3 +121,61 @@ def test_malformed_metadata_is_refused(tmp_path, data, key, value):
     metadata[key] = value
     with pytest.raises(CorruptCheckpointError, match=f"bad {key}"):
         TrainingState(make_model()).apply(directory, metadata)
+
+
+def stateful_model(batch_size: int = 4) -> keras.Model:
+    """Stateful RNN layers where a walk of the model must look for them: in
+    a nested model, and inside `Bidirectional`."""
+    inner = keras.Sequential(
+        [keras.Input(batch_shape=(batch_size, 5, 3)), keras.layers.LSTM(
+            6, stateful=True, return_sequences=True)]
+    )  # fmt: skip
+    inputs = keras.Input(batch_shape=(batch_size, 5, 3))
+    outputs = keras.layers.Bidirectional(keras.layers.GRU(2, stateful=True))(
+        inner(inputs)
+    )
+    model = keras.Model(inputs, keras.layers.Dense(1)(outputs))
+    model.compile("adam", "mse")
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def rnn_states(model: keras.Model) -> list[np.ndarray]:
+    layers = [model.layers[1].layers[0], model.layers[2].forward_layer,
+              model.layers[2].backward_layer]  # fmt: skip
+    return [keras.ops.convert_to_numpy(s) for layer in layers for s in layer.states]
+
+
+def test_the_states_of_stateful_rnn_layers_are_saved_and_set_back(tmp_path):
+    """Keras keeps them out of `model.variables` and saves none of them."""
+    model = stateful_model()
+    rng = np.random.default_rng(0)
+    expected = [rng.normal(size=s.shape).astype("float32") for s in rnn_states(model)]
+    assert [s.shape for s in expected] == [(4, 6), (4, 6), (4, 2), (4, 2)]
+    layers = [model.layers[1].layers[0], model.layers[2].forward_layer,
+              model.layers[2].backward_layer]  # fmt: skip
+    values = iter(expected)
+    for layer in layers:
+        for state in layer.states:
+            state.assign(next(values))
+    snapshot = TrainingState(model).snapshot(1, 3)
+    write_snapshot(snapshot, str(tmp_path))
+    fresh = stateful_model()
+    assert not any(s.any() for s in rnn_states(fresh))
+    TrainingState(fresh).apply(str(tmp_path), snapshot.metadata)
+    for got, want in zip(rnn_states(fresh), expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_rnn_states_of_another_batch_size_start_from_zeros_and_say_so(tmp_path):
+    """A rerun with another batch size is no damage: the rest is restored."""
+    model = stateful_model(batch_size=4)
+    for layer in model.layers[1].layers:
+        layer.states[0].assign(np.ones((4, 6), "float32"))
+    snapshot = TrainingState(model).snapshot(1, 0)
+    write_snapshot(snapshot, str(tmp_path))
+    fresh = stateful_model(batch_size=2)
+    with pytest.warns(UserWarning, match=r"stateful RNN .*\(4, 6\).*\(2, 6\)"):
+        TrainingState(fresh).apply(str(tmp_path), snapshot.metadata)
+    assert not any(s.any() for s in rnn_states(fresh))
+    np.testing.assert_array_equal(weights_of(fresh)[0], weights_of(model)[0])

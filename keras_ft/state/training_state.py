@@ -4,10 +4,11 @@
 metadata of one checkpoint) and applies one back. A state holds the model's
 and optimizer's variables (Keras' own `.weights.h5`), the epoch, batch and
 step counters, the states of the model's seed generators (Dropout, noise and
-augmentation layers), its metric variables (so a resumed epoch reports the
-same mean loss), the global random generators (`rng.py`), and whatever extra
-JSON/array tree the caller adds (other callbacks' states). It does not choose
-where a checkpoint lives: `CheckpointStore` hands it a directory.
+augmentation layers) and of its stateful RNN layers, its metric variables (so
+a resumed epoch reports the same mean loss), the global random generators
+(`rng.py`), and whatever extra JSON/array tree the caller adds (other
+callbacks' states). It does not choose where a checkpoint lives:
+`CheckpointStore` hands it a directory.
 """
 
 from __future__ import annotations
@@ -191,6 +192,9 @@ class TrainingState:
         tree = {
             "seed_generators": [
                 keras.ops.convert_to_numpy(v) for v in _seed_states(self.model)
+            ],
+            "rnn_states": [
+                keras.ops.convert_to_numpy(v) for v in _rnn_states(self.model)
             ],
             "metrics": [
                 keras.ops.convert_to_numpy(v) for v in self.model.metrics_variables
@@ -421,6 +425,7 @@ class TrainingState:
         extra = read.extra
         if not variables_only:
             self._apply_seed_generators(extra.get("seed_generators", []))
+            self._apply_rnn_states(extra.get("rnn_states", []))
             self.apply_metrics(extra.get("metrics", []))
             rng.apply(extra.get("rng", {}))
         return _resume_point(directory, metadata, extra, config_changes=changes)
@@ -447,6 +452,9 @@ class TrainingState:
         try:
             saved_state.check(extra)
             _check_values(extra.get("seed_generators", []), _seed_states(self.model))
+            # Their shapes are checked where they are set: another batch
+            # size gives them others, and makes the backup no less sound.
+            _check_values(extra.get("rnn_states", []), [])
             _check_values(extra.get("metrics", []), self.model.metrics_variables)
             rng.check(extra.get("rng", {}))
             # A later fit()'s callbacks and state are not this one's.
@@ -479,6 +487,17 @@ class TrainingState:
             return
         for state, value in zip(states, values, strict=True):
             state.assign(value)
+
+    def _apply_rnn_states(self, values: list) -> None:
+        if not set_rnn_states(self.model, values):
+            events.warn(
+                "restore",
+                "BackupAndRestore: the states of the stateful RNN layers in "
+                f"the backup ({_shapes(values)}) do not fit the model's "
+                f"({_shapes(_rnn_states(self.model))}); they start from zeros, "
+                "not from where the backed-up training left them.",
+                stacklevel=2,
+            )
 
     def variable_specs(self) -> list[list]:
         """`[group, path, shape, dtype]` of every saved variable, in save order."""
@@ -554,6 +573,48 @@ def _seed_states(model: keras.Model) -> list:
             seen.add(id(variable))
             found.append(variable)
     return found
+
+
+def set_rnn_states(model: keras.Model, values: list) -> bool:
+    """Sets the states of the model's stateful RNN layers to saved `values`
+    (again where a resumed epoch's first batch trains: a callback may have
+    reset them in `on_epoch_begin`). Returns whether they fit the model."""
+    states = _rnn_states(model)
+    if len(values) != len(states) or _misfits(values, states):
+        return not values and not states
+    for state, value in zip(states, values, strict=True):
+        state.assign(value)
+    return True
+
+
+def _rnn_states(model: keras.Model) -> list:
+    """The carried states of the model's stateful RNN layers (`stateful=True`).
+
+    Keras keeps them out of `model.variables`, and saves them nowhere, yet
+    each batch starts from the last one's: without them a resumed training
+    starts from zeros where the uninterrupted one went on. Found through the
+    public `layers`, `layer`, `forward_layer` and `backward_layer` attributes
+    (nested models, `TimeDistributed`, `Bidirectional`).
+    """
+    found, seen = [], set()
+    pending = [model]
+    while pending:
+        layer = pending.pop(0)
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        if isinstance(layer, keras.layers.RNN) and layer.stateful and layer.states:
+            found.extend(keras.tree.flatten(layer.states))
+        pending.extend(getattr(layer, "layers", None) or ())
+        for name in ("layer", "forward_layer", "backward_layer"):
+            child = getattr(layer, name, None)
+            if isinstance(child, keras.layers.Layer):
+                pending.append(child)
+    return found
+
+
+def _shapes(values: list) -> str:
+    return ", ".join(str(tuple(v.shape)) for v in values) or "none"
 
 
 def _check_values(values: Any, variables: list) -> None:

@@ -22,6 +22,7 @@ import keras
 from keras_ft import compat, events
 from keras_ft.backend import fit_loop
 from keras_ft.state import ResumePoint, rng
+from keras_ft.state.training_state import set_rnn_states
 from keras_ft.training import callback_state, neighbours
 from keras_ft.training.inputs import InputPosition
 
@@ -271,6 +272,8 @@ class Resumption:
             # on a prefetching thread that a reset now would race with. The
             # training steps did not run: their generators jump to the save.
             self._fast_forward = None
+            # Where the epoch's callbacks (`on_epoch_begin`) may have reset them.
+            set_rnn_states(model, extra.get("rnn_states", []))
             if whole:  # Keras draws the next epoch's iterator first (PyTorch).
                 self._model_rng = extra.get("rng", {})
             else:
