@@ -60,7 +60,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     `delete_checkpoint=True`. A non-finite state (loss or variables) is never
     backed up: the save is skipped with a warning. The state of the other
     callbacks (`EarlyStopping`, `ReduceLROnPlateau`, `ModelCheckpoint`, or one
-    with `get_state()`) is backed up with the model's.
+    with `get_state()`), and of a `PyDataset` with `get_state()`, is backed up
+    with the model's.
 
     Example:
 

@@ -268,6 +268,7 @@ class FitSaves:
         if not self._told_unsaved:
             self._told_unsaved = True
             callback_state.warn_unsaved(others, extra["callbacks"])
+            self._inputs.warn_unsaved()
         if pending:
             extra["callbacks_pending"] = self._callbacks.keys(list(pending))
         if batch and self.validation_rng is not None:
@@ -276,6 +277,9 @@ class FitSaves:
             behind = self._callbacks.later_batch_counters()
             if behind:
                 extra["callbacks_behind"] = self._callbacks.keys(behind)
+        dataset = self._inputs.dataset_state()
+        if dataset is not None:
+            extra["dataset"] = dataset
         if batch and self.epoch_batches:
             extra["epoch_batches"] = self.epoch_batches
         if batch:  # Counted in the save's cost: a tf.data state may be large.

@@ -120,13 +120,13 @@ def seeded_model_and_data() -> tuple[keras.Model, np.ndarray, np.ndarray]:
     return model, x, y
 
 
-def fit(tmp_path, backup_dir=None, crash=False, noise=True, **workers):
+def fit(tmp_path, backup_dir=None, crash=False, noise=True, kind=Items, **workers):
     model, x, y = seeded_model_and_data()
     # A log of its own: the enqueuer of a fit() that raised goes on loading
     # (and noting) the rest of its epoch in the background.
     log = tmp_path / f"loads-{next(_FITS)}"
     log.write_text("")
-    items = Items(x, y, log, noise, **workers)
+    items = kind(x, y, log, noise, **workers)
     callbacks = [Arm(items), *backup_callback(backup_dir)]
     if crash:
         callbacks.append(Crash())
@@ -164,6 +164,46 @@ def test_resumed_epoch_loads_only_untrained_items_bitwise_exact(tmp_path):
     # The noise the skipped loads would have drawn is not drawn, and the rest
     # draws what it drew before: bit for bit.
     assert_same_weights(reference, model)
+
+
+class ShuffledItems(Items):
+    """Its own order of the items, reshuffled at each epoch's end from a
+    generator of its own, as many a `PyDataset` is written."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.order = np.arange(ITEMS)
+        self.rng = np.random.default_rng(7)
+
+    def __getitem__(self, index):
+        return super().__getitem__(int(self.order[index]))
+
+    def on_epoch_end(self):
+        self.rng.shuffle(self.order)
+
+
+class ShuffledItemsWithState(ShuffledItems):
+    def get_state(self):
+        return {"order": self.order, "rng": self.rng.bit_generator.state}
+
+    def set_state(self, state):
+        self.order = state["order"]
+        self.rng.bit_generator.state = state["rng"]
+
+
+def test_a_py_dataset_carries_its_own_state_through_get_state(tmp_path):
+    """Saved as a callback's is: the resumed epoch reads its own order."""
+    reference, _ = fit(tmp_path, kind=ShuffledItemsWithState)
+    model, _, loads = resumed(tmp_path, kind=ShuffledItemsWithState)
+    assert len(loads) == ITEMS - SAVE_FREQ
+    assert_same_weights(reference, model)
+
+
+@run_once_on("jax", "a warning at the first save")
+def test_a_py_dataset_changed_at_epoch_ends_without_get_state_is_named(tmp_path):
+    with pytest.warns(UserWarning, match=r"ShuffledItems, the PyDataset fit\(\) "
+                      r"reads, defines on_epoch_end\(\) but no get_state"):  # fmt: skip
+        fit(tmp_path, tmp_path / "backup", kind=ShuffledItems)
 
 
 WORKERS = [

@@ -62,6 +62,13 @@ def fit_tf_dataset(epoch_iterator: Any) -> Any:
         return None
 
 
+def py_dataset(epoch_iterator: Any) -> Any:
+    """What `fit()`'s data adapter loads items from (a `PyDataset`), or
+    `None` (another input, or an internal that moved)."""
+    adapter = getattr(epoch_iterator, "data_adapter", None)
+    return getattr(adapter, "py_dataset", None)
+
+
 def loads_in_processes(epoch_iterator: Any) -> bool:
     """Whether `fit()`'s input loads in worker processes: a `PyDataset` with
     `use_multiprocessing` (Keras waits, without a bound, for an item whose

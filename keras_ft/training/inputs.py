@@ -46,6 +46,13 @@ generators as they were when the pass began (what a generator drew from them
 comes out the same), and puts them back afterwards; then the resumed epoch
 goes on as any other.
 
+A `PyDataset` that keeps state of its own (an order its `on_epoch_end()`
+shuffles, say) takes part as a callback does, by defining `get_state()` and
+`set_state()`: a backup holds what `get_state()` returns (copied: JSON values
+and NumPy arrays), and the resumed epoch calls `set_state()` with it before
+anything is loaded. One that changes itself in `on_epoch_end()` or
+`on_epoch_begin()` without them is named in a warning at the first save.
+
 A Grain `MapDataset` or `IterDataset` is saved as Grain checkpoints its
 iterators (`compat.GrainView`): the backup holds the state of the epoch's
 iterator after the trained batches (JSON, a few bytes), and the resumed
@@ -57,9 +64,11 @@ so is a `grain.DataLoader` (which Keras rebuilds from its parts).
 from __future__ import annotations
 
 import collections
+import copy
 import json
 from typing import Any
 
+import keras
 import numpy as np
 
 from keras_ft import compat, events
@@ -91,6 +100,9 @@ class InputPosition:
         self._stream_made = False
         self._before: collections.deque = collections.deque(maxlen=KEPT_LOADS)
         self._resume_rng: dict[str, Any] | None = None
+        # The user's `PyDataset`, before a view stands in for it.
+        dataset = compat.py_dataset(epoch_iterator)
+        self.dataset = dataset if isinstance(dataset, keras.utils.PyDataset) else None
         self.view = compat.PyDatasetView.of(epoch_iterator, self._before_load)
         self._tf_data = compat.TfDataState(epoch_iterator)
         self.grain = compat.GrainView.of(epoch_iterator, self._after_batch)
@@ -159,6 +171,43 @@ class InputPosition:
             "stream_rng": self._stream_rng or {},
             "stream_made": made,
         }
+
+    def dataset_state(self) -> Any:
+        """What the `PyDataset` says its state is (see the module's
+        docstring), copied: it may change its arrays in place while the
+        save is written. `None` where it has no `get_state()`."""
+        if not _keeps_state(self.dataset):
+            return None
+        return copy.deepcopy(self.dataset.get_state())
+
+    def set_dataset_state(self, point: ResumePoint) -> None:
+        """At the resumed epoch's begin: the `PyDataset`'s saved state back."""
+        saved = point.extra.get("dataset")
+        if saved is not None and _keeps_state(self.dataset):
+            self.dataset.set_state(saved)
+
+    def warn_unsaved(self) -> None:
+        """Names a `PyDataset` whose epoch hooks may change it, but whose
+        state no backup holds."""
+        dataset = self.dataset
+        if dataset is None or _keeps_state(dataset):
+            return
+        hooks = [
+            f"{name}()"
+            for name in ("on_epoch_begin", "on_epoch_end")
+            if getattr(type(dataset), name) is not getattr(keras.utils.PyDataset, name)
+        ]
+        if hooks:
+            events.warn(
+                "save",
+                f"BackupAndRestore: {type(dataset).__name__}, the PyDataset "
+                f"fit() reads, defines {' and '.join(hooks)} but no get_state()/"
+                "set_state(): what they change (an order shuffled each epoch, "
+                "say) is not backed up, and a resumed fit() reads the data as a "
+                "new one has it. Define both methods to carry it (JSON values "
+                "and NumPy arrays; see keras_ft.training.callback_state).",
+                stacklevel=5,
+            )
 
     def ran_out(self) -> bool:
         """At an epoch's end, whether a stream (see the module's docstring)
@@ -331,6 +380,12 @@ class InputPosition:
         if self.view is not None and self.view.sequential:
             self._before.append((self._loads, rng.capture_raw()))
             self._loads += 1
+
+
+def _keeps_state(dataset: Any) -> bool:
+    return callable(getattr(dataset, "get_state", None)) and callable(
+        getattr(dataset, "set_state", None)
+    )
 
 
 def grain_state(saved: Any) -> dict | None:

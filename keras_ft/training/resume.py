@@ -187,6 +187,8 @@ class Resumption:
             return 0
         self.started = True
         if self.inputs is not None:
+            # Before anything of the epoch is loaded.
+            self.inputs.set_dataset_state(point)
             # Before the epoch's random state is put back: the stream's
             # earlier batches are drawn from a state of their own.
             self.inputs.advance_stream(point)
