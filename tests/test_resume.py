@@ -1,6 +1,9 @@
-"""FastForward: skipped steps consume data but never run the model."""
+"""A resumed fit(): skipped steps consume data but never run the model, and
+the resumed epoch trains from the state the uninterrupted run had there."""
 
 from __future__ import annotations
+
+import warnings
 
 import keras
 import numpy as np
@@ -108,5 +111,39 @@ def test_a_resumed_epoch_starts_from_the_rnn_states_of_the_save(tmp_path):
     with pytest.raises(RuntimeError, match="crash"):
         fit(tmp_path / "resumed", CrashAt())
     resumed = fit(tmp_path / "resumed")
+    for a, b in zip(weights_of(reference), weights_of(resumed), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+class Subclassed(keras.Model):
+    """No `build()` of its own: on TensorFlow, fit() builds it inside its
+    first step, after the callbacks' train begin."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.dropout = keras.layers.Dropout(0.2)
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x, training=False):
+        return self.out(self.dropout(self.hidden(x), training=training))
+
+
+def test_a_subclassed_model_built_by_its_first_step_resumes_exact(tmp_path, data):
+    def fit(backup_dir, *crash):
+        keras.utils.set_random_seed(3)
+        model = Subclassed()
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        backup = keras_ft.BackupAndRestore(str(backup_dir), save_freq=3)
+        model.fit(*data, batch_size=8, epochs=3, verbose=0,
+                  callbacks=[backup, *crash])  # fmt: skip
+        return model
+
+    reference = fit(tmp_path / "reference")
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(tmp_path / "resumed", CrashAt())
+    with warnings.catch_warnings():  # Its build_config cannot be checked.
+        warnings.simplefilter("ignore", UserWarning)
+        resumed = fit(tmp_path / "resumed")
     for a, b in zip(weights_of(reference), weights_of(resumed), strict=True):
         np.testing.assert_array_equal(a, b)

@@ -57,6 +57,35 @@ def test_apply_builds_an_unbuilt_model_from_the_recorded_input_shape(tmp_path, d
     np.testing.assert_array_equal(weights_of(model)[0], weights_of(fresh)[0])
 
 
+class Subclassed(keras.Model):
+    """No `build()` of its own: Keras builds it at its first call (on
+    TensorFlow, inside fit()'s first step, after the callbacks' train begin)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(8, activation="relu")
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def test_apply_builds_an_unbuilt_subclassed_model(tmp_path, data):
+    model = Subclassed()
+    model.compile("adam", "mse")
+    model.fit(*data, epochs=1, batch_size=16, verbose=0)
+    snapshot = TrainingState(model).snapshot(1, 0)
+    write_snapshot(snapshot, str(tmp_path))
+    fresh = Subclassed()
+    fresh.compile("adam", "mse")
+    assert not fresh.built
+    with pytest.warns(UserWarning, match="cannot be copied from its config"):
+        TrainingState(fresh).apply(str(tmp_path), snapshot.metadata)
+    assert fresh.built
+    for a, b in zip(weights_of(model), weights_of(fresh), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_shape_mismatch_names_the_variable_and_both_shapes(tmp_path, data):
     _, directory, metadata = trained_state(tmp_path, data, units=8)
     other = make_model(units=16)

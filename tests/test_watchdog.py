@@ -24,6 +24,7 @@ from keras_ft.training.watchdog import (
 
 SCRIPT = os.path.join(TESTS_DIR, "blocked_script.py")
 ONCE = run_once_on("torch", "processes and signals; the backend does not matter")
+CLOCK = run_once_on("torch", "a thread and a clock; the backend does not matter")
 
 
 def deadline(**kwargs):
@@ -32,6 +33,7 @@ def deadline(**kwargs):
     return made, exits
 
 
+@CLOCK
 def test_no_false_alarm_with_a_slow_first_batch_and_jittery_batches():
     """A first batch 3x the later bound, then batches 0.1-0.3 s apart (3x
     jitter) under a bound of 10x the slowest with a 0.5 s floor."""
@@ -49,6 +51,7 @@ def test_no_false_alarm_with_a_slow_first_batch_and_jittery_batches():
     assert exits == []
 
 
+@CLOCK
 def test_a_stall_ends_the_process_with_the_retryable_code(capsys):
     watch, exits = deadline(
         first_batch_seconds=5.0, floor_seconds=1.0, describe=lambda: "epoch 2, batch 7"
@@ -69,6 +72,7 @@ def test_a_stall_ends_the_process_with_the_retryable_code(capsys):
     assert "while waiting for epoch 2, batch 7" in said and "status 75" in said
 
 
+@CLOCK
 @pytest.mark.parametrize("peers_first", [False, True])
 def test_the_process_its_peers_need_outlives_their_deadlines(peers_first):
     """JAX's process 0 hosts the service whose end aborts the others: past
@@ -95,6 +99,7 @@ def test_the_process_its_peers_need_outlives_their_deadlines(peers_first):
         assert 1.0 <= waited < 1.0 + 1.5, waited
 
 
+@CLOCK
 def test_a_deadline_of_a_training_that_ended_never_fires():
     watch, exits = deadline(first_batch_seconds=0.5, running=lambda: False)
     try:
@@ -104,6 +109,7 @@ def test_a_deadline_of_a_training_that_ended_never_fires():
     assert exits == []
 
 
+@CLOCK
 def test_paused_holds_the_deadline_off():
     watch, exits = deadline(first_batch_seconds=0.5)
     try:
@@ -121,6 +127,7 @@ def input_only(watch: ProgressDeadline) -> FitDeadline:
     return fit
 
 
+@CLOCK
 def test_validation_holds_the_epoch_end_after_it_whenever_the_last_batch_is_heard():
     # Where Keras calls the batch ends on its own thread, the epoch's last one
     # may be heard once validation began: validation stays bounded, and the

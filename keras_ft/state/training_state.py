@@ -533,7 +533,13 @@ class TrainingState:
             # model inside the first training step; build it now from the
             # input shape recorded at save time, so the backup is restored
             # before any step runs.
-            model.build_from_config(metadata["build_config"])
+            config = metadata["build_config"]
+            model.build_from_config(config)
+            if not model.built and model.weights and "input_shape" in config:
+                # A subclassed model without a `build()` of its own: Keras
+                # built its layers by tracing `call()`, and leaves the rest
+                # to its first call, which ends with this `build()`.
+                model.build(config["input_shape"])
         if not model.built:
             raise ValueError(
                 f"Model {model.name!r} is not built, and the backup does not say "
