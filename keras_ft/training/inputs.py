@@ -51,7 +51,9 @@ shuffles, say) takes part as a callback does, by defining `get_state()` and
 `set_state()`: a backup holds what `get_state()` returns (copied: JSON values
 and NumPy arrays), and the resumed epoch calls `set_state()` with it before
 anything is loaded. One that changes itself in `on_epoch_end()` or
-`on_epoch_begin()` without them is named in a warning at the first save.
+`on_epoch_begin()` without them is named in a warning at the first save. In
+a cluster, only the chief's state is backed up, and every process gets it
+back: a state that differs between processes does not resume exactly.
 
 A Grain `MapDataset` or `IterDataset` is saved as Grain checkpoints its
 iterators (`compat.GrainView`): the backup holds the state of the epoch's
