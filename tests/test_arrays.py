@@ -52,3 +52,25 @@ def test_read_refuses_datasets_that_are_not_numbers(tmp_path):
                          dtype=h5py.string_dtype())  # fmt: skip
     with pytest.raises(CorruptCheckpointError, match="damaged: .*a0"):
         arrays.read(path)
+
+
+def test_check_tree_takes_json_values_and_arrays():
+    arrays.check_tree(
+        {"a": [1, 2.5, True, None, "x", (np.int64(3), np.zeros(2))], "b": {}},
+        "Mine.get_state()",
+    )
+
+
+@pytest.mark.parametrize(
+    "tree, where",
+    [
+        ({"seen": {1, 2}}, r"a value of type set at \['seen'\]"),
+        ([0, object()], r"a value of type object at \[1\]"),
+        ({1: "a"}, "the key 1 at its top"),
+        (b"bytes", "a value of type bytes at its top"),
+    ],
+    ids=["set", "object", "int key", "bytes"],
+)
+def test_check_tree_names_the_source_and_where(tree, where):
+    with pytest.raises(TypeError, match=rf"Mine.get_state\(\) holds {where}: a backup"):
+        arrays.check_tree(tree, "Mine.get_state()")

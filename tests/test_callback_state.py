@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+import pytest
 
 from keras_ft.training import callback_state
 
@@ -61,3 +62,14 @@ def test_unknown_callbacks_are_ignored():
 
     assert callback_state.capture([Plain(), keras.callbacks.TerminateOnNaN()]) == {}
     callback_state.apply([Plain()], {"Plain:0": {"x": 1}, "Gone:0": {}})
+
+
+def test_a_get_state_that_returns_what_no_backup_holds_is_named():
+    class Sets(Counter):
+        def get_state(self):
+            return {"seen": {self.seen}}
+
+    with pytest.raises(
+        TypeError, match=r"Sets:0's get_state\(\) holds a value of type set"
+    ):
+        callback_state.capture([Sets()])

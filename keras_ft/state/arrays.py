@@ -24,6 +24,40 @@ _REF = "__keras_ft_array__"
 _NAME = re.compile(r"a[0-9]{1,9}", re.ASCII)
 
 
+def check_tree(tree: Any, source: str) -> None:
+    """Raises `TypeError`, naming `source` (what returned it) and where in
+    it, unless `tree` is JSON values and NumPy arrays: what `split` can save.
+    Asked before a save holds the tree, rather than failing in its write."""
+
+    def visit(node: Any, where: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if not isinstance(key, str):
+                    raise TypeError(
+                        f"{source} holds the key {key!r} at {where or 'its top'}: "
+                        f"{_PLAIN}"
+                    )
+                visit(value, f"{where}[{key!r}]")
+        elif isinstance(node, (list, tuple)):
+            for i, value in enumerate(node):
+                visit(value, f"{where}[{i}]")
+        elif node is not None and not isinstance(node, _LEAVES):
+            kind = type(node).__name__
+            raise TypeError(
+                f"{source} holds a value of type {kind} at {where or 'its top'}: "
+                f"{_PLAIN}"
+            )
+
+    visit(tree, "")
+
+
+_LEAVES = (str, int, float, bool, np.ndarray, np.generic)
+_PLAIN = (
+    "a backup holds JSON values (dicts with string keys, lists, strings, "
+    "numbers, booleans, None) and NumPy arrays. Return only those."
+)
+
+
 def split(tree: Any) -> tuple[Any, dict[str, np.ndarray]]:
     """Returns `tree` with arrays replaced by references, and the arrays."""
     arrays: dict[str, np.ndarray] = {}

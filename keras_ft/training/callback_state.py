@@ -28,7 +28,7 @@ from typing import Any
 import keras
 
 from keras_ft import compat, events
-from keras_ft.state import saved_state
+from keras_ft.state import arrays, saved_state
 from keras_ft.training import neighbours
 
 # Keras keeps these in attributes, resetting them in `on_train_begin`; the
@@ -59,6 +59,7 @@ def capture(callbacks: Iterable[keras.callbacks.Callback]) -> dict[str, Any]:
     for key, callback in keyed(callbacks):
         if _has_protocol(callback):
             states[key] = callback.get_state()
+            arrays.check_tree(states[key], f"{key}'s get_state()")
             continue
         stock = _stock_state(callback)
         if stock is not None:

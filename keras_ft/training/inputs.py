@@ -75,7 +75,7 @@ import numpy as np
 
 from keras_ft import compat, events
 from keras_ft.backend import fit_loop
-from keras_ft.state import ResumePoint, rng
+from keras_ft.state import ResumePoint, arrays, rng
 
 # The loads before the training position whose random state is kept (of a
 # Grain iterator, its state after each batch): a pipeline prefetching
@@ -180,7 +180,9 @@ class InputPosition:
         save is written. `None` where it has no `get_state()`."""
         if not _keeps_state(self.dataset):
             return None
-        return copy.deepcopy(self.dataset.get_state())
+        state = self.dataset.get_state()
+        arrays.check_tree(state, f"{type(self.dataset).__name__}.get_state()")
+        return copy.deepcopy(state)
 
     def set_dataset_state(self, point: ResumePoint) -> None:
         """At the resumed epoch's begin: the `PyDataset`'s saved state back."""
