@@ -438,12 +438,7 @@ class TrainingState:
             metric variables (on TensorFlow, compiled metrics are built in
             the first training step).
         """
-        variables = self.model.metrics_variables
-        if len(values) != len(variables) or _misfits(values, variables):
-            return False
-        for variable, value in zip(variables, values, strict=True):
-            variable.assign(value)
-        return True
+        return _assign(self.model.metrics_variables, values)
 
     def _read_extra(self, directory: str, metadata: Any) -> dict:
         """The state beside the variables (`ResumePoint.extra`), checked
@@ -585,11 +580,16 @@ def set_rnn_states(model: keras.Model, values: list) -> bool:
     """Sets the states of the model's stateful RNN layers to saved `values`
     (again where a resumed epoch's first batch trains: a callback may have
     reset them in `on_epoch_begin`). Returns whether they fit the model."""
-    states = _rnn_states(model)
-    if len(values) != len(states) or _misfits(values, states):
-        return not values and not states
-    for state, value in zip(states, values, strict=True):
-        state.assign(value)
+    return _assign(_rnn_states(model), values)
+
+
+def _assign(variables: list, values: list) -> bool:
+    """Sets each variable to its value, if they fit one another in number
+    and shapes; returns whether they did (nothing is set otherwise)."""
+    if len(values) != len(variables) or _misfits(values, variables):
+        return False
+    for variable, value in zip(variables, values, strict=True):
+        variable.assign(value)
     return True
 
 
