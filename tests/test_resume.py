@@ -147,3 +147,54 @@ def test_a_subclassed_model_built_by_its_first_step_resumes_exact(tmp_path, data
         resumed = fit(tmp_path / "resumed")
     for a, b in zip(weights_of(reference), weights_of(resumed), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def _optimizer(kind: str) -> keras.optimizers.Optimizer:
+    if kind == "accumulating":  # Killed between two of its updates.
+        return keras.optimizers.Adam(0.01, gradient_accumulation_steps=3)
+    # Its scale grows every 3 finite steps: the save holds it mid-count.
+    return keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam(0.01), dynamic_growth_steps=3
+    )
+
+
+@pytest.mark.parametrize("kind", ["accumulating", "loss scaled"])
+def test_optimizer_counters_and_layers_drawing_noise_resume_exact(tmp_path, data, kind):
+    """An optimizer that carries state between its updates, and layers that
+    draw noise or keep statistics (each with a seed generator or moving
+    averages of its own), resumed 5 batches into epoch 1 (a save every 2):
+    the weights, the optimizer's variables and the logs end as if never
+    stopped."""
+
+    def fit(backup_dir, *crash):
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([
+            keras.Input((4,)),
+            keras.layers.GaussianNoise(0.2),
+            keras.layers.Reshape((2, 2, 1)),
+            keras.layers.RandomFlip(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(8, activation="relu"),
+            keras.layers.BatchNormalization(),
+            keras.layers.AlphaDropout(0.1),
+            keras.layers.Dense(1),
+        ])  # fmt: skip
+        model.compile(_optimizer(kind), "mse", metrics=["mae"])
+        backup = keras_ft.BackupAndRestore(str(backup_dir), save_freq=2)
+        history = model.fit(*data, batch_size=8, epochs=3, verbose=0,
+                            callbacks=[backup, *crash])  # fmt: skip
+        return model, history.history
+
+    reference, expected = fit(tmp_path / "reference")
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(tmp_path / "resumed", CrashAt())
+    resumed, history = fit(tmp_path / "resumed")
+    assert history == expected
+    assert iterations(resumed) == iterations(reference) > 0
+    for a, b in zip(_state_of(reference), _state_of(resumed), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def _state_of(model: keras.Model) -> list[np.ndarray]:
+    optimizer = [keras.ops.convert_to_numpy(v) for v in model.optimizer.variables]
+    return weights_of(model) + optimizer
