@@ -74,3 +74,53 @@ def test_a_malformed_cuda_generator_state_is_refused(cuda):
     state["torch_cuda"] = cuda
     with pytest.raises(ValueError, match="CUDA generator states are not bytes"):
         rng.check(state)
+
+
+def test_model_side_is_pytorchs_generator_only_on_its_own_backend():
+    on_torch = keras.backend.backend() == "torch"
+    assert ("torch" in rng.model_side()) == on_torch
+    assert "keras" in rng.model_side()
+
+
+class _CrashAt(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch + 1) == (1, 5):
+            raise RuntimeError("crash")
+
+
+def test_a_dataloader_drawing_from_pytorch_resumes_mid_epoch_exact(tmp_path):
+    """Its shuffle and its dataset's noise draw from PyTorch's generator:
+    the data side's on JAX and TensorFlow (there in a thread that loads
+    ahead), so a resumed epoch replays the draws of its trained batches and
+    does not set the generator as at the save after them."""
+    torch = pytest.importorskip("torch")
+    import keras_ft
+
+    rows = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+
+    class Noisy(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(rows)
+
+        def __getitem__(self, i):
+            return rows[i] + 0.1 * torch.randn(4).numpy(), rows[i, :1]
+
+    def fit(backup_dir, *crash):
+        keras.utils.set_random_seed(3)
+        torch.manual_seed(3)  # Seeded by Keras on its own backend only.
+        loader = torch.utils.data.DataLoader(Noisy(), batch_size=8, shuffle=True)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        backup = keras_ft.BackupAndRestore(str(backup_dir), save_freq=2, verbose=0)
+        model.fit(loader, epochs=3, verbose=0, callbacks=[backup, *crash])
+        return model
+
+    reference = fit(tmp_path / "reference")
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(tmp_path / "resumed", _CrashAt())
+    resumed = fit(tmp_path / "resumed")
+    for a, b in zip(reference.get_weights(), resumed.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)

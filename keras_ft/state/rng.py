@@ -14,9 +14,12 @@ A captured state is a dictionary of JSON values and NumPy arrays.
 
 The generators fall in two groups. The data pipeline draws from Python's and
 NumPy's (shuffles, augmentation in a PyDataset), possibly on a prefetching
-thread. Training steps draw from PyTorch's (an unseeded Dropout on the torch
-backend takes `torch.nn.functional.dropout`) and Keras' global generator.
-`MODEL_SIDE` names the second group.
+thread. Training steps draw from Keras' global generator and, on the torch
+backend, from PyTorch's (an unseeded Dropout takes
+`torch.nn.functional.dropout`). `model_side()` names the second group. On
+the other backends PyTorch's generator is the data side's: only a
+`DataLoader` draws from it (its shuffle, and augmentation in its dataset),
+on TensorFlow in a `tf.data` thread that loads ahead of training.
 """
 
 from __future__ import annotations
@@ -70,7 +73,13 @@ def from_raw(raw: tuple[Any, Any]) -> dict[str, Any]:
     }
 
 
-MODEL_SIDE = ("torch", "torch_cuda", "keras")
+def model_side() -> tuple[str, ...]:
+    """The generators the training steps draw from (see the module's
+    docstring): what a resumed epoch sets as at the save once the batches
+    trained before it are replayed."""
+    if keras.backend.backend() == "torch":
+        return ("torch", "torch_cuda", "keras")
+    return ("keras",)
 
 
 def check(state: Any) -> None:
@@ -111,7 +120,7 @@ def apply(state: dict[str, Any], only: tuple[str, ...] | None = None) -> None:
     Args:
         state: From `capture()`.
         only: If given, the generators to set (keys of `state`, e.g.
-            `MODEL_SIDE`); the others are left as they are.
+            `model_side()`); the others are left as they are.
     """
     if only is not None:
         state = {k: v for k, v in state.items() if k in only}

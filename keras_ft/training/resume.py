@@ -234,7 +234,7 @@ class Resumption:
         begin, or its end) though none of its batches trained: the training
         steps' generators as its batches left them."""
         if self._model_rng is not None:
-            rng.apply(self._model_rng, only=rng.MODEL_SIDE)
+            rng.apply(self._model_rng, only=rng.model_side())
             self._model_rng = None
 
     def _continue_epoch(self, whole: bool) -> None:
@@ -279,7 +279,7 @@ class Resumption:
             if whole:  # Keras draws the next epoch's iterator first (PyTorch).
                 self._model_rng = extra.get("rng", {})
             else:
-                rng.apply(extra.get("rng", {}), only=rng.MODEL_SIDE)
+                rng.apply(extra.get("rng", {}), only=rng.model_side())
 
         # Where the input allows it, the trained batches are not loaded at
         # all: the skipped steps then pull nothing.
