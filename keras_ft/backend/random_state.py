@@ -26,6 +26,13 @@ def generator_state() -> np.ndarray | None:
     return torch.get_rng_state().numpy().copy()
 
 
+def steps_draw_from_torch() -> bool:
+    """Whether training steps draw from PyTorch's generators: on its own
+    backend (an unseeded Dropout). Elsewhere only a `DataLoader` does, on
+    the data side."""
+    return keras.backend.backend() == "torch"
+
+
 def set_generator_state(state: np.ndarray) -> None:
     """Sets what `generator_state()` returned, where PyTorch is imported (a
     process that has not imported it yet has drawn nothing from it; importing

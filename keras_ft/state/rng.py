@@ -77,7 +77,7 @@ def model_side() -> tuple[str, ...]:
     """The generators the training steps draw from (see the module's
     docstring): what a resumed epoch sets as at the save once the batches
     trained before it are replayed."""
-    if keras.backend.backend() == "torch":
+    if random_state.steps_draw_from_torch():
         return ("torch", "torch_cuda", "keras")
     return ("keras",)
 
