@@ -280,6 +280,9 @@ class FitSaves:
         dataset = self._inputs.dataset_state()
         if dataset is not None:
             extra["dataset"] = dataset
+        variables = self._inputs.variable_values(batch)
+        if variables is not None:
+            extra["input_variables"] = variables
         if batch and self.epoch_batches:
             extra["epoch_batches"] = self.epoch_batches
         if batch:  # Counted in the save's cost: a tf.data state may be large.

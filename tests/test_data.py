@@ -66,6 +66,29 @@ def test_a_tf_dataset_is_found_on_any_backend(data):
     assert seen.kind == "TFDatasetAdapter" and seen.dataset is not None
 
 
+def test_the_variables_a_tf_dataset_uses_are_found_through_its_stages():
+    tf = pytest.importorskip("tensorflow")
+    flip, shift = keras.layers.RandomFlip(), keras.layers.RandomTranslation(0.2, 0.2)
+    images = np.zeros((8, 2, 2, 1), "float32")
+    plain = tf.data.Dataset.from_tensor_slices(images).shuffle(8).batch(4)
+    assert compat_data.tf_dataset_variables(plain) == []
+    augmented = (
+        tf.data.Dataset.from_tensor_slices(images)
+        .map(flip)
+        .shuffle(8)
+        .batch(4)
+        .map(shift, num_parallel_calls=2)
+        .prefetch(2)
+    )
+    found = compat_data.tf_dataset_variables(augmented)
+    # Each layer's seed generator: its seed, and a counter each batch moves.
+    assert [tuple(v.shape) for v in found] == [(2,), (2,)]
+    before = [v.numpy().copy() for v in found]
+    list(augmented)
+    assert all((v.numpy() != b).any() for v, b in zip(found, before, strict=True))
+    assert compat_data.tf_dataset_variables(None) == []
+
+
 def test_a_py_dataset_with_processes_is_said_to_load_in_them():
     seen = fit_with(Items(workers=2, use_multiprocessing=True))
     assert seen.in_processes

@@ -381,6 +381,63 @@ def test_tf_data_that_cannot_be_saved_and_reshuffles_says_so(tmp_path):
         tf_data_fit(tmp_path, backup, reshuffle=True)
 
 
+def augmented_fit(backup_dir=None, crash=False, save_freq=SAVE_FREQ, layers=1):
+    """A tf.data pipeline that augments in `map()` with a Keras random layer,
+    as Keras' image examples do: the layer's seed generator, a variable the
+    pipeline uses, moves with every batch, from epoch to epoch."""
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(1)
+    shifts = [keras.layers.RandomTranslation(0.4, 0.4) for _ in range(layers)]
+
+    def augment(images):
+        for shift in shifts:  # Not a Sequential: JAX's Keras has it run JAX ops.
+            images = shift(images)
+        return images
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(ITEMS * BATCH, 2, 2, 1)).astype("float32")
+    y = x.reshape(-1, 4)[:, :1] * 2
+    dataset = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .batch(BATCH)
+        .map(lambda images, labels: (augment(images), labels))
+    )
+    model = keras.Sequential([
+        keras.Input((2, 2, 1)), keras.layers.Flatten(), keras.layers.Dense(1)
+    ])  # fmt: skip
+    model.compile(keras.optimizers.Adam(1e-2), "mse")
+    callbacks = [Crash()] if crash else []
+    if backup_dir is not None:
+        callbacks.append(keras_ft.BackupAndRestore(str(backup_dir), save_freq))
+    try:
+        model.fit(dataset, epochs=3, verbose=0, callbacks=callbacks)
+    except RuntimeError:
+        assert crash
+    return model
+
+
+@pytest.mark.parametrize("save_freq", [SAVE_FREQ, "epoch"])
+def test_a_tf_data_pipeline_augmenting_with_a_random_layer_resumes_exact(
+    tmp_path, save_freq
+):
+    """Replayed from the values its variables had when the epoch began:
+    resumed mid-epoch, or at the begin of the epoch after the save."""
+    pytest.importorskip("tensorflow")
+    reference = augmented_fit()
+    backup = tmp_path / "backup"
+    augmented_fit(backup, crash=True, save_freq=save_freq)
+    assert_same_weights(reference, augmented_fit(backup, save_freq=save_freq))
+
+
+def test_a_tf_data_pipeline_with_other_variables_than_backed_up_says_so(tmp_path):
+    pytest.importorskip("tensorflow")
+    backup = tmp_path / "backup"
+    augmented_fit(backup, crash=True)
+    with pytest.warns(UserWarning, match="variables .* are not those backed up"):
+        augmented_fit(backup, layers=2)
+
+
 def test_a_generator_replays_and_says_how_much(tmp_path):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(ITEMS, BATCH, FEATURES)).astype("float32")

@@ -24,6 +24,7 @@ from keras_ft.compat.data import (
     start_data_at_epoch,
     stream_made,
     stream_position,
+    tf_dataset_variables,
 )
 from keras_ft.compat.grain_input import GrainView
 from keras_ft.compat.jax_cluster import gather_ints
@@ -129,6 +130,7 @@ __all__ = [
     "start_data_at_epoch",
     "strategy_cluster",
     "tf_dataset_reshuffles",
+    "tf_dataset_variables",
     "tf_op_determinism",
     "usable",
 ]

@@ -62,6 +62,51 @@ def fit_tf_dataset(epoch_iterator: Any) -> Any:
         return None
 
 
+@register(
+    "tf_data_variables",
+    "the variables a tf.data pipeline's functions use (the seed of a Keras "
+    "random layer in `map()`, augmenting) start afresh at a resume: the "
+    "resumed run's augmentation differs",
+    # A tf.data pipeline has TensorFlow imported, whatever Keras' backend.
+    applies=lambda: "tensorflow" in sys.modules,
+)
+def _check_tf_data_variables() -> bool:
+    import tensorflow as tf
+
+    mapped = tf.data.Dataset.range(2).map(lambda x: x + 1)
+    functions = mapped._functions()
+    return (
+        bool(functions)
+        and isinstance(functions[0].function.variables, tuple | list)
+        and list(mapped._inputs())[0]._functions() == []
+    )
+
+
+def tf_dataset_variables(dataset: Any) -> list:
+    """The `tf.Variable`s that the functions of a `tf.data.Dataset` (or of a
+    pipeline it reads) use, in a fixed order: state that lives outside the
+    pipeline (a Keras random layer's seed generator, which each batch
+    `map()` augments advances). `[]` for anything else."""
+    if dataset is None or not usable("tf_data_variables"):
+        return []
+    found: dict[int, Any] = {}
+    pending, seen = [dataset], set()
+    try:
+        while pending:
+            dataset = pending.pop(0)
+            if id(dataset) in seen:
+                continue
+            seen.add(id(dataset))
+            for wrapper in dataset._functions():
+                for variable in wrapper.function.variables:
+                    found.setdefault(id(variable), variable)
+            pending.extend(dataset._inputs())
+    except Exception as e:
+        fail("tf_data_variables", e)
+        return []
+    return list(found.values())
+
+
 def py_dataset(epoch_iterator: Any) -> Any:
     """What `fit()`'s data adapter loads items from (a `PyDataset`), or
     `None` (another input, or an internal that moved)."""

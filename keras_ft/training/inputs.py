@@ -55,6 +55,12 @@ anything is loaded. One that changes itself in `on_epoch_end()` or
 a cluster, only the chief's state is backed up, and every process gets it
 back: a state that differs between processes does not resume exactly.
 
+A `tf.data` pipeline whose functions use variables (a Keras random layer in
+`map()`, augmenting: its seed generator advances with every batch) cannot be
+saved with its iterator: it is replayed. The variables' values when the
+epoch began (or, in a stream, its pass) are backed up and set back before
+the replay, which advances them as the first run did.
+
 A Grain `MapDataset` or `IterDataset` is saved as Grain checkpoints its
 iterators (`compat.GrainView`): the backup holds the state of the epoch's
 iterator after the trained batches (JSON, a few bytes), and the resumed
@@ -100,6 +106,13 @@ class InputPosition:
         # Whether its iterator was made before its first epoch began (at
         # the end of the last pass), before `_stream_rng` was noted.
         self._stream_made = False
+        # A tf.data pipeline's variables, and their values when the epoch
+        # and the stream's pass began.
+        self._variables = compat.tf_dataset_variables(
+            compat.fit_tf_dataset(epoch_iterator)
+        )
+        self._epoch_values: list[np.ndarray] | None = None
+        self._stream_values: list[np.ndarray] | None = None
         self._before: collections.deque = collections.deque(maxlen=KEPT_LOADS)
         self._resume_rng: dict[str, Any] | None = None
         # The user's `PyDataset`, before a view stands in for it.
@@ -115,10 +128,12 @@ class InputPosition:
         self._loads = 0
         self._before.clear()
         self._resume_rng = None
+        self._epoch_values = self.variable_values(None)
         self._stream_start = compat.stream_position(self.epoch_iterator)
         if self._stream_start == 0:  # A pass begins.
             # PyTorch's generator too: a `DataLoader` draws from it.
             self._stream_rng = rng.capture()
+            self._stream_values = self._epoch_values
             self._stream_made = compat.stream_made(self.epoch_iterator)
         if self.view is not None:
             self.view.skip([], placeholders=False)
@@ -168,11 +183,25 @@ class InputPosition:
             drawn = self._stream_start + batch
         if drawn is None or not (drawn or made):
             return None  # A new stream: nothing to draw again.
-        return {
+        stream = {
             "stream": drawn,
             "stream_rng": self._stream_rng or {},
             "stream_made": made,
         }
+        if self._stream_values is not None:
+            stream["stream_variables"] = self._stream_values
+        return stream
+
+    def variable_values(self, batch: int | None) -> list[np.ndarray] | None:
+        """The values of the `tf.data` pipeline's variables (see the module's
+        docstring) that a resume from a save after the epoch's first `batch`
+        sets (`None`: at the epoch's end, for the next epoch): as the epoch
+        began, or as now. `None` where the pipeline uses none."""
+        if not self._variables:
+            return None
+        if batch:
+            return self._epoch_values
+        return [np.array(v.numpy()) for v in self._variables]
 
     def dataset_state(self) -> Any:
         """What the `PyDataset` says its state is (see the module's
@@ -185,10 +214,35 @@ class InputPosition:
         return copy.deepcopy(state)
 
     def set_dataset_state(self, point: ResumePoint) -> None:
-        """At the resumed epoch's begin: the `PyDataset`'s saved state back."""
+        """At the resumed epoch's begin: the `PyDataset`'s saved state back,
+        and the `tf.data` pipeline's variables as the epoch began."""
         saved = point.extra.get("dataset")
         if saved is not None and _keeps_state(self.dataset):
             self.dataset.set_state(saved)
+        self._set_variables(point.extra.get("input_variables"))
+
+    def _set_variables(self, values: Any) -> None:
+        if values is None or not self._variables:
+            return
+        fits = isinstance(values, list) and len(values) == len(self._variables)
+        fits = fits and all(
+            isinstance(value, np.ndarray)
+            and value.shape == tuple(v.shape)
+            and value.dtype == v.dtype.as_numpy_dtype
+            for value, v in zip(values, self._variables, strict=True)
+        )
+        if not fits:
+            events.warn(
+                "restore",
+                "BackupAndRestore: the tf.data pipeline's variables (a random "
+                "layer's seed in `map()`, say) are not those backed up (another "
+                "pipeline): they start afresh, and its random draws differ from "
+                "the uninterrupted run's.",
+                stacklevel=4,
+            )
+            return
+        for variable, value in zip(self._variables, values, strict=True):
+            variable.assign(value)
 
     def warn_unsaved(self) -> None:
         """Names a `PyDataset` whose epoch hooks may change it, but whose
@@ -232,6 +286,7 @@ class InputPosition:
             return
         # Noted again by this process's saves: the stream is the same.
         self._stream_rng = saved.get("stream_rng") or self._stream_rng
+        self._stream_values = saved.get("stream_variables", self._stream_values)
         self._stream_made = made = saved.get("stream_made") is True
         if point.batch and "tf_iterator" in saved:
             return  # Restored exactly from the iterator's state.
@@ -250,6 +305,7 @@ class InputPosition:
             if before <= 0:
                 return
             rng.apply(saved.get("stream_rng", {}))
+            self._set_variables(saved.get("stream_variables"))
             if not made and not compat.make_stream(self.epoch_iterator):
                 return
             if not compat.advance_stream(self.epoch_iterator, before):
