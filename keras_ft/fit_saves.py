@@ -283,6 +283,9 @@ class FitSaves:
         variables = self._inputs.variable_values(batch)
         if variables is not None:
             extra["input_variables"] = variables
+        iterators = self._inputs.iterators_made(batch)
+        if iterators is not None:
+            extra["input_iterators"] = iterators
         if batch and self.epoch_batches:
             extra["epoch_batches"] = self.epoch_batches
         if batch:  # Counted in the save's cost: a tf.data state may be large.

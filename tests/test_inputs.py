@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 
 import keras
 import numpy as np
@@ -27,6 +28,7 @@ from conftest import (
 import keras_ft
 from keras_ft import compat
 from keras_ft.checkpoint.store import CheckpointStore
+from keras_ft.training.inputs import InputPosition
 
 ITEMS, BATCH, FEATURES = 12, 8, 4
 SAVE_FREQ, CRASH_AFTER = 4, 6  # Saved after 4 batches of epoch 2, crashed after 6.
@@ -374,17 +376,33 @@ def test_tf_data_that_cannot_be_saved_is_replayed_exactly(tmp_path):
     assert_same_weights(reference, model)
 
 
-def test_tf_data_that_cannot_be_saved_and_reshuffles_says_so(tmp_path):
+def test_tf_data_that_cannot_be_saved_and_reshuffles_is_replayed_exactly(tmp_path):
+    """The epochs before the resumed one drew their orders as Keras made
+    their iterators: the resumed process makes as many first."""
+    reference, _ = tf_data_fit(tmp_path, reshuffle=True)
     backup = tmp_path / "backup"
     tf_data_fit(tmp_path, backup, crash=True, reshuffle=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "BackupAndRestore: the tf.data")
+        model, _ = tf_data_fit(tmp_path, backup, reshuffle=True)
+    assert_same_weights(reference, model)
+
+
+def test_an_older_backup_of_tf_data_that_reshuffles_says_so(tmp_path, monkeypatch):
+    backup = tmp_path / "backup"
+    # As keras-ft wrote backups before it counted the pipeline's iterators.
+    with monkeypatch.context() as patch:
+        patch.setattr(InputPosition, "iterators_made", lambda self, batch: None)
+        tf_data_fit(tmp_path, backup, crash=True, reshuffle=True)
     with pytest.warns(UserWarning, match="reshuffles at every iteration"):
         tf_data_fit(tmp_path, backup, reshuffle=True)
 
 
 def augmented_fit(backup_dir=None, crash=False, save_freq=SAVE_FREQ, layers=1):
-    """A tf.data pipeline that augments in `map()` with a Keras random layer,
-    as Keras' image examples do: the layer's seed generator, a variable the
-    pipeline uses, moves with every batch, from epoch to epoch."""
+    """A tf.data pipeline that reshuffles and augments in `map()` with a Keras
+    random layer, as Keras' image examples do: the layer's seed generator, a
+    variable the pipeline uses, moves with every batch, from epoch to
+    epoch."""
     import tensorflow as tf
 
     keras.utils.set_random_seed(1)
@@ -400,6 +418,7 @@ def augmented_fit(backup_dir=None, crash=False, save_freq=SAVE_FREQ, layers=1):
     y = x.reshape(-1, 4)[:, :1] * 2
     dataset = (
         tf.data.Dataset.from_tensor_slices((x, y))
+        .shuffle(len(x), seed=2)
         .batch(BATCH)
         .map(lambda images, labels: (augment(images), labels))
     )

@@ -655,6 +655,16 @@ def stream_made(epoch_iterator: Any) -> bool:
     return getattr(epoch_iterator, "_current_iterator", None) is not None
 
 
+def made_ahead(epoch_iterator: Any) -> bool:
+    """At an epoch's end or the next one's begin: whether Keras has made the
+    next epoch's `tf.data` iterator already (TensorFlow, a pipeline of known
+    length), and so drawn its order. On the other backends the iterator is
+    made in a Python generator when it first yields."""
+    if not usable("stream_position") or getattr(epoch_iterator, "_steps_seen", 1):
+        return False
+    return _tf_dataset_iterator(epoch_iterator) is not None
+
+
 def make_stream(epoch_iterator: Any) -> bool:
     """Gives `fit()`'s stream a new iterator now, as Keras makes one (on
     PyTorch, making a `DataLoader`'s iterator draws from PyTorch's

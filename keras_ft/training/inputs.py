@@ -30,8 +30,12 @@ yields anything. The rest of the epoch, and the order of later epochs of a
 pipeline that reshuffles, come out as in an uninterrupted run. A pipeline
 with state outside the graph (a `py_function`) cannot be saved: replayed.
 On JAX and PyTorch, Keras reads the pipeline through NumPy, so no iterator
-state is saved: replayed too, exact unless the pipeline reshuffles (then a
-warning says so).
+state is saved: replayed too. One that reshuffles (`Dataset.shuffle()`)
+draws each epoch's order as Keras makes the epoch's iterator (on TensorFlow
+also one at each epoch's end, for the next): a backup notes how many Keras
+had made, and a resumed process makes as many before its first epoch, so
+that epoch draws the order it drew before. A backup from before that count
+resumes in another order, with a warning.
 
 Input read with `steps_per_epoch` is one stream across the epochs (a Python
 generator, a `tf.data` pipeline, and arrays, a `PyDataset` or a PyTorch
@@ -113,6 +117,15 @@ class InputPosition:
         )
         self._epoch_values: list[np.ndarray] | None = None
         self._stream_values: list[np.ndarray] | None = None
+        # A tf.data pipeline that reshuffles draws each epoch's order when
+        # Keras makes the epoch's iterator: how many it made before this
+        # epoch's (`None`: another input).
+        self._reshuffling = None
+        dataset = compat.fit_tf_dataset(epoch_iterator)
+        if compat.tf_dataset_reshuffles(dataset):
+            self._reshuffling = dataset
+        self._iterators = -1
+        self._caught_up = False  # Its orders drawn as before the restart.
         self._before: collections.deque = collections.deque(maxlen=KEPT_LOADS)
         self._resume_rng: dict[str, Any] | None = None
         # The user's `PyDataset`, before a view stands in for it.
@@ -128,6 +141,9 @@ class InputPosition:
         self._loads = 0
         self._before.clear()
         self._resume_rng = None
+        if self._reshuffling is not None:
+            # Made at the last epoch's end too (TensorFlow), and this epoch's.
+            self._iterators += 2 if compat.made_ahead(self.epoch_iterator) else 1
         self._epoch_values = self.variable_values(None)
         self._stream_start = compat.stream_position(self.epoch_iterator)
         if self._stream_start == 0:  # A pass begins.
@@ -192,6 +208,17 @@ class InputPosition:
             stream["stream_variables"] = self._stream_values
         return stream
 
+    def iterators_made(self, batch: int | None) -> int | None:
+        """How many iterators of a reshuffling `tf.data` pipeline Keras made
+        before the epoch that a resume from a save after the epoch's first
+        `batch` begins with (`None`: at the epoch's end): the orders it drew
+        before. `None` for other input."""
+        if self._reshuffling is None or self._stream_start is not None:
+            return None
+        if batch:
+            return self._iterators
+        return self._iterators + (2 if compat.made_ahead(self.epoch_iterator) else 1)
+
     def variable_values(self, batch: int | None) -> list[np.ndarray] | None:
         """The values of the `tf.data` pipeline's variables (see the module's
         docstring) that a resume from a save after the epoch's first `batch`
@@ -220,6 +247,14 @@ class InputPosition:
         if saved is not None and _keeps_state(self.dataset):
             self.dataset.set_state(saved)
         self._set_variables(point.extra.get("input_variables"))
+        made = point.extra.get("input_iterators")
+        self._caught_up = isinstance(made, int)
+        if self._reshuffling is not None and isinstance(made, int):
+            # Each makes the pipeline draw an order, as the first run's epochs
+            # before this one did: this epoch's iterator draws its own.
+            while self._iterators < made:
+                iter(self._reshuffling)
+                self._iterators += 1
 
     def _set_variables(self, values: Any) -> None:
         if values is None or not self._variables:
@@ -364,19 +399,16 @@ class InputPosition:
         """Says so where the input can only replay the `count` batches of the
         resumed epoch trained before the restart (a Python generator), or
         cannot replay them in their order (a `tf.data` pipeline that
-        reshuffles, whose iterator's state was not saved: on JAX and PyTorch,
-        Keras reads it through NumPy)."""
-        if compat.tf_dataset_reshuffles(compat.fit_tf_dataset(self.epoch_iterator)):
+        reshuffles, replayed from a backup that does not say how many orders
+        it drew before: one written by an earlier keras-ft)."""
+        if self._reshuffling is not None and not self._caught_up:
             events.warn(
                 "restore",
                 "BackupAndRestore: the tf.data pipeline reshuffles at every "
-                "iteration (`Dataset.shuffle()`), and a new process cannot "
-                "replay the interrupted epoch's order: the rest of this epoch "
-                "is trained on batches in another order. For an exact resume "
-                "pass NumPy arrays or a keras.utils.PyDataset with "
-                "fit(shuffle=True), or a tf.data pipeline that does not "
-                "reshuffle (on the TensorFlow backend, one whose state is all "
-                "in the graph: no `py_function`).",
+                "iteration (`Dataset.shuffle()`), and the backup (from an "
+                "earlier keras-ft) does not say how many orders it drew before "
+                "the restart: the rest of this epoch is trained on batches in "
+                "another order. Backups written from now on resume it exactly.",
                 stacklevel=2,
             )
         elif compat.input_kind(self.epoch_iterator) == "GeneratorDataAdapter":
