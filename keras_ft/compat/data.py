@@ -73,7 +73,10 @@ def fit_tf_dataset(epoch_iterator: Any) -> Any:
 def _check_tf_data_variables() -> bool:
     import tensorflow as tf
 
-    mapped = tf.data.Dataset.range(2).map(lambda x: x + 1)
+    # Not converted by AutoGraph, which would write its code into TMPDIR.
+    mapped = tf.data.Dataset.range(2).map(
+        tf.autograph.experimental.do_not_convert(lambda x: x + 1)
+    )
     functions = mapped._functions()
     return (
         bool(functions)

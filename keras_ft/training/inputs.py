@@ -112,18 +112,15 @@ class InputPosition:
         self._stream_made = False
         # A tf.data pipeline's variables, and their values when the epoch
         # and the stream's pass began.
-        self._variables = compat.tf_dataset_variables(
-            compat.fit_tf_dataset(epoch_iterator)
-        )
+        tf_dataset = compat.fit_tf_dataset(epoch_iterator)
+        self._variables = compat.tf_dataset_variables(tf_dataset)
         self._epoch_values: list[np.ndarray] | None = None
         self._stream_values: list[np.ndarray] | None = None
         # A tf.data pipeline that reshuffles draws each epoch's order when
-        # Keras makes the epoch's iterator: how many it made before this
-        # epoch's (`None`: another input).
-        self._reshuffling = None
-        dataset = compat.fit_tf_dataset(epoch_iterator)
-        if compat.tf_dataset_reshuffles(dataset):
-            self._reshuffling = dataset
+        # Keras makes the epoch's iterator; how many it made before this
+        # epoch's.
+        reshuffles = compat.tf_dataset_reshuffles(tf_dataset)
+        self._reshuffling = tf_dataset if reshuffles else None
         self._iterators = -1
         self._caught_up = False  # Its orders drawn as before the restart.
         self._before: collections.deque = collections.deque(maxlen=KEPT_LOADS)
@@ -248,8 +245,10 @@ class InputPosition:
             self.dataset.set_state(saved)
         self._set_variables(point.extra.get("input_variables"))
         made = point.extra.get("input_iterators")
-        self._caught_up = isinstance(made, int)
-        if self._reshuffling is not None and isinstance(made, int):
+        # At most two an epoch (TensorFlow's made ahead): a count beyond that
+        # is a damaged backup's, not one to spend the resume making.
+        self._caught_up = type(made) is int and 0 <= made <= 2 * point.epoch + 2
+        if self._reshuffling is not None and self._caught_up:
             # Each makes the pipeline draw an order, as the first run's epochs
             # before this one did: this epoch's iterator draws its own.
             while self._iterators < made:
