@@ -262,6 +262,18 @@ def make_data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
+class CrashAt(keras.callbacks.Callback):
+    """Raises after batch 5 of epoch 1 (0-based epochs): an in-process crash
+    for the resume tests that need no killed process."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch + 1) == (1, 5):
+            raise RuntimeError("crash")
+
+
 def locked_training(backup_dir: str, **kwargs):
     """A `WorkerTrainingState` of a model trained one epoch, holding the
     backup's lock (`close()` it); `kwargs` go to it."""

@@ -8,7 +8,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from conftest import STEPS_PER_EPOCH, iterations, make_model, weights_of
+from conftest import STEPS_PER_EPOCH, CrashAt, iterations, make_model, weights_of
 
 import keras_ft
 from keras_ft.training.resume import FastForward
@@ -71,15 +71,6 @@ class ResetRnnStates(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self.model.layers[0].reset_state()
-
-
-class CrashAt(keras.callbacks.Callback):
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch + 1) == (1, 5):
-            raise RuntimeError("crash")
 
 
 @pytest.mark.skipif(

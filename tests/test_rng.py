@@ -7,6 +7,7 @@ import random
 import keras
 import numpy as np
 import pytest
+from conftest import CrashAt
 
 from keras_ft.state import arrays, rng
 
@@ -82,15 +83,6 @@ def test_model_side_is_pytorchs_generator_only_on_its_own_backend():
     assert "keras" in rng.model_side()
 
 
-class _CrashAt(keras.callbacks.Callback):
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch + 1) == (1, 5):
-            raise RuntimeError("crash")
-
-
 def test_a_dataloader_drawing_from_pytorch_resumes_mid_epoch_exact(tmp_path):
     """Its shuffle and its dataset's noise draw from PyTorch's generator:
     the data side's on JAX and TensorFlow (there in a thread that loads
@@ -120,7 +112,7 @@ def test_a_dataloader_drawing_from_pytorch_resumes_mid_epoch_exact(tmp_path):
 
     reference = fit(tmp_path / "reference")
     with pytest.raises(RuntimeError, match="crash"):
-        fit(tmp_path / "resumed", _CrashAt())
+        fit(tmp_path / "resumed", CrashAt())
     resumed = fit(tmp_path / "resumed")
     for a, b in zip(reference.get_weights(), resumed.get_weights(), strict=True):
         np.testing.assert_array_equal(a, b)
