@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
+from conftest import CrashAt
 
 from keras_ft.training import callback_state
 
@@ -73,3 +74,36 @@ def test_a_get_state_that_returns_what_no_backup_holds_is_named():
         TypeError, match=r"Sets:0's get_state\(\) holds a value of type set"
     ):
         callback_state.capture([Sets()])
+
+
+def test_history_of_a_metric_with_a_value_per_class_resumes(tmp_path, data):
+    """Keras logs `F1Score()`'s value per class as an array, which `History`
+    keeps: a backup holding one restores (it was refused as damaged), and the
+    resumed `History` equals the uninterrupted one's, arrays included."""
+    import keras_ft
+
+    x, y = data
+    labels = keras.utils.to_categorical((y[:, 0] > y[:, 0].mean()).astype("int"))
+
+    def fit(backup_dir, *crash):
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential(
+            [keras.Input((4,)), keras.layers.Dense(2, activation="softmax")]
+        )
+        model.compile("adam", "categorical_crossentropy",
+                      metrics=[keras.metrics.F1Score()])  # fmt: skip
+        backup = keras_ft.BackupAndRestore(str(backup_dir), save_freq=2)
+        return model.fit(x, labels, batch_size=8, epochs=3, verbose=0,
+                         callbacks=[backup, *crash]).history  # fmt: skip
+
+    expected = fit(tmp_path / "reference")
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(tmp_path / "resumed", CrashAt())
+    history = fit(tmp_path / "resumed")
+    assert sorted(history) == sorted(expected)
+    for key, values in expected.items():
+        assert len(history[key]) == len(values) == 3
+        for found, value in zip(history[key], values, strict=True):
+            assert type(found) is type(value)
+            np.testing.assert_array_equal(found, value)
+    assert isinstance(expected["f1_score"][0], np.ndarray)

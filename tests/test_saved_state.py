@@ -29,7 +29,8 @@ def state() -> dict:
             "EarlyStopping:0": {"wait": 1, "best": 0.3, "best_epoch": 2,
                                 "best_weights": [np.ones((4, 8)), np.float32(1)]},
             "ModelCheckpoint:0": {"best": None, "_last_batch_seen": None},
-            "History:0": {"epoch": [0, 1], "history": {"loss": [0.5, None]}},
+            "History:0": {"epoch": [0, 1], "history": {"loss": [0.5, None],
+                          "f1_score": [np.zeros(2, "float32"), None]}},
             "CSVLogger:0": {"rows": "epoch,loss\n0,0.5\n"},
             "MyCallback:0": {"anything": object()},  # Its own; checked by it.
         },
@@ -68,7 +69,9 @@ def test_the_state_keras_ft_saves_passes():
         (lambda s: s["callbacks"]["ModelCheckpoint:0"].update(_last_batch_seen=-1),
          "_last_batch_seen is not null or a count"),
         (lambda s: s["callbacks"]["History:0"].update(history={"loss": [0.1, "x"]}),
-         "history is not an object of lists of numbers"),
+         "history is not an object of lists of numbers or arrays"),
+        (lambda s: s["callbacks"]["History:0"]["history"]["f1_score"].append(
+            np.array(["x"])), "History:0.history is not"),
         (lambda s: s["callbacks"]["CSVLogger:0"].update(rows=b"bytes"),
          "rows is not text"),
     ],

@@ -116,9 +116,17 @@ def _is_epochs(value: Any, shapes: Any) -> bool:
 
 def _is_history(value: Any, shapes: Any) -> bool:
     return isinstance(value, dict) and all(
-        isinstance(v, list) and all(x is None or is_number(x) for x in v)
+        isinstance(v, list) and all(x is None or _is_log(x) for x in v)
         for v in value.values()
     )
+
+
+def _is_log(value: Any) -> bool:
+    # Keras logs a metric of several values (`F1Score()` per class) as the
+    # array `float()` could not turn into a number.
+    if isinstance(value, np.ndarray):
+        return value.dtype.kind in "biuf"
+    return is_number(value)
 
 
 # A check of a saved value (given the model's weight shapes, where known),
@@ -152,6 +160,6 @@ CALLBACK_FIELDS: dict[str, dict[str, _Field]] = {
     "CSVLogger": {"rows": (_is_text, "text")},
     "History": {
         "epoch": (_is_epochs, "a list of epoch numbers"),
-        "history": (_is_history, "an object of lists of numbers"),
+        "history": (_is_history, "an object of lists of numbers or arrays"),
     },
 }
