@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from conftest import CrashAt
 
+from keras_ft.state import saved_state
+from keras_ft.state.arrays import join, split
 from keras_ft.training import callback_state
 
 
@@ -45,6 +47,34 @@ def test_stock_callbacks_round_trip():
     np.testing.assert_array_equal(fresh[0].best_weights[0], np.ones((2, 2)))
     assert (fresh[1].wait, fresh[1].best, fresh[1].cooldown_counter) == (1, 0.5, 2)
     assert fresh[2].epoch == [0, 1] and fresh[2].history == {"loss": [1.0, 0.5]}
+
+
+def test_history_holds_what_other_callbacks_log_as_a_backup_can():
+    """A callback may add a backend tensor, a NumPy value or text to the logs
+    `History` keeps: saved as NumPy values (the write failed on a tensor),
+    and anything else as `None`, with a warning naming it."""
+    history = keras.callbacks.History()
+    history.epoch = [0]
+    history.history = {
+        "loss": [0.5],
+        "lr": [keras.ops.convert_to_tensor(0.25)],
+        "f1": [np.array([0.5, 1.0], "float32")],
+        "step": [np.int64(3)],
+        "phase": ["warm-up"],
+        "thing": [object()],
+    }
+    with pytest.warns(UserWarning, match="History logged 'thing' as a value of"):
+        states = callback_state.capture([history])
+    logged = states["History:0"]["history"]
+    assert logged["loss"] == [0.5] and logged["phase"] == ["warm-up"]
+    assert logged["lr"] == [0.25] and isinstance(logged["lr"][0], np.float32)
+    assert logged["step"] == [3] and logged["thing"] == [None]
+    np.testing.assert_array_equal(logged["f1"][0], [0.5, 1.0])
+    tree, arrays = split(states)  # As a backup holds it.
+    saved_state.check({"callbacks": join(tree, arrays)})
+    fresh = keras.callbacks.History()
+    callback_state.apply([fresh], states)
+    assert fresh.epoch == [0] and fresh.history["lr"] == [0.25]
 
 
 def test_protocol_callbacks_and_matching_by_class_and_position():

@@ -123,10 +123,11 @@ def _is_history(value: Any, shapes: Any) -> bool:
 
 def _is_log(value: Any) -> bool:
     # Keras logs a metric of several values (`F1Score()` per class) as the
-    # array `float()` could not turn into a number.
-    if isinstance(value, np.ndarray):
+    # array `float()` could not turn into a number; another callback may add
+    # text, or a flag.
+    if isinstance(value, (np.ndarray, np.generic)):
         return value.dtype.kind in "biuf"
-    return is_number(value)
+    return isinstance(value, (str, int, float))
 
 
 # A check of a saved value (given the model's weight shapes, where known),
@@ -160,6 +161,6 @@ CALLBACK_FIELDS: dict[str, dict[str, _Field]] = {
     "CSVLogger": {"rows": (_is_text, "text")},
     "History": {
         "epoch": (_is_epochs, "a list of epoch numbers"),
-        "history": (_is_history, "an object of lists of numbers or arrays"),
+        "history": (_is_history, "an object of lists of logged values"),
     },
 }

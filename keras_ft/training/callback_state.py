@@ -26,10 +26,47 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import keras
+import numpy as np
 
 from keras_ft import compat, events
 from keras_ft.state import arrays, saved_state
 from keras_ft.training import neighbours
+
+
+def _history_state(history: keras.callbacks.History) -> dict[str, Any]:
+    logged = {
+        key: [_loggable(key, value) for value in values]
+        for key, values in getattr(history, "history", {}).items()
+    }
+    return {"epoch": list(getattr(history, "epoch", [])), "history": logged}
+
+
+def _set_history_state(history: keras.callbacks.History, state: dict) -> None:
+    for name in ("epoch", "history"):
+        if name in state:
+            setattr(history, name, state[name])
+
+
+def _loggable(key: str, value: Any) -> Any:
+    """A value `History` logged, as a backup can hold it: a backend tensor or
+    NumPy value (another callback's addition to the logs) as NumPy's."""
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    try:
+        array = keras.ops.convert_to_numpy(value)
+    except Exception:  # Not an array at all.
+        array = None
+    if isinstance(array, np.ndarray) and array.dtype.kind in "biuf":
+        return array if array.ndim else array[()]
+    events.warn(
+        "save",
+        f"BackupAndRestore: History logged {key!r} as a value of type "
+        f"{type(value).__name__}, which a backup cannot hold: a resumed fit()'s "
+        "History has None there. Log numbers, strings or arrays.",
+        stacklevel=6,
+    )
+    return None
+
 
 # Keras keeps these in attributes, resetting them in `on_train_begin`; the
 # fields, and how a saved value of each must look, are `saved_state`'s.
@@ -37,7 +74,6 @@ _STOCK_KINDS: dict[type, str] = {
     keras.callbacks.EarlyStopping: "EarlyStopping",
     keras.callbacks.ReduceLROnPlateau: "ReduceLROnPlateau",
     keras.callbacks.ModelCheckpoint: "ModelCheckpoint",
-    keras.callbacks.History: "History",
     keras.callbacks.TensorBoard: "TensorBoard",
 }
 # Stock callbacks whose state is not in attributes: how to read and set it.
@@ -47,6 +83,7 @@ _STOCK_STATES: dict[type, tuple[str, Callable, Callable]] = {
         neighbours.csv_state,
         neighbours.set_csv_state,
     ),
+    keras.callbacks.History: ("History", _history_state, _set_history_state),
 }
 # Modules whose callbacks are known here, stateless or saved as above.
 _KNOWN_MODULES = ("keras.", "keras_ft.", "keras_hub.", "keras_tuner.")
