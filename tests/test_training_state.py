@@ -208,3 +208,88 @@ def test_rnn_states_of_another_batch_size_start_from_zeros_and_say_so(tmp_path):
         TrainingState(fresh).apply(str(tmp_path), snapshot.metadata)
     assert not any(s.any() for s in rnn_states(fresh))
     np.testing.assert_array_equal(weights_of(fresh)[0], weights_of(model)[0])
+
+
+class GAN(keras.Model):
+    """Keras' guide's GAN: `train_step()` steps two optimizers kept in
+    attributes, and the model itself is never called, so never built (on
+    TensorFlow: PyTorch's trainer asks its users to say it is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.d = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
+                                   keras.layers.Dense(1)])  # fmt: skip
+        self.g = keras.Sequential([keras.Input((2,)), keras.layers.Dense(4)])
+        self.seed_generator = keras.random.SeedGenerator(7)
+        self.loss_tracker = keras.metrics.Mean(name="d_loss")
+        self.built = keras.backend.backend() == "torch"
+
+    def compile(self):
+        super().compile()  # Its default optimizer is never built.
+        self.d_optimizer = keras.optimizers.Adam(0.01)
+        self.g_optimizer = keras.optimizers.Adam(0.01)
+        self.loss_fn = keras.losses.BinaryCrossentropy(from_logits=True)
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker]
+
+    def train_step(self, real):
+        n = keras.ops.shape(real)[0]
+        noise = keras.random.normal((n, 2), seed=self.seed_generator)
+        both = keras.ops.concatenate([self.g(noise), real])
+        labels = keras.ops.concatenate(
+            [keras.ops.ones((n, 1)), keras.ops.zeros((n, 1))]
+        )
+        d_loss = self._step(self.d, self.d_optimizer, labels, lambda: self.d(both))
+        noise = keras.random.normal((n, 2), seed=self.seed_generator)
+        fooled = keras.ops.zeros((n, 1))
+        self._step(self.g, self.g_optimizer, fooled, lambda: self.d(self.g(noise)))
+        self.loss_tracker.update_state(d_loss)
+        return {"d_loss": self.loss_tracker.result()}
+
+    def _step(self, trained, optimizer, labels, predict):
+        variables = trained.trainable_weights
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
+
+            with tf.GradientTape() as tape:
+                loss = self.loss_fn(labels, predict())
+            grads = tape.gradient(loss, variables)
+        else:  # PyTorch's autograd.
+            self.zero_grad()
+            loss = self.loss_fn(labels, predict())
+            loss.backward()
+            grads = [v.value.grad for v in variables]
+        optimizer.apply(grads, variables)
+        return loss
+
+
+@pytest.mark.skipif(
+    keras.backend.backend() == "jax",
+    reason="Keras' JAX trainer carries the state of the compiled optimizer only",
+)
+def test_a_model_stepping_optimizers_of_its_own_resumes_exact(tmp_path, data):
+    """A GAN resumed 5 batches into epoch 1 (a save every 2): the backup
+    builds its two optimizers before loading them, and the weights and both
+    optimizers' variables end as if never stopped (it could not be restored:
+    the model is not built)."""
+    from conftest import CrashAt
+
+    def fit(backup_dir, *crash):
+        keras.utils.set_random_seed(3)
+        gan = GAN()
+        gan.compile()
+        backup = keras_ft.BackupAndRestore(str(backup_dir), save_freq=2)
+        gan.fit(data[0], batch_size=8, epochs=3, verbose=0,
+                callbacks=[backup, *crash])  # fmt: skip
+        optimizers = gan.d_optimizer.variables + gan.g_optimizer.variables
+        return weights_of(gan) + [keras.ops.convert_to_numpy(v) for v in optimizers]
+
+    expected = fit(tmp_path / "reference")
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(tmp_path / "resumed", CrashAt())
+    found = fit(tmp_path / "resumed")
+    assert len(found) == len(expected) == 6 + (2 + 2 * 4) + (2 + 2 * 2)
+    for a, b in zip(expected, found, strict=True):
+        np.testing.assert_array_equal(a, b)

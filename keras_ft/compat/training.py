@@ -548,3 +548,26 @@ def _tf_has_gpu() -> bool:
     import tensorflow as tf
 
     return bool(tf.config.list_logical_devices("GPU"))
+
+
+@register(
+    "optimizer_var_list",
+    "an optimizer kept in a model's attribute (a GAN's `d_optimizer`) is not "
+    "restored when it is built by its first step only",
+)
+def _check_optimizer_var_list() -> bool:
+    # Read from the code: building an optimizer here would take a name (and
+    # make a variable) before the user's.
+    return "_trainable_variables" in code_names(keras.optimizers.Optimizer.build)
+
+
+def optimizer_var_list(optimizer: Any) -> list | None:
+    """The variables a built optimizer steps (`build()`'s argument), or
+    `None` where this Keras keeps them elsewhere (warned once)."""
+    if not usable("optimizer_var_list"):
+        return None
+    try:
+        return list(optimizer._trainable_variables)
+    except Exception as e:
+        fail("optimizer_var_list", e)
+        return None

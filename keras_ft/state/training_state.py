@@ -24,7 +24,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from keras_ft import events, threads
+from keras_ft import compat, events, threads
 from keras_ft.backend import cross_process
 from keras_ft.checkpoint import files as file_io
 from keras_ft.checkpoint.files import ReadProgress
@@ -277,6 +277,7 @@ class TrainingState:
             "build_config": _jsonable(self.model.get_build_config()),
             "configuration": self.configuration(),
             "variables": self.variable_specs(),
+            "optimizers": _optimizer_positions(self.model),
         }
 
     def configuration(self) -> dict:
@@ -535,22 +536,73 @@ class TrainingState:
                 # built its layers by tracing `call()`, and leaves the rest
                 # to its first call, which ends with this `build()`.
                 model.build(config["input_shape"])
-        if not model.built:
+        # A model that trains through `train_step()` alone (a GAN) is never
+        # built, but its layers are.
+        if not model.built and not model.weights:
             raise ValueError(
                 f"Model {model.name!r} is not built, and the backup does not say "
                 "how to build it. Build the model before calling `fit()`, e.g. "
                 "by calling it on a batch of data."
             )
-        self._ensure_optimizer_built()
+        # Not the compiled optimizer of a model whose `train_step()` steps
+        # others (a GAN compiled with the default, which it never builds).
+        if any(kind == "optimizer" for kind, *_ in metadata.get("variables", [])):
+            self._ensure_optimizer_built()
+        _build_optimizers(self.model, metadata.get("optimizers"))
 
     def _ensure_optimizer_built(self) -> None:
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and not optimizer.built:
-            # In the optimizer's name scope, as its first `apply()` builds it
-            # where fit() has not (TensorFlow without a strategy): a wrapper's
-            # inner optimizer (LossScaleOptimizer's) gets the paths fit() gives.
-            with keras.name_scope(optimizer.name, caller=optimizer):
-                optimizer.build(self.model.trainable_variables)
+            _build_optimizer(optimizer, self.model.trainable_variables)
+
+
+def _other_optimizers(model: keras.Model) -> dict[str, keras.optimizers.Optimizer]:
+    """The optimizers a model keeps in attributes of its own (a GAN's
+    `d_optimizer`), which Keras saves with its weights; not `optimizer`."""
+    return {
+        name: value
+        for name, value in vars(model).items()
+        if isinstance(value, keras.optimizers.Optimizer)
+        and value is not getattr(model, "optimizer", None)
+    }
+
+
+def _optimizer_positions(model: keras.Model) -> dict[str, list[int]]:
+    """For each of `_other_optimizers()` that is built, the positions in the
+    model's trainable variables of those it steps (not their paths: a model
+    made again in the same process has other layer names): what a restore
+    builds it with before loading it."""
+    positions = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    found = {}
+    for name, optimizer in _other_optimizers(model).items():
+        stepped = compat.optimizer_var_list(optimizer) if optimizer.built else None
+        if stepped is not None and all(id(v) in positions for v in stepped):
+            found[name] = [positions[id(v)] for v in stepped]
+    return found
+
+
+def _build_optimizers(model: keras.Model, saved: Any) -> None:
+    """Builds the optimizers in `model`'s attributes that a backup holds
+    built (`saved`: `_optimizer_positions()` at the save), on the variables at
+    the same positions; one that does not fit is left for the weights
+    file's check to name."""
+    if not isinstance(saved, dict):
+        return
+    trainable = model.trainable_variables
+    for name, optimizer in _other_optimizers(model).items():
+        at = saved.get(name)
+        if optimizer.built or not isinstance(at, list) or not at:
+            continue
+        if all(type(i) is int and 0 <= i < len(trainable) for i in at):
+            _build_optimizer(optimizer, [trainable[i] for i in at])
+
+
+def _build_optimizer(optimizer: keras.optimizers.Optimizer, variables: list) -> None:
+    # In the optimizer's name scope, as its first `apply()` builds it where
+    # fit() has not (TensorFlow without a strategy): a wrapper's inner
+    # optimizer (LossScaleOptimizer's) gets the paths fit() gives.
+    with keras.name_scope(optimizer.name, caller=optimizer):
+        optimizer.build(variables)
 
 
 def optimizer_step(model: keras.Model) -> int:
