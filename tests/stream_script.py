@@ -59,7 +59,11 @@ def main() -> None:
             while True:  # Each pass in another order, drawn as it goes.
                 order = np.random.permutation(SAMPLES)
                 for i in range(0, SAMPLES, BATCH):
-                    yield x[order[i : i + BATCH]], y[order[i : i + BATCH]]
+                    part = order[i : i + BATCH]
+                    # Noise drawn for every batch, on TensorFlow in a tf.data
+                    # thread that loads ahead of training.
+                    noise = np.random.normal(scale=0.01, size=x[part].shape)
+                    yield (x[part] + noise).astype("float32"), y[part]
                 start += 1
 
         data = endless()

@@ -718,6 +718,7 @@ def whole_streams(tmp_path_factory):
     "kind, save_freq, kill_at",
     [
         pytest.param("generator", "2", "2:4", marks=run_once_on("jax", SPREAD)),
+        # TensorFlow draws it ahead, in a tf.data thread.
         pytest.param(
             "generator", "epoch", "2:4", marks=run_once_on("tensorflow", SPREAD)
         ),

@@ -307,48 +307,56 @@ class InputPosition:
         from its start in the next one."""
         return compat.stream_position(self.epoch_iterator) == 0
 
-    def advance_stream(self, point: ResumePoint) -> None:
+    def advance_stream(self, point: ResumePoint) -> bool:
         """At the resumed epoch's begin, in a stream read across epochs:
         makes its iterator where the uninterrupted run had made it before
         (so that what making it draws comes before the random state put
         back), and draws the batches of the pass before that epoch again
-        (not trained), leaving the global random generators as they were;
-        the epoch's own trained batches are skipped as any input's."""
+        (not trained), leaving the training steps' generators as they were;
+        the epoch's own trained batches are skipped as any input's.
+
+        Returns whether it drew them: the data side's generators are then
+        where those draws left them, in the order the uninterrupted run
+        drew, which a state noted at the save cannot give where the input
+        loads ahead on a thread of its own (a generator on TensorFlow): a
+        resume leaves them so."""
         saved = point.extra.get("input")
         stream = saved.get("stream") if isinstance(saved, dict) else None
         if stream is None or self._stream_start is None:
-            return
+            return False
         # Noted again by this process's saves: the stream is the same.
         self._stream_rng = saved.get("stream_rng") or self._stream_rng
         self._stream_values = saved.get("stream_variables", self._stream_values)
         self._stream_made = made = saved.get("stream_made") is True
         if point.batch and "tf_iterator" in saved:
-            return  # Restored exactly from the iterator's state.
+            return False  # Restored exactly from the iterator's state.
         before = stream - point.batch
         kind = compat.input_kind(self.epoch_iterator)
         if stream and kind == "PyDatasetAdapter" and fit_loop.py_dataset_loads_ahead():
             self._warn_loads_ahead()
         if before <= 0 and not made:
-            return  # Keras makes the pass's iterator as it did.
-        state = rng.capture()
+            return False  # Keras makes the pass's iterator as it did.
+        state, drawn = rng.capture(), False
         try:
             # Made at the last pass's end, before this pass's state was noted:
             # what making it draws is in that state already.
             if made and not compat.make_stream(self.epoch_iterator):
-                return
+                return False
             if before <= 0:
-                return
+                return False
             rng.apply(saved.get("stream_rng", {}))
             self._set_variables(saved.get("stream_variables"))
             if not made and not compat.make_stream(self.epoch_iterator):
-                return
-            if not compat.advance_stream(self.epoch_iterator, before):
-                return
+                return False
+            drawn = compat.advance_stream(self.epoch_iterator, before)
+            if not drawn:
+                return False
         finally:
-            rng.apply(state)
+            rng.apply(state, only=rng.model_side() if drawn else None)
         self._stream_start = before
         if kind == "GeneratorDataAdapter":
             self._warn_generator(stream)
+        return True
 
     def skip(self, point: ResumePoint) -> bool:
         """Sets up the resumed epoch to skip its trained items at the source.

@@ -143,6 +143,8 @@ class Resumption:
         # batch (saved at its end, in validation): put back as its training
         # ends, past Keras' drawing of the next epoch's iterator.
         self._model_rng: dict | None = None
+        # The generators a resume sets as noted at the save (`None`: all).
+        self._set_up_to: tuple[str, ...] | None = None
 
     def hide_skipped_batches(
         self,
@@ -190,12 +192,14 @@ class Resumption:
             # Before anything of the epoch is loaded.
             self.inputs.set_dataset_state(point)
             # Before the epoch's random state is put back: the stream's
-            # earlier batches are drawn from a state of their own.
-            self.inputs.advance_stream(point)
+            # earlier batches are drawn from a state of their own, and leave
+            # the data side's generators where they drew them to.
+            if self.inputs.advance_stream(point):
+                self._set_up_to = rng.model_side()
         if self.skip_epochs_before and not point.batch:
             # The epochs read through drew from the generators: the next
             # epoch begins with them as they were at the save.
-            rng.apply(point.extra.get("rng", {}))
+            rng.apply(point.extra.get("rng", {}), only=self._set_up_to)
         # Every other callback's on_train_begin has reset it by now (and
         # their epoch ends of epochs skipped since are undone).
         callback_state.apply(callbacks, point.extra.get("callbacks", {}))
@@ -245,7 +249,7 @@ class Resumption:
         if "epoch_begin_rng" in extra:
             # The data pipeline shuffles with these when iteration starts, and
             # replays every later draw as the skipped batches go through it.
-            rng.apply(extra["epoch_begin_rng"])
+            rng.apply(extra["epoch_begin_rng"], only=self._set_up_to)
         # So that the epoch's mean loss and metrics come out as they would
         # have; fit() reset them just before on_epoch_begin.
         metrics = extra.get("metrics", [])
