@@ -50,13 +50,6 @@ def loop_pulls_batches() -> bool:
     return keras.backend.backend() == "torch"
 
 
-def py_dataset_loads_ahead() -> bool:
-    """Whether `fit()` loads a `PyDataset` through a prefetching `tf.data`
-    pipeline (TensorFlow): items then load in a thread of their own, as far
-    ahead of training as tf.data's autotuning takes them."""
-    return keras.backend.backend() == "tensorflow"
-
-
 def _pull(iterator: Any, count: int) -> list:
     batches = []
     for _ in range(count):

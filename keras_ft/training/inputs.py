@@ -332,8 +332,6 @@ class InputPosition:
             return False  # Restored exactly from the iterator's state.
         before = stream - point.batch
         kind = compat.input_kind(self.epoch_iterator)
-        if stream and kind == "PyDatasetAdapter" and fit_loop.py_dataset_loads_ahead():
-            self._warn_loads_ahead()
         if before <= 0 and not made:
             return False  # Keras makes the pass's iterator as it did.
         state, drawn = rng.capture(), False
@@ -422,19 +420,6 @@ class InputPosition:
             if self._stream_start:
                 return  # Said with the stream's batches before the epoch.
             self._warn_generator(count)
-
-    def _warn_loads_ahead(self) -> None:
-        events.warn(
-            "restore",
-            "BackupAndRestore: on TensorFlow a keras.utils.PyDataset read with "
-            "steps_per_epoch loads ahead of training in a tf.data thread, and "
-            "how far ahead it was when an epoch began is not known: its "
-            "batches come in the uninterrupted run's order, but what its "
-            "__getitem__ draws from NumPy's or Python's global generators "
-            "(augmentation) after the resume may differ. For an exact resume "
-            "draw from a generator seeded by the item's index.",
-            stacklevel=3,
-        )
 
     def _warn_generator(self, count: int) -> None:
         events.warn(
