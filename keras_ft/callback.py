@@ -275,7 +275,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epochs_completed = 0
         self._services: list[BackupService] = []
         self._nothing_to_train: str | None = None
-        self._later_fit = False
+        self._later_fit: ResumePoint | None = None  # A later fit()'s backup.
 
     @property
     def backup_seconds(self) -> float:
@@ -337,8 +337,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         )
         # A later fit()'s backup (a script's fits sharing it): this one
         # trains nothing and leaves it for that fit.
-        self._later_fit = point is not None and point.later_fit is not None
-        self._epochs_completed = point.epoch if point and not self._later_fit else 0
+        self._later_fit = point if point and point.later_fit is not None else None
+        self._epochs_completed = point.epoch if point and self._later_fit is None else 0
         self._nothing_to_train = services.finished(self._callbacks.others, point)
         if point is not None:
             self._resumption = resume_fit(
@@ -452,13 +452,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._inputs.remove()
         self._preemption.stop()
         completed = self._epochs_completed >= self.params.get("epochs", 0)
-        completed = completed and not self._later_fit
+        completed = completed and self._later_fit is None
         stopper = services.stopped_by(self._services)
         if stopper is not None and not stopper.backs_up_stop:
             completed = False  # Diverged (NanGuard): the last good state stays.
         services.unbind(self._services)
         self._services = []
         if self._state is not None:
+            self._saves.note_history(self._later_fit)
             delete = self.delete_checkpoint and completed and not self.preempted_by
             if delete and self._state.task.is_chief:
                 goodput.report_finished(self._state.store, self.goodput_file)

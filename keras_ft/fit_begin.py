@@ -33,9 +33,23 @@ def fit_number(backup_dir: str) -> int:
     are told apart by number. Not in a notebook, whose cells run again in
     any order: there, a fit() resumes the newest backup, whichever cell
     wrote it."""
-    number = (holdings.get("fits", backup_dir) or 0) + 1
-    holdings.put("fits", backup_dir, number)
-    return number
+    fits = holdings.get("fits", backup_dir) or []
+    holdings.put("fits", backup_dir, [*fits, {}])
+    return len(fits) + 1
+
+
+def histories_before(backup_dir: str, number: int | None) -> list[dict]:
+    """The `History` state of each fit() before fit() #`number` on
+    `backup_dir` in this process (`{}` for one that did not end): a later
+    fit's backup holds them, for a rerun's earlier fits to return."""
+    return list((holdings.get("fits", backup_dir) or [])[: (number or 1) - 1])
+
+
+def record_history(backup_dir: str, number: int | None, history: dict) -> None:
+    """Notes fit() #`number`'s `History` state as it ends."""
+    fits = holdings.get("fits", backup_dir) or []
+    if number is not None and 0 < number <= len(fits):
+        fits[number - 1] = history
 
 
 def close_stale(stale: WorkerTrainingState | None) -> None:

@@ -19,7 +19,8 @@ from keras_ft import compat, events
 from keras_ft.backend import finiteness
 from keras_ft.epoch_end import Action, Decision, EpochEnd
 from keras_ft.errors import CheckpointWriteError, NonFiniteStateError
-from keras_ft.state import rng
+from keras_ft.fit_begin import histories_before, record_history
+from keras_ft.state import ResumePoint, rng
 from keras_ft.state.training_state import progress_text
 from keras_ft.training import batch_ends, callback_state, inputs, neighbours, policy
 from keras_ft.worker_training_state import WorkerTrainingState
@@ -227,6 +228,28 @@ class FitSaves:
             return f"{where} is not finite and was not backed up"
         return f"backed up {where}"  # On a worker: the chief commits.
 
+    def note_history(self, later_fit: ResumePoint | None) -> None:
+        """At train end: notes this fit()'s `History` for the script's later
+        fits' backups to hold; where `later_fit` (a later fit's backup, so
+        this one trained nothing) holds it, gives it back first, as the
+        uninterrupted run returned it."""
+        history = next(
+            (
+                c
+                for c in self._callbacks.others
+                if isinstance(c, keras.callbacks.History)
+            ),
+            None,
+        )
+        number = self.state.fit_number
+        if history is None or number is None:
+            return
+        saved = later_fit.extra.get("histories", []) if later_fit else []
+        if len(saved) >= number and saved[number - 1]:
+            callback_state.apply([history], {"History:0": saved[number - 1]})
+        state = callback_state.capture([history])["History:0"]
+        record_history(self.state.backup_dir, number, state)
+
     def end(self, delete: bool) -> None:
         """At train end: deletes the backup (`delete`), or waits for the
         saves in flight to commit and lets go of it."""
@@ -265,6 +288,9 @@ class FitSaves:
             # Which of the script's fit() calls sharing the backup this is.
             "fit": self.state.fit_number or 1,
         }
+        earlier = histories_before(self.state.backup_dir, self.state.fit_number)
+        if earlier:  # The History each returned, for a rerun's to return.
+            extra["histories"] = earlier
         if not self._told_unsaved:
             self._told_unsaved = True
             callback_state.warn_unsaved(others, extra["callbacks"])

@@ -16,8 +16,9 @@ holds between two fits:
   process dies, which is how a later process knows to remove the directory.
 - `"writer"`: the training writing a chief directory (its `SaveQueue`):
   the next training there first waits for that one's writes, then closes it.
-- `"fits"`: how many fit() calls opened a backup directory; a two-phase
-  script's fits are told apart by number.
+- `"fits"`: the fit() calls that opened a backup directory, each with its
+  `History` once it ended; a two-phase script's fits are told apart by
+  number, and a later fit's backup gives a rerun's earlier ones their History.
 - `"executions"`: the Keras Tuner executions begun for a trial's directory.
 - `"written"`: the big files this process wrote in a directory, which a
   later save there (the next fit() too) writes over instead of anew.

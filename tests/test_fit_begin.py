@@ -135,7 +135,7 @@ def test_a_later_fits_backup_ends_an_earlier_fit_but_not_in_a_notebook(
         model.fit(*data, epochs=3, verbose=0, callbacks=[backup, *callbacks])
         return model
 
-    fit()  # Fit #1 of this "process" ends; its backup is deleted.
+    first = fit().history  # Fit #1 of this "process" ends; its backup is deleted.
     with pytest.raises(RuntimeError, match="crash"):
         fit(Crash())  # Fit #2 leaves its backup of 2 epochs.
     keras_ft.wait_for_backups()
@@ -145,6 +145,8 @@ def test_a_later_fits_backup_ends_an_earlier_fit_but_not_in_a_notebook(
     if notebook:  # Resumed: the third epoch trained, the backup done with.
         assert iterations(model) == 3 * STEPS
         assert backup_deleted(backup_dir)
-    else:  # Left for fit #2, untouched.
+    else:  # Left for fit #2, untouched; it returns what it returned before.
         assert iterations(model) == 0
         assert checkpoint_entries(backup_dir)
+        assert model.history.epoch == first.epoch == [0, 1, 2]
+        assert model.history.history == first.history

@@ -23,6 +23,7 @@ def state() -> dict:
                   "rng": generators, "stream_made": True},  # fmt: skip
         "logs": {"loss": 0.25, "accuracy": 1, "val_loss": None},
         "fit": 2,
+        "histories": [{"epoch": [0], "history": {"loss": [0.5]}}],
         "epoch_batches": 12,
         "callbacks_pending": ["EarlyStopping:0"],
         "callbacks": {
@@ -72,6 +73,9 @@ def test_the_state_keras_ft_saves_passes():
          "history is not an object of lists of logged values"),
         (lambda s: s["callbacks"]["History:0"]["history"]["f1_score"].append(
             np.array(["x"])), "History:0.history is not"),
+        (lambda s: s.update(histories={"loss": [1.0]}), "histories are not a list"),
+        (lambda s: s.update(histories=[{"epoch": [0], "history": {"loss": [[1]]}}]),
+         "fit\\(\\) #1's History.history is not"),
         (lambda s: s["callbacks"]["CSVLogger:0"].update(rows=b"bytes"),
          "rows is not text"),
     ],

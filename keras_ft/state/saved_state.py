@@ -57,6 +57,11 @@ def check(state: dict) -> None:
         names = state.get(field, [])
         if not isinstance(names, list) or not all(isinstance(k, str) for k in names):
             raise ValueError(f"{field} is not a list of names")
+    histories = state.get("histories", [])
+    if not isinstance(histories, list):
+        raise ValueError("the earlier fits' histories are not a list")
+    for number, history in enumerate(histories, start=1):
+        check_callback("History", f"fit() #{number}'s History", history)
     callbacks = state.get("callbacks", {})
     if not isinstance(callbacks, dict):
         raise ValueError("the callbacks' state is not an object")
