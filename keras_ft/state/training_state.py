@@ -572,9 +572,12 @@ def _optimizer_positions(model: keras.Model) -> dict[str, list[int]]:
     model's trainable variables of those it steps (not their paths: a model
     made again in the same process has other layer names): what a restore
     builds it with before loading it."""
+    others = _other_optimizers(model)
+    if not others:  # Most models: no walk of the variables at each save.
+        return {}
     positions = {id(v): i for i, v in enumerate(model.trainable_variables)}
     found = {}
-    for name, optimizer in _other_optimizers(model).items():
+    for name, optimizer in others.items():
         stepped = compat.optimizer_var_list(optimizer) if optimizer.built else None
         if stepped is not None and all(id(v) in positions for v in stepped):
             found[name] = [positions[id(v)] for v in stepped]
