@@ -25,6 +25,7 @@ from keras_ft.compat.data import (
     start_data_at_epoch,
     stream_made,
     stream_position,
+    tf_dataset_reshuffles,
     tf_dataset_variables,
 )
 from keras_ft.compat.grain_input import GrainView
@@ -72,7 +73,6 @@ from keras_ft.compat.training import (
     swapped_in,
     tensorboard_batches,
     tensorboard_dirs,
-    tf_dataset_reshuffles,
     tf_op_determinism,
     write_restart,
 )

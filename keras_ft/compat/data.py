@@ -93,21 +93,65 @@ def tf_dataset_variables(dataset: Any) -> list:
     if dataset is None or not usable("tf_data_variables"):
         return []
     found: dict[int, Any] = {}
-    pending, seen = [dataset], set()
     try:
-        while pending:
-            dataset = pending.pop(0)
-            if id(dataset) in seen:
-                continue
-            seen.add(id(dataset))
-            for wrapper in dataset._functions():
+        for part in _pipeline(dataset):
+            for wrapper in part._functions():
                 for variable in wrapper.function.variables:
                     found.setdefault(id(variable), variable)
-            pending.extend(dataset._inputs())
     except Exception as e:
         fail("tf_data_variables", e)
         return []
     return list(found.values())
+
+
+@register(
+    "tf_data_reshuffle",
+    "no warning is given when a tf.data pipeline that reshuffles each epoch "
+    "is resumed mid-epoch (its batches then come in another order)",
+    # A tf.data pipeline has TensorFlow imported, whatever Keras' backend.
+    applies=lambda: "tensorflow" in sys.modules,
+)
+def _check_tf_data_reshuffle() -> bool:
+    import tensorflow as tf
+
+    shuffled = tf.data.Dataset.range(2).shuffle(2)
+    return getattr(shuffled, "_reshuffle_each_iteration", None) is True and bool(
+        list(shuffled._inputs())
+    )
+
+
+def tf_dataset_reshuffles(dataset: Any) -> bool:
+    """Whether a `tf.data.Dataset` (or a pipeline it reads) reshuffles.
+
+    `Dataset.shuffle()` draws a new order for every new iterator from a seed
+    generator inside the pipeline, which only the iterator's own saved state
+    carries; a restarted process that replays the epoch therefore sees the
+    order of the first epoch, not of the one it resumes. (Keras' own pipeline
+    for NumPy arrays shuffles differently.)
+    """
+    if dataset is None or not usable("tf_data_reshuffle"):
+        return False
+    try:
+        return any(
+            "Shuffle" in type(part).__name__
+            and getattr(part, "_reshuffle_each_iteration", False)
+            for part in _pipeline(dataset)
+        )
+    except Exception as e:
+        fail("tf_data_reshuffle", e)
+        return False
+
+
+def _pipeline(dataset: Any) -> Iterator[Any]:
+    """`dataset` and every dataset it reads (`_inputs()`), each once,
+    nearest first."""
+    pending, seen = [dataset], set()
+    while pending:
+        dataset = pending.pop(0)
+        if id(dataset) not in seen:
+            seen.add(id(dataset))
+            yield dataset
+            pending.extend(dataset._inputs())
 
 
 def py_dataset(epoch_iterator: Any) -> Any:

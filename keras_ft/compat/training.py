@@ -436,48 +436,6 @@ def step_after(
 
 
 @register(
-    "tf_data_reshuffle",
-    "no warning is given when a tf.data pipeline that reshuffles each epoch "
-    "is resumed mid-epoch (its batches then come in another order)",
-    # A tf.data pipeline has TensorFlow imported, whatever Keras' backend.
-    applies=lambda: "tensorflow" in sys.modules,
-)
-def _check_tf_data_reshuffle() -> bool:
-    import tensorflow as tf
-
-    shuffled = tf.data.Dataset.range(2).shuffle(2)
-    return hasattr(shuffled, "_reshuffle_each_iteration") and hasattr(
-        shuffled, "_input_dataset"
-    )
-
-
-def tf_dataset_reshuffles(dataset: Any) -> bool:
-    """Whether a `tf.data.Dataset` (or a pipeline it reads) reshuffles.
-
-    `Dataset.shuffle()` draws a new order for every new iterator from a seed
-    generator inside the pipeline, which only the iterator's own saved state
-    carries; a restarted process that replays the epoch therefore sees the
-    order of the first epoch, not of the one it resumes. (Keras' own pipeline
-    for NumPy arrays shuffles differently.)
-    """
-    if dataset is None or not usable("tf_data_reshuffle"):
-        return False
-    pending, seen = [dataset], set()
-    while pending:
-        dataset = pending.pop()
-        if dataset is None or id(dataset) in seen:
-            continue
-        seen.add(id(dataset))
-        if "Shuffle" in type(dataset).__name__ and getattr(
-            dataset, "_reshuffle_each_iteration", False
-        ):
-            return True
-        pending.append(getattr(dataset, "_input_dataset", None))
-        pending.extend(getattr(dataset, "_datasets", None) or ())
-    return False
-
-
-@register(
     "keras_global_rng",
     "Keras' global random generator (keras.random calls without a seed "
     "generator) does not continue its stream after a resume",
