@@ -398,6 +398,18 @@ def test_an_older_backup_of_tf_data_that_reshuffles_says_so(tmp_path, monkeypatc
         tf_data_fit(tmp_path, backup, reshuffle=True)
 
 
+def test_a_damaged_count_of_iterators_is_warned_of_not_made(tmp_path, monkeypatch):
+    """More iterators than two an epoch (TensorFlow's made ahead) is no
+    count a run writes: the resume replays as for an older backup, with
+    the warning, rather than spending its time making them."""
+    backup = tmp_path / "backup"
+    with monkeypatch.context() as patch:
+        patch.setattr(InputPosition, "iterators_made", lambda self, batch: 1000)
+        tf_data_fit(tmp_path, backup, crash=True, reshuffle=True)
+    with pytest.warns(UserWarning, match="reshuffles at every iteration"):
+        tf_data_fit(tmp_path, backup, reshuffle=True)
+
+
 def augmented_fit(backup_dir=None, crash=False, save_freq=SAVE_FREQ, layers=1):
     """A tf.data pipeline that reshuffles and augments in `map()` with a Keras
     random layer, as Keras' image examples do: the layer's seed generator, a
