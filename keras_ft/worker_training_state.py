@@ -292,7 +292,9 @@ class WorkerTrainingState:
                 `async_save`, the check runs in the background when the
                 last save's write is over: its error is then raised by a
                 later call (`back_up()`, `wait()`, `close()`), like a failed
-                write's, and says which save it was (`at`).
+                write's, and says which save it was (`at`). A save that
+                starts while the last one is still being written is checked
+                during its copy, and raises here.
             keras_ft.CheckpointWriteError: if this write, or with
                 `async_save` the previous one, failed.
         """

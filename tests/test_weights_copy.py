@@ -88,3 +88,31 @@ def test_non_finite_values_are_found_by_the_copy(dtype):
         values[997] = bad
         assert not weights_copy.all_finite(values)
     assert weights_copy.all_finite(np.arange(10, dtype="int64"))
+
+
+def test_a_copy_behind_the_last_write_checks_as_it_copies(data):
+    """Saves back to back: a copy that must wait for the last write from the
+    buffer checks each piece as it copies it (its verdict is known once it
+    is made); one that starts with the buffer free leaves the check to a
+    thread of its own."""
+    model = trained_model(data)
+    layout = weights_layout.WeightsLayout(model)
+    first = layout.capture(fill=False, check_later=True)
+    assert first.checked_later
+    first.fill()
+    kernel = model.trainable_variables[0]
+    value = np.array(kernel.numpy())
+    value.flat[0] = np.nan
+    kernel.assign(value)
+    second = layout.capture(fill=False, check_later=True)  # First unwritten.
+    assert not second.checked_later
+    first.release()  # Its write is over: the second copy may start.
+    second.fill()
+    assert second.non_finite  # Found by the copy itself.
+    second.release()
+    third = layout.capture(fill=False, check_later=True)
+    assert third.checked_later
+    third.fill()
+    third.filled.wait_for(third.filled.total)  # The check's thread is done.
+    assert third.non_finite
+    third.release()

@@ -126,7 +126,8 @@ class WeightsLayout:
             check_later: With `copy`, whether the NaN/infinity check runs
                 after the copy, in the background, rather than during it:
                 `filled` then waits for the check, and `non_finite` is known
-                once `filled` finishes. Defaults to `False`.
+                once `filled` finishes (not where the copy waits for the
+                last write: see `CopyBuffer.capture()`). Defaults to `False`.
             on_device: With `copy` and not `fill`, whether the values are
                 first copied on the device they live on (see
                 `backend.device_snapshot()`), and `fill()` then moves that
