@@ -14,6 +14,8 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
+import numpy as np
+
 from keras_ft.checkpoint.format import (
     signing_key,
     validate_backup_dir,
@@ -58,8 +60,9 @@ class BackupOptions:
         signing_key(self.manifest_key)
         set_("local_dir", validate_local_dir(self.local_dir, self.backup_dir))
         KeepLast(self.keep)
-        set_("async_save", bool(self.async_save))
+        set_("async_save", check_flag("async_save", self.async_save))
         validate_snapshot(self.snapshot)
+        set_("verbose", check_verbose(self.verbose))
 
 
 def validate_on_config_change(value: object) -> str:
@@ -121,7 +124,7 @@ class FitOptions:
                 f"file, or None. Received: goodput_file={self.goodput_file!r}"
             )
         for flag in ("double_checkpoint", "delete_checkpoint", "exit_on_preemption"):
-            set_(flag, bool(getattr(self, flag)))
+            set_(flag, check_flag(flag, getattr(self, flag)))
 
     def schedules(self) -> tuple[policy.AnyOf, policy.SaveSchedule]:
         """New schedules of the saves (`save_freq`, `save_every_seconds`) and
@@ -138,6 +141,28 @@ class FitOptions:
         """Whether an epoch another callback cuts short is backed up where it
         stopped: only if saves beyond the preemption ones were asked for."""
         return self.save_freq is not False or self.save_every_seconds is not None
+
+
+def check_flag(name: str, value: object) -> bool:
+    """`value` as a bool, where it is one (or 0 or 1): a string such as
+    "False" would otherwise count as true."""
+    if isinstance(value, (bool, np.bool_)) or (
+        isinstance(value, (int, np.integer)) and value in (0, 1)
+    ):
+        return bool(value)
+    raise ValueError(
+        f"Invalid value for argument `{name}`. Expected True or False. "
+        f"Received: {name}={value!r}"
+    )
+
+
+def check_verbose(value: object) -> int:
+    if isinstance(value, (bool, np.bool_, int, np.integer)) and value >= 0:
+        return int(value)
+    raise ValueError(
+        "Invalid value for argument `verbose`. Expected 0 (silent) or 1 (a line "
+        f"for each restore). Received: verbose={value!r}"
+    )
 
 
 def check_on_save_error(value: object) -> None:

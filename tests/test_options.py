@@ -25,6 +25,10 @@ ONCE = run_once_on("torch", "argument checks; the backend does not matter")
         ({"storage_options": "key=1"}, "storage_options='key=1'"),
         ({"local_dir": "/tmp/tier"}, "local_dir="),  # Only before a bucket.
         ({"manifest_key": 3}, "manifest_key"),
+        # A string is not a flag: "False" would count as true.
+        ({"async_save": "False"}, "async_save='False'"),
+        ({"verbose": "0"}, "verbose='0'"),
+        ({"verbose": -1}, "verbose=-1"),
     ],
 )
 def test_each_option_is_checked_when_made(tmp_path, arguments, named):
@@ -36,9 +40,11 @@ def test_each_option_is_checked_when_made(tmp_path, arguments, named):
 
 @ONCE
 def test_options_are_normalized_and_frozen(tmp_path):
-    options = keras_ft.BackupOptions(tmp_path / "backup", async_save=1)
+    options = keras_ft.BackupOptions(
+        tmp_path / "backup", async_save=1, verbose=np.bool_(True)
+    )
     assert options.backup_dir == str(tmp_path / "backup")
-    assert options.async_save is True
+    assert options.async_save is True and options.verbose == 1
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.keep = 5
 
@@ -116,6 +122,9 @@ def test_the_callback_checks_its_options_once_for_every_fit(
         ({"stall_timeout": -5}, "stall_timeout"),
         ({"first_batch_timeout": 0}, "first_batch_timeout"),
         ({"goodput_file": 7}, "goodput_file=7"),
+        ({"delete_checkpoint": "no"}, "delete_checkpoint='no'"),
+        ({"double_checkpoint": None}, "double_checkpoint=None"),
+        ({"exit_on_preemption": 2}, "exit_on_preemption=2"),
     ],
 )
 def test_each_fit_option_is_checked_when_made(arguments, named):
