@@ -84,7 +84,8 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+    # The public API only: not this module's own imports (`importlib`, `Any`).
+    return sorted({*__all__, "__version__"})
 
 
 if TYPE_CHECKING:

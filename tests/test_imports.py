@@ -210,6 +210,15 @@ def test_one_public_checkpoint_type():
 
 
 @ONCE
+def test_dir_lists_the_public_api_only():
+    """What `keras_ft.<tab>` offers: the API, not the module's own imports."""
+    import keras_ft
+
+    assert dir(keras_ft) == sorted([*keras_ft.__all__, "__version__"])
+    assert "importlib" not in dir(keras_ft) and "Any" not in dir(keras_ft)
+
+
+@ONCE
 def test_backend_branches_live_in_the_backend_package():
     """`if backend == ...` only where backend differences are the module's
     job: `backend/`, `compat/` (each framework's private names) and
