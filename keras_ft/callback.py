@@ -35,6 +35,7 @@ from keras_ft.training.preemption import (
     exit_after,
 )
 from keras_ft.training.services import BackupService
+from keras_ft.training.validation_input import ValidationStream
 from keras_ft.training.warm_start import WarmStart
 from keras_ft.worker_training_state import WorkerTrainingState
 
@@ -339,6 +340,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         # trains nothing and leaves it for that fit.
         self._later_fit = point if point and point.later_fit is not None else None
         self._epochs_completed = point.epoch if point and self._later_fit is None else 0
+        resumed = point is not None and self._later_fit is None
+        self._saves.validation = ValidationStream(
+            point.extra.get("validation_drawn", 0) if resumed else 0,
+            self._epochs_completed,
+        )
         self._nothing_to_train = services.finished(self._callbacks.others, point)
         if point is not None:
             self._resumption = resume_fit(
@@ -372,8 +378,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._resumption is not None:
             self._resumption.training_over()
         if self._batches is not None and self._saves is not None:
-            # fit()'s validation, before its data pipeline draws.
-            self._saves.validation_rng = rng.capture()
+            self._saves.validation_begins(self.model)
 
     def on_test_end(self, logs: dict | None = None) -> None:
         self._deadline.test_end()
@@ -385,7 +390,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._deadline.epoch_begin()
         compat.set_initial_epoch(self.model, None)
         self._batches.epoch_begin(epoch)
-        self._saves.validation_rng = None
+        self._saves.epoch_begins()
         self._inputs.begin_epoch()
         if self._resumption is not None:
             self._batches.skip_until = self._resumption.begin_epoch(

@@ -23,6 +23,7 @@ from keras_ft.fit_begin import histories_before, record_history
 from keras_ft.state import ResumePoint, rng
 from keras_ft.state.training_state import progress_text
 from keras_ft.training import batch_ends, callback_state, inputs, neighbours, policy
+from keras_ft.training.validation_input import ValidationStream
 from keras_ft.worker_training_state import WorkerTrainingState
 
 
@@ -99,6 +100,11 @@ class FitSaves:
         # the validation's own draws (PyTorch's DataLoader seeds itself from
         # the global generator) must not count twice.
         self.validation_rng: dict | None = None
+        # And the metrics as training left them (the validation resets
+        # them): the epoch's logs a resume gives that epoch's end.
+        self._validation_metrics: list | None = None
+        # Where a validation generator stands (set at train begin).
+        self.validation = ValidationStream()
         self._reported_interval: int | None = None
         self._told_unsaved = False  # Of callbacks whose state no save holds.
         # The batches an epoch of this fit() has (Keras' `params["steps"]`):
@@ -299,6 +305,10 @@ class FitSaves:
             extra["callbacks_pending"] = self._callbacks.keys(list(pending))
         if batch and self.validation_rng is not None:
             extra["rng"] = self.validation_rng
+            extra["metrics"] = self._validation_metrics
+        drawn = self.validation.drawn(bool(batch and self.validation_rng is not None))
+        if drawn is not None:
+            extra["validation_drawn"] = drawn
         if batch:  # Saved in the batch's end, before theirs.
             behind = self._callbacks.later_batch_counters()
             if behind:
@@ -322,6 +332,19 @@ class FitSaves:
         if stream is not None:
             extra.setdefault("input", {}).update(stream)
         return extra
+
+    def validation_begins(self, model: keras.Model) -> None:
+        """At a validation's begin in `fit()`, before its data pipeline draws
+        and before it resets the metrics."""
+        self.validation_rng = rng.capture()
+        self._validation_metrics = [
+            keras.ops.convert_to_numpy(v) for v in model.metrics_variables
+        ]
+        self.validation.test_begin(model)
+
+    def epoch_begins(self) -> None:
+        """At an epoch's begin: no validation of it has begun."""
+        self.validation_rng = self._validation_metrics = None
 
     def skip_non_finite(self, what: str) -> None:
         self.skipped_non_finite = what

@@ -7,10 +7,12 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import signal
 
 import keras
+import numpy as np
 import pytest
-from conftest import BATCH_SIZE, make_model
+from conftest import BATCH_SIZE, make_model, weights_of
 
 import keras_ft
 from keras_ft.errors import CheckpointWriteError
@@ -111,3 +113,48 @@ def test_a_failed_write_ends_the_fit_and_lets_go_of_the_backup(backup_dir):
         fit_with(backup_dir, act)
     # Keras calls no on_train_end then: the lock was released on the way out.
     assert before == [True] and not held(backup_dir)
+
+
+class SignalInValidation(keras.callbacks.Callback):
+    """SIGTERM to this process at the third epoch's second validation batch."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_test_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == (2, 1):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_backup_taken_in_a_validation_gives_its_epoch_the_training_logs(
+    tmp_path, data
+):
+    """A validation resets the metrics: a backup taken in one (a preemption)
+    holds them as training left them, so the rerun's History reports that
+    epoch's training loss as the uninterrupted run does (it reported the
+    validation's half-run mean)."""
+    x, y = data
+    rng = np.random.default_rng(1)
+    vx = rng.normal(size=(40, 4)).astype("float32")
+    vy = vx.sum(axis=1, keepdims=True)
+
+    def fit(backup_dir, *signal_at):
+        keras.utils.set_random_seed(3)
+        model = make_model()
+        backup = keras_ft.BackupAndRestore(
+            str(backup_dir), save_freq=2, verbose=0, exit_on_preemption=False
+        )
+        history = model.fit(
+            x, y, batch_size=BATCH_SIZE, epochs=4, verbose=0,
+            validation_data=(vx, vy), validation_batch_size=8,
+            callbacks=[backup, *signal_at],
+        ).history  # fmt: skip
+        return history, weights_of(model), backup
+
+    expected, weights, _ = fit(tmp_path / "reference")
+    _, _, preempted = fit(tmp_path / "resumed", SignalInValidation())
+    assert preempted.preempted_by == "SIGTERM"
+    history, resumed, _ = fit(tmp_path / "resumed")
+    assert history == expected
+    for found, want in zip(resumed, weights, strict=True):
+        np.testing.assert_array_equal(found, want)

@@ -741,3 +741,49 @@ def advance_stream(epoch_iterator: Any, count: int) -> bool:
         return False
     epoch_iterator._steps_seen = count
     return True
+
+
+@register(
+    "validation_generator",
+    "a Python generator as `validation_data` starts again at its first batch "
+    "after a resume: the resumed run validates on other batches",
+)
+def _check_validation_generator() -> bool:
+    from keras.src.trainers.data_adapters import generator_data_adapter
+
+    init = generator_data_adapter.GeneratorDataAdapter.__init__
+    return {"_first_batches", "generator"} <= code_names(init)
+
+
+def count_validation_draws(
+    model: Any, count: Callable[[], None]
+) -> tuple[Iterator, int | None] | None:
+    """`fit()`'s `validation_data` where it is a Python generator, once Keras
+    has made its adapter (at the first validation's begin), and its
+    `validation_steps`: from then on, `count()` is called for each batch
+    Keras draws from it after the first two (which Keras drew to learn their
+    shapes, and yields again at each validation's begin). `None` where the
+    validation data is another input."""
+    iterator = getattr(model, "_eval_epoch_iterator", None)
+    adapter = getattr(iterator, "data_adapter", None)
+    if type(adapter).__name__ != "GeneratorDataAdapter":
+        return None
+    if not usable("validation_generator"):
+        return None
+    try:
+        # `generator` makes `itertools.chain(first batches, the generator)`.
+        make = adapter.generator
+        cells = [cell.cell_contents for cell in make.__closure__ or ()]
+        first = adapter._first_batches
+        source = next(c for c in cells if c is not first and hasattr(c, "__next__"))
+    except (AttributeError, StopIteration, ValueError) as e:
+        fail("validation_generator", e)
+        return None
+
+    def counted() -> Iterator:
+        for batch in source:
+            count()
+            yield batch
+
+    adapter.generator = lambda: itertools.chain(first, counted())
+    return source, getattr(iterator, "steps_per_epoch", None)

@@ -326,6 +326,9 @@ def check_saved(extra: dict, callbacks: list) -> None:
     if isinstance(saved_input, dict):  # A stream's, PyTorch's included.
         rng.check(saved_input.get("stream_rng", {}))
     callback_state.check(callbacks, extra.get("callbacks", {}))
+    drawn = extra.get("validation_drawn", 0)
+    if type(drawn) is not int or drawn < 0:
+        raise ValueError(f"validation_drawn is not a count of batches: {drawn!r}")
 
 
 def position(point: ResumePoint, params: dict) -> str:
