@@ -340,11 +340,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         # trains nothing and leaves it for that fit.
         self._later_fit = point if point and point.later_fit is not None else None
         self._epochs_completed = point.epoch if point and self._later_fit is None else 0
-        resumed = point is not None and self._later_fit is None
-        self._saves.validation = ValidationStream(
-            point.extra.get("validation_drawn", 0) if resumed else 0,
-            self._epochs_completed,
-        )
+        self._saves.validation = ValidationStream.resuming(point)
         self._nothing_to_train = services.finished(self._callbacks.others, point)
         if point is not None:
             self._resumption = resume_fit(

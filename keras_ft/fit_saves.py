@@ -303,10 +303,11 @@ class FitSaves:
             self._inputs.warn_unsaved()
         if pending:
             extra["callbacks_pending"] = self._callbacks.keys(list(pending))
-        if batch and self.validation_rng is not None:
+        in_validation = bool(batch and self.validation_rng is not None)
+        if in_validation:
             extra["rng"] = self.validation_rng
             extra["metrics"] = self._validation_metrics
-        drawn = self.validation.drawn(bool(batch and self.validation_rng is not None))
+        drawn = self.validation.drawn(in_validation)
         if drawn is not None:
             extra["validation_drawn"] = drawn
         if batch:  # Saved in the batch's end, before theirs.

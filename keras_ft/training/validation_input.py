@@ -22,7 +22,7 @@ from typing import Any
 import keras
 
 from keras_ft import compat, events
-from keras_ft.state import rng
+from keras_ft.state import ResumePoint, rng
 
 
 class ValidationStream:
@@ -42,6 +42,14 @@ class ValidationStream:
         self._source: Any = None
         self._seen = False  # Whether a validation of this fit() began.
         self._at_begin = drawn_before  # As the last validation began.
+
+    @classmethod
+    def resuming(cls, point: ResumePoint | None) -> ValidationStream:
+        """The stream of a fit() that resumes `point` (`None`: starts anew;
+        a later fit()'s backup: nothing of it is this fit()'s)."""
+        if point is None or point.later_fit is not None:
+            return cls()
+        return cls(point.extra.get("validation_drawn", 0), point.epoch)
 
     def test_begin(self, model: keras.Model) -> None:
         """Call at each validation's begin (`on_test_begin`)."""
